@@ -1,0 +1,121 @@
+"""The gateway's exception hierarchy and its OpenAI error envelope.
+
+Every error a client can see is a :class:`PenstockError`; routers raise it, the handlers in
+:mod:`penstock.app.handlers` render it as ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PenstockError(Exception):
+    """Base of every client-visible error."""
+
+    status_code = 500
+    error_type = "internal_server_error"
+    default_code = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.default_code
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+    def envelope(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "message": self.message,
+            "type": self.error_type,
+            "param": self.param,
+            "code": self.code,
+        }
+        body.update(self.extra)
+        return {"error": body}
+
+
+class InvalidRequestError(PenstockError):
+    status_code = 400
+    error_type = "invalid_request_error"
+    default_code = "invalid_request"
+
+
+class AuthenticationError(PenstockError):
+    status_code = 401
+    error_type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDeniedError(PenstockError):
+    status_code = 403
+    error_type = "permission_error"
+    default_code = "permission_denied"
+
+
+class NotFoundError(PenstockError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class ModelNotFoundError(NotFoundError):
+    default_code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model}' does not exist", param="model")
+
+
+class ConflictError(PenstockError):
+    status_code = 409
+    error_type = "conflict_error"
+    default_code = "conflict"
+
+
+class PayloadTooLargeError(PenstockError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class UnsupportedMediaTypeError(PenstockError):
+    status_code = 415
+    error_type = "invalid_request_error"
+    default_code = "unsupported_media_type"
+
+
+class OverloadedError(PenstockError):
+    status_code = 529
+    error_type = "overloaded_error"
+    default_code = "overloaded"
+
+
+class ServiceUnavailableError(PenstockError):
+    status_code = 503
+    error_type = "service_unavailable"
+    default_code = "service_unavailable"
+
+
+class InternalServerError(PenstockError):
+    status_code = 500
+    error_type = "internal_server_error"
+    default_code = "internal_error"
+
+    def __init__(self, message: str = "Internal server error", **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+
+
+class EngineError(PenstockError):
+    """``generate`` raised or broke the contract; the message is safe to show."""
+
+    status_code = 500
+    error_type = "internal_server_error"
+    default_code = "engine_error"

@@ -1,0 +1,222 @@
+"""Per-request context handed to an engine: identity, cancellation, metadata and tracing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import threading
+import uuid
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_TRACEPARENT_VERSION = "00"
+_noop_span_warned = False
+_noop_span_warned_lock = threading.Lock()
+
+
+def tracing_enabled() -> bool:
+    return os.environ.get("OTEL_EXPORT_ENABLED", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+class SpanProxy:
+    """A span handle usable as a context manager.
+
+    Without an OpenTelemetry exporter configured (``OTEL_EXPORT_ENABLED``) every method is a
+    silent no-op; the first no-op span of the process logs one warning so operators learn
+    why no traces arrive.
+    """
+
+    def __init__(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
+        self.name = name
+        self.attributes: dict[str, Any] = dict(attributes or {})
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.status: tuple[str, str | None] | None = None
+        self.closed = False
+        global _noop_span_warned
+        if not tracing_enabled():
+            with _noop_span_warned_lock:
+                if not _noop_span_warned:
+                    _noop_span_warned = True
+                    logger.warning("tracing is off (OTEL_EXPORT_ENABLED unset): spans are no-ops")
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if tracing_enabled():
+            self.attributes[key] = value
+
+    def add_event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
+        if tracing_enabled():
+            self.events.append((name, dict(attributes or {})))
+
+    def set_status(self, status: str, description: str | None = None) -> None:
+        if status not in {"ok", "error"}:
+            raise ValueError("span status must be 'ok' or 'error'")
+        if tracing_enabled():
+            self.status = (status, description)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self) -> SpanProxy:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            self.set_status("error", str(exc))
+        self.close()
+
+
+def _parse_traceparent(value: str | None) -> tuple[str, str, str] | None:
+    if not value:
+        return None
+    parts = value.strip().split("-")
+    if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
+        return None
+    try:
+        int(parts[1], 16)
+        int(parts[2], 16)
+    except ValueError:
+        return None
+    return parts[1], parts[2], parts[3]
+
+
+class Context:
+    """Identity, cancellation and metadata of one in-flight request.
+
+    Stop is graceful (the engine should finish with ``finish_reason="cancelled"`` and the
+    gateway keeps draining what it yields); kill means the client is gone. Both are
+    observable from any thread through :meth:`is_stopped` / :meth:`is_killed`.
+    """
+
+    def __init__(
+        self,
+        id: str | None = None,  # noqa: A002 - the seed's parameter name
+        metadata: Mapping[str, str] | None = None,
+        *,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> None:
+        self._id = id or str(uuid.uuid4())
+        self._metadata: dict[str, str] = dict(metadata or {})
+        self._stopped = False
+        self._killed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+        self._first_token = False
+        self._tracestate = tracestate
+        parsed = _parse_traceparent(traceparent)
+        if parsed is not None:
+            self.trace_id: str | None = parsed[0]
+            self.parent_span_id: str | None = parsed[1]
+            self._trace_flags = parsed[2]
+            self.span_id: str | None = secrets.token_hex(8)
+        elif tracing_enabled():
+            self.trace_id = secrets.token_hex(16)
+            self.parent_span_id = None
+            self._trace_flags = "01"
+            self.span_id = secrets.token_hex(8)
+        else:
+            self.trace_id = None
+            self.parent_span_id = None
+            self._trace_flags = "00"
+            self.span_id = None
+        self._current_span: SpanProxy | None = None
+
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return self._metadata
+
+    @metadata.setter
+    def metadata(self, value: Mapping[str, str]) -> None:
+        self._metadata = dict(value)
+
+    def is_stopped(self) -> bool:
+        return self._stopped
+
+    def is_killed(self) -> bool:
+        return self._killed
+
+    def stop_generating(self) -> None:
+        """Ask the engine to finish gracefully; output already produced stays valid."""
+        self._stopped = True
+        self._wake()
+
+    def kill(self) -> None:
+        """Mark the request as abandoned (client gone); implies stopped."""
+        self._killed = True
+        self._stopped = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._event is None or self._loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._event.set()
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    async def async_killed_or_stopped(self) -> bool:
+        """Resolve (True) once the request is stopped or killed."""
+        if self._stopped:
+            return True
+        if self._event is None:
+            self._loop = asyncio.get_running_loop()
+            self._event = asyncio.Event()
+            if self._stopped:
+                self._event.set()
+        await self._event.wait()
+        return True
+
+    def detached(self, id: str | None = None) -> Context:  # noqa: A002
+        """A fresh context (own cancellation, new id) keeping trace parentage and metadata."""
+        child = Context(id, dict(self._metadata), tracestate=self._tracestate)
+        child.trace_id = self.trace_id
+        child.parent_span_id = self.span_id
+        child._trace_flags = self._trace_flags
+        child.span_id = secrets.token_hex(8) if self.trace_id else None
+        return child
+
+    def notify_first_token(self) -> None:
+        self._first_token = True
+
+    @property
+    def first_token_seen(self) -> bool:
+        return self._first_token
+
+    def trace_headers(self) -> dict[str, str] | None:
+        if self.trace_id is None or self.span_id is None:
+            return None
+        headers = {
+            "traceparent": f"{_TRACEPARENT_VERSION}-{self.trace_id}-{self.span_id}-{self._trace_flags}"
+        }
+        if self._tracestate:
+            headers["tracestate"] = self._tracestate
+        request_id = self._metadata.get("x-request-id")
+        if request_id:
+            headers["x-request-id"] = request_id
+            headers["request-id"] = request_id
+        return headers
+
+    def current_span(self) -> SpanProxy:
+        if self._current_span is None:
+            self._current_span = SpanProxy("engine.generate")
+        return self._current_span
+
+    def start_span(self, name: str, attrs: Mapping[str, Any] | None = None) -> SpanProxy:
+        return SpanProxy(name, attrs)

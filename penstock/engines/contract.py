@@ -1,0 +1,337 @@
+"""The engine contract: the types an engine implements and the guarantees the host gives.
+
+Lifecycle, driven by :class:`penstock.engines.host.EngineHost`:
+
+1. ``from_args(argv)`` parses the engine's own CLI and returns ``(engine, WorkerConfig)``;
+   the engine is not started.
+2. ``start(worker_id)`` loads the model and returns :class:`EngineConfig`. After it returns,
+   ``generate`` must accept concurrent calls. ``worker_id`` is opaque, unique per process
+   and stable for its lifetime.
+3. ``generate(request, context)`` runs once per request, concurrently.
+4. ``abort(context)`` runs at most once per request, only when the request was cancelled
+   or the client went away, never on natural completion.
+5. ``cleanup()`` runs once on shutdown after ``start`` (also after a failed ``start``, on
+   partial state), never if ``start`` was not called, never concurrently with ``start``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, TypedDict
+
+from penstock.engines.constants import DisaggregationMode, ModelInput
+from penstock.engines.context import Context
+from penstock.engines.health import parse_health_check_payload_cli
+
+
+class GenerateRequest(TypedDict, total=False):
+    """Inbound request of :meth:`LLMEngine.generate`.
+
+    ``token_ids`` is always set by the gateway's preprocessor; every other group is
+    optional and should be read defensively (``request.get("sampling_options", {})``).
+    """
+
+    token_ids: list[int]
+    model: str
+    sampling_options: dict[str, Any]
+    stop_conditions: dict[str, Any]
+    output_options: dict[str, Any]
+    require_reasoning: bool
+    prefill_result: dict[str, Any]
+    bootstrap_info: dict[str, Any]
+    multi_modal_data: dict[str, Any]
+    mm_processor_kwargs: dict[str, Any]
+    mm_routing_info: dict[str, Any]
+    encoder_result: dict[str, Any]
+    extra_args: dict[str, Any]
+    routing: dict[str, Any]
+
+
+class GenerateChunk(TypedDict, total=False):
+    """One item yielded by :meth:`LLMEngine.generate`.
+
+    Every chunk carries ``token_ids`` (possibly empty) and ``index`` (the choice, 0 for a
+    single choice). The last chunk of each choice carries ``finish_reason``; exactly one
+    terminal per choice and nothing after it.
+    """
+
+    token_ids: list[int]
+    index: int
+    finish_reason: str
+    completion_usage: dict[str, Any]
+    disaggregated_params: dict[str, Any]
+    encoder_result: dict[str, Any]
+    log_probs: list[float]
+    top_logprobs: list[list[dict[str, Any]]]
+    engine_data: dict[str, Any]
+
+
+RawRequest = dict[str, Any]
+RawResponseChunk = dict[str, Any]
+
+
+@dataclass
+class LlmRegistration:
+    """Token-pipeline metadata an LLM engine advertises; a None field is not advertised."""
+
+    context_length: int | None = None
+    kv_cache_block_size: int | None = None
+    total_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    data_parallel_size: int | None = None
+    data_parallel_start_rank: int | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    enable_eagle: bool = False
+    max_gpu_lora_count: int | None = None
+
+
+@dataclass
+class EngineConfig:
+    """Registration metadata returned by :meth:`BaseEngine.start`.
+
+    Served-name precedence: ``WorkerConfig.served_model_name`` >
+    ``EngineConfig.served_model_name`` > ``EngineConfig.model``.
+    """
+
+    model: str
+    served_model_name: str | None = None
+    runtime_data: dict[str, Any] | None = None
+    llm: LlmRegistration | None = None
+    model_aliases: list[str] = field(default_factory=list)
+
+
+def _coerce_disaggregation_mode(value: Any) -> DisaggregationMode:
+    if value is None:
+        return DisaggregationMode.AGGREGATED
+    if isinstance(value, DisaggregationMode):
+        return value
+    if isinstance(value, Enum):
+        try:
+            return DisaggregationMode[value.name]
+        except KeyError as exc:
+            raise TypeError(f"unknown disaggregation mode {value!r}") from exc
+    raise TypeError(f"disaggregation_mode must be a DisaggregationMode, got {type(value).__name__}")
+
+
+@dataclass
+class WorkerConfig:
+    """How the host serves an engine; what ``from_args`` returns next to the engine.
+
+    ``model_name`` is a local folder holding the tokenizer and chat template the gateway
+    uses for this engine; empty for raw engines and name-only engines (then the gateway
+    needs ``--tokenizer`` to accept text prompts).
+    """
+
+    namespace: str
+    component: str = "backend"
+    endpoint: str = "generate"
+    model_name: str = ""
+    served_model_name: str | None = None
+    model_input: ModelInput = ModelInput.Tokens
+    endpoint_types: str = "chat,completions"
+    discovery_backend: str = "etcd"
+    request_plane: str = "tcp"
+    event_plane: str | None = None
+    use_kv_events: bool = False
+    custom_jinja_template: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = True
+    enable_local_indexer: bool = True
+    enable_kv_routing: bool = True
+    metrics_labels: list[tuple[str, str]] = field(default_factory=list)
+    disaggregation_mode: DisaggregationMode = DisaggregationMode.AGGREGATED
+    health_check_payload: dict[str, Any] | None = None
+    structural_tag: str | None = None
+    route_to_encoder: bool = False
+    media_decoder: Any = None
+    media_fetcher: Any = None
+    kv_state_endpoint: str | None = None
+    default_thinking_mode: str | None = None
+    response_plane: str = "tcp"
+
+    def __post_init__(self) -> None:
+        self.disaggregation_mode = _coerce_disaggregation_mode(self.disaggregation_mode)
+
+    @classmethod
+    def from_runtime_config(
+        cls,
+        runtime_cfg: Any,
+        model_name: str,
+        served_model_name: str | None = None,
+        model_input: ModelInput | None = None,
+        **overrides: Any,
+    ) -> WorkerConfig:
+        """Build a config from any object carrying runtime settings as attributes."""
+
+        def attr(name: str, default: Any = None) -> Any:
+            return getattr(runtime_cfg, name, default)
+
+        values: dict[str, Any] = {
+            "namespace": attr("namespace", "penstock") or "penstock",
+            "component": attr("component") or "backend",
+            "endpoint": attr("endpoint") or "generate",
+            "model_name": model_name,
+            "served_model_name": served_model_name,
+            "model_input": model_input or ModelInput.Tokens,
+            "endpoint_types": attr("endpoint_types") or "chat,completions",
+            "discovery_backend": attr("discovery_backend") or "etcd",
+            "request_plane": attr("request_plane") or "tcp",
+            "response_plane": attr("response_plane") or "tcp",
+            "event_plane": attr("event_plane"),
+            "use_kv_events": bool(attr("use_kv_events", False)),
+            "custom_jinja_template": attr("custom_jinja_template"),
+            "tool_call_parser": attr("dyn_tool_call_parser"),
+            "reasoning_parser": attr("dyn_reasoning_parser"),
+            "default_thinking_mode": attr("dyn_default_thinking_mode"),
+            "exclude_tools_when_tool_choice_none": attr(
+                "exclude_tools_when_tool_choice_none", True
+            ),
+            "enable_local_indexer": attr("enable_local_indexer", True),
+            "enable_kv_routing": attr("enable_kv_routing", True),
+            "structural_tag": attr("structural_tag"),
+            "route_to_encoder": bool(attr("route_to_encoder", False)),
+            "kv_state_endpoint": attr("kv_state_endpoint"),
+        }
+        if "disaggregation_mode" not in overrides:
+            mode = attr("disaggregation_mode") or attr("serving_mode")
+            if mode is not None:
+                values["disaggregation_mode"] = mode
+        raw_payload = attr("health_check_payload")
+        if isinstance(raw_payload, str):
+            values["health_check_payload"] = parse_health_check_payload_cli(raw_payload)
+        elif isinstance(raw_payload, dict):
+            values["health_check_payload"] = raw_payload
+        values.update(overrides)
+        return cls(**values)
+
+    def endpoint_type_set(self) -> set[str]:
+        """The parsed ``endpoint_types`` (canonical plural names)."""
+        return parse_endpoint_types(self.endpoint_types)
+
+
+_ENDPOINT_TYPE_ALIASES = {
+    "chat": "chat",
+    "completions": "completions",
+    "embedding": "embeddings",
+    "embeddings": "embeddings",
+    "tensor": "tensor",
+    "image": "images",
+    "images": "images",
+    "video": "videos",
+    "videos": "videos",
+    "audio": "audios",
+    "audios": "audios",
+}
+
+
+def parse_endpoint_types(value: str) -> set[str]:
+    """Comma split, trim, lowercase, skip empties; unknown or empty -> ``ValueError``."""
+    result: set[str] = set()
+    for raw in value.split(","):
+        name = raw.strip().lower()
+        if not name:
+            continue
+        if name not in _ENDPOINT_TYPE_ALIASES:
+            raise ValueError(f"unknown endpoint type '{name}'")
+        result.add(_ENDPOINT_TYPE_ALIASES[name])
+    if not result:
+        raise ValueError("endpoint_types cannot be empty")
+    return result
+
+
+def _unsupported(kind: str, name: str) -> dict[str, Any]:
+    return {"status": "error", "message": f"unsupported engine {kind}: {name}"}
+
+
+class BaseEngine(abc.ABC):
+    """The modality-agnostic engine lifecycle (see the module docstring)."""
+
+    @classmethod
+    @abc.abstractmethod
+    async def from_args(cls, argv: list[str] | None = None) -> tuple[BaseEngine, WorkerConfig]:
+        """Parse CLI args (``None`` means ``sys.argv[1:]``) and build the engine, not started."""
+
+    @abc.abstractmethod
+    async def start(self, worker_id: int) -> EngineConfig:
+        """Start the engine; afterwards ``generate`` must accept calls."""
+
+    async def abort(self, context: Context) -> None:  # noqa: B027 - optional hook
+        """Release resources of a cancelled request. Default: nothing to release."""
+
+    async def is_quiescent(self) -> bool | None:
+        """Whether in-flight KV transfers are done; None means no introspection."""
+        return None
+
+    @abc.abstractmethod
+    async def cleanup(self) -> None:
+        """Release every resource; null-safe over partial state; a second call is a no-op."""
+
+    async def register_prometheus(self, metrics: Any) -> None:  # noqa: B027
+        """Bridge an engine-owned Prometheus registry into ``/metrics``. Default: none."""
+
+    def component_metrics_dp_ranks(self) -> list[int]:
+        """Data-parallel ranks this engine publishes snapshots for; empty opts out."""
+        return []
+
+    def attach_snapshot_publisher(self, publisher: Any) -> None:  # noqa: B027
+        """Receive the snapshot publisher once (only when ranks are non-empty)."""
+
+    async def health_check_payload(self) -> dict[str, Any] | None:
+        """Canary request sent through ``generate`` when idle; None disables probing."""
+        return None
+
+    def supported_controls(self) -> set[str]:
+        """Names of the serving-lifecycle controls this engine implements."""
+        return set()
+
+    async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+        return _unsupported("control", control)
+
+    def supported_updates(self) -> set[str]:
+        """Names of the asset-mutation updates this engine implements."""
+        return set()
+
+    async def engine_update(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
+        return _unsupported("update", update)
+
+    async def on_endpoint_ready(self, endpoint: Any) -> None:  # noqa: B027
+        """Called exactly once before serving begins; raising aborts startup."""
+
+
+class LLMEngine(BaseEngine):
+    """Token-in, token-out engines (chat and completions)."""
+
+    @abc.abstractmethod
+    def generate(
+        self, request: GenerateRequest, context: Context
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """Yield chunks for one request; called concurrently."""
+
+    async def kv_event_sources(self) -> list[Any]:
+        return []
+
+    async def logits_processor_spec(self) -> Any:
+        return None
+
+
+class RawEngine(BaseEngine):
+    """Engines for raw media generation: the JSON body in, response object(s) out.
+
+    Yield exactly one terminal object, or progress objects followed by a terminal one.
+    """
+
+    @abc.abstractmethod
+    def generate(
+        self, request: RawRequest, context: Context
+    ) -> AsyncGenerator[RawResponseChunk, None]:
+        """Yield response object(s) for one raw-media request."""
+
+
+class DiffusionEngine(RawEngine):
+    """A :class:`RawEngine` for diffusion-family image and video generation."""

@@ -1,0 +1,31 @@
+"""Which token overflows the gateway may reject before the engine sees a request."""
+
+from dataclasses import dataclass
+
+TOKEN_BUDGET_RUNTIME_KEY = "token_budget"
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """Advertise which token-overflow requests the frontend may reject early.
+
+    A false flag delegates that overflow dimension to the engine, which then owns any
+    clamping, truncation or rejection.
+    """
+
+    combined_limit: int
+    reject_prompt_overflow: bool
+    reject_total_overflow: bool
+
+    def __post_init__(self) -> None:
+        if isinstance(self.combined_limit, bool) or not isinstance(self.combined_limit, int):
+            raise ValueError("combined_limit must be an integer")
+        if self.combined_limit < 0:
+            raise ValueError("combined_limit must be >= 0")
+
+    def as_runtime_data(self) -> dict[str, int | bool]:
+        return {
+            "combined_limit": self.combined_limit,
+            "reject_prompt_overflow": self.reject_prompt_overflow,
+            "reject_total_overflow": self.reject_total_overflow,
+        }
