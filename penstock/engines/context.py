@@ -99,7 +99,7 @@ class Context:
 
     def __init__(
         self,
-        id: str | None = None,  # noqa: A002 - the seed's parameter name
+        id: str | None = None,
         metadata: Mapping[str, str] | None = None,
         *,
         traceparent: str | None = None,
@@ -183,7 +183,7 @@ class Context:
         await self._event.wait()
         return True
 
-    def detached(self, id: str | None = None) -> Context:  # noqa: A002
+    def detached(self, id: str | None = None) -> Context:
         """A fresh context (own cancellation, new id) keeping trace parentage and metadata."""
         child = Context(id, dict(self._metadata), tracestate=self._tracestate)
         child.trace_id = self.trace_id
@@ -202,9 +202,10 @@ class Context:
     def trace_headers(self) -> dict[str, str] | None:
         if self.trace_id is None or self.span_id is None:
             return None
-        headers = {
-            "traceparent": f"{_TRACEPARENT_VERSION}-{self.trace_id}-{self.span_id}-{self._trace_flags}"
-        }
+        traceparent = "-".join(
+            (_TRACEPARENT_VERSION, self.trace_id, self.span_id, self._trace_flags)
+        )
+        headers = {"traceparent": traceparent}
         if self._tracestate:
             headers["tracestate"] = self._tracestate
         request_id = self._metadata.get("x-request-id")
