@@ -1,0 +1,97 @@
+"""The served models of one gateway process and its readiness."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from penstock.app.errors import ModelNotFoundError
+from penstock.app.settings import Settings
+from penstock.engines.host import EngineHost
+
+if TYPE_CHECKING:
+    from penstock.preprocess import Preprocessor
+
+
+class AdminStateView(Protocol):
+    """What the gateway needs to know of the admin plane's state machine."""
+
+    @property
+    def name(self) -> str: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class ServedModel:
+    """One name clients can put in ``model``, and what serves it."""
+
+    name: str
+    host: EngineHost
+    preprocessor: Preprocessor | None
+    endpoint_types: set[str]
+    aliases: list[str] = field(default_factory=list)
+    created: int = field(default_factory=lambda: int(time.time()))
+    lora_adapter: str | None = None
+
+    @property
+    def context_length(self) -> int | None:
+        config = self.host.engine_config
+        if config is None or config.llm is None:
+            return None
+        return config.llm.context_length
+
+
+@dataclass
+class Readiness:
+    ready: bool
+    status: str
+    reason: str | None = None
+
+
+class Gateway:
+    """Holds the engine host, the served models and process-wide serving state."""
+
+    def __init__(self, settings: Settings, host: EngineHost) -> None:
+        self.settings = settings
+        self.host = host
+        self.models: dict[str, ServedModel] = {}
+        self.draining = False
+        self.http_inflight = 0
+        self.admin: AdminStateView | None = None
+        self.weight_version: str | None = None
+        self.extensions: dict[str, Any] = {}
+
+    def add_model(self, model: ServedModel) -> None:
+        for name in (model.name, *model.aliases):
+            self.models[name] = model
+
+    def remove_model(self, name: str) -> None:
+        model = self.models.get(name)
+        if model is None:
+            return
+        for key in (model.name, *model.aliases):
+            self.models.pop(key, None)
+
+    def resolve(self, name: Any) -> ServedModel:
+        model = self.models.get(name) if isinstance(name, str) else None
+        if model is None:
+            raise ModelNotFoundError(str(name))
+        return model
+
+    def listed_models(self) -> list[ServedModel]:
+        """Each served model once, in registration order."""
+        seen: dict[int, ServedModel] = {}
+        for model in self.models.values():
+            seen.setdefault(id(model), model)
+        return list(seen.values())
+
+    def readiness(self) -> Readiness:
+        if self.draining:
+            return Readiness(False, "draining", "the server is shutting down")
+        if self.admin is not None and self.admin.name != "serving":
+            return Readiness(False, self.admin.name, f"engine is {self.admin.name}")
+        if not self.host.health.healthy:
+            return Readiness(False, "unhealthy", self.host.health.reason)
+        return Readiness(True, "healthy")

@@ -1,0 +1,112 @@
+"""Exception handlers: every error leaves as the OpenAI envelope with the right status."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from penstock.app.errors import (
+    InternalServerError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
+    PenstockError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(error: PenstockError) -> Response:
+    return Response(
+        orjson.dumps(error.envelope()),
+        status_code=error.status_code,
+        media_type="application/json",
+        headers=error.headers or None,
+    )
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    path = ""
+    for part in parts:
+        if part.isdigit():
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else part
+    return path
+
+
+def validation_error_from(exc: RequestValidationError) -> InvalidRequestError:
+    """Turn FastAPI's 422 into a 400 naming the first offending field and the reason."""
+    errors = exc.errors()
+    if not errors:
+        return InvalidRequestError("Invalid request body")
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    field = _field_path(loc)
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return InvalidRequestError(
+            f"Invalid JSON body: {first.get('msg', '')}", code="invalid_json"
+        )
+    if kind == "extra_forbidden":
+        unknown = sorted(
+            _field_path(tuple(e.get("loc", ()))) for e in errors if e.get("type") == kind
+        )
+        return InvalidRequestError(
+            f"Unknown field(s): {', '.join(unknown)}", param=unknown[0], code="unknown_field"
+        )
+    message = first.get("msg", "invalid value")
+    if kind == "missing":
+        message = "Field required"
+    return InvalidRequestError(
+        f"{field}: {message}" if field else message, param=field or None, code="invalid_value"
+    )
+
+
+async def _penstock_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, PenstockError)
+    if exc.status_code >= 500:
+        logger.error("request failed: %s", exc.message)
+    return error_response(exc)
+
+
+async def _validation_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(validation_error_from(exc))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        error: PenstockError = NotFoundError(str(exc.detail) or "Not found")
+    elif exc.status_code == 413:
+        limit_mb = request.app.state.gateway.settings.max_body_mb
+        error = PayloadTooLargeError(f"Request body exceeds the {limit_mb:g} MB limit")
+    elif exc.status_code == 405:
+        error = InvalidRequestError(str(exc.detail), code="method_not_allowed")
+        error.status_code = 405
+    elif exc.status_code < 500:
+        error = InvalidRequestError(str(exc.detail))
+        error.status_code = exc.status_code
+    else:
+        error = InternalServerError()
+    return error_response(error)
+
+
+async def _unhandled(_: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error", exc_info=exc)
+    return error_response(InternalServerError())
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(PenstockError, _penstock_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unhandled)

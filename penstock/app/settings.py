@@ -1,0 +1,70 @@
+"""Gateway settings: CLI flags override ``PENSTOCK_*`` environment variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import json
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "penstock"
+
+
+def _split_csv(value: object) -> object:
+    """Accept ``a,b`` or a JSON list for list settings given as one string (env vars)."""
+    if isinstance(value, str):
+        stripped = value.strip()
+        if stripped.startswith("["):
+            return json.loads(stripped)
+        return [part.strip() for part in stripped.split(",") if part.strip()]
+    return value
+
+
+CsvList = Annotated[list[str], NoDecode, BeforeValidator(_split_csv)]
+
+
+class Settings(BaseSettings):
+    """Everything the gateway process is configured with."""
+
+    model_config = SettingsConfigDict(env_prefix="PENSTOCK_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: str = "transformers"
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    engine_args: list[str] = Field(default_factory=list)
+    log_level: str = "info"
+
+    api_keys: CsvList = Field(default_factory=list)
+    admin_api_keys: CsvList = Field(default_factory=list)
+    # Paths reachable without an inference key. Listed here, not implied by a prefix.
+    auth_exempt_paths: CsvList = Field(
+        default_factory=lambda: ["/health", "/live", "/metrics", "/version"]
+    )
+
+    max_body_mb: float = 45.0
+    max_concurrency: int = 512
+    max_queue: int = 1024
+    overload_status: int = 529
+    sse_keepalive_s: float = 15.0
+    graceful_shutdown_s: float = 30.0
+    health_check_payload: str | None = None
+
+    allow_unknown_fields: bool = False
+    max_n: int = 16
+    max_stop_sequences: int = 16
+
+    cache_dir: Path = DEFAULT_CACHE_DIR
+    media_store: str | None = None
+    media_workers: int = 1
+    media_max_width: int = 1920
+    media_max_height: int = 1920
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)

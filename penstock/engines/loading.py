@@ -1,0 +1,48 @@
+"""Find an engine class by built-in name or ``package.module:Class``."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+BUILTIN_ENGINES: dict[str, str] = {
+    "transformers": "penstock.engines.transformers:TransformersEngine",
+    "sample": "penstock.engines.sample:SampleLLMEngine",
+    "sample-diffusion": "penstock.engines.sample_diffusion:SampleDiffusionEngine",
+    "diffusion": "penstock.engines.diffusion:DiffusersEngine",
+}
+
+_CONTRACT_METHODS = ("from_args", "start", "generate", "cleanup")
+
+
+class EngineLoadError(Exception):
+    """The engine named on the command line can't be used; the message says why."""
+
+
+def load_engine_class(spec: str) -> type[Any]:
+    """Resolve ``spec`` to a class implementing the engine contract (by duck typing)."""
+    target = BUILTIN_ENGINES.get(spec)
+    if target is None:
+        if ":" not in spec:
+            names = ", ".join(sorted(BUILTIN_ENGINES))
+            raise EngineLoadError(
+                f"unknown engine '{spec}'. Built-in engines: {names}; "
+                "or give a class as package.module:Class"
+            )
+        target = spec
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise EngineLoadError(f"cannot import engine module '{module_name}': {exc}") from exc
+    try:
+        cls = getattr(module, class_name)
+    except AttributeError as exc:
+        raise EngineLoadError(f"module '{module_name}' has no attribute '{class_name}'") from exc
+    missing = [name for name in _CONTRACT_METHODS if not callable(getattr(cls, name, None))]
+    if not isinstance(cls, type) or missing:
+        raise EngineLoadError(
+            f"'{target}' is not an engine: missing {', '.join(missing) or 'a class'} "
+            "(expected from_args, start, generate, cleanup)"
+        )
+    return cls

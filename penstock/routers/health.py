@@ -1,0 +1,40 @@
+"""Liveness and readiness."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+router = APIRouter(tags=["health"])
+
+_STARTED = time.time()
+
+
+@router.get("/live")
+async def live() -> dict[str, object]:
+    """200 while the process runs, whatever the engine is doing."""
+    return {"status": "live", "message": "Service is live", "uptime": time.time() - _STARTED}
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 only when new requests would be served now; else 503 with the state and reason."""
+    gateway = request.app.state.gateway
+    readiness = gateway.readiness()
+    body: dict[str, object] = {
+        "status": readiness.status,
+        "uptime": time.time() - _STARTED,
+        "models": sorted(m.name for m in gateway.listed_models()),
+        "engine": {
+            "state": gateway.host.state.value,
+            "healthy": gateway.host.health.healthy,
+            "last_check": gateway.host.health.checked_at,
+        },
+    }
+    if readiness.reason:
+        body["reason"] = readiness.reason
+    if gateway.admin is not None:
+        body["admin"] = gateway.admin.describe()
+    return JSONResponse(body, status_code=200 if readiness.ready else 503)

@@ -1,0 +1,54 @@
+"""Tiny real artifacts built offline for tests: a BPE tokenizer with a chat template."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def stdlib_corpus(limit: int = 60) -> list[str]:
+    """Source files that ship with every Python: a corpus that needs no download."""
+    return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:limit]
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 2000) -> Path:
+    """Train a byte-level BPE tokenizer and save it Hugging Face style into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train(stdlib_corpus(), trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<pad>",
+        "unk_token": None,
+        "model_max_length": 2048,
+        "chat_template": CHATML_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<pad>"}, indent=2)
+    )
+    return folder
