@@ -6,7 +6,7 @@ import hmac
 
 from fastapi import Request
 
-from penstock.app.errors import AuthenticationError
+from penstock.app.errors import AuthenticationError, PermissionDeniedError
 
 ADMIN_TAG = "admin"
 
@@ -52,3 +52,32 @@ async def require_inference_key(request: Request) -> None:
         )
     if not key_matches(token, settings.api_keys):
         raise AuthenticationError("Invalid API key", headers={"WWW-Authenticate": "Bearer"})
+
+
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+async def require_admin_key(request: Request) -> None:
+    """Dependency for admin routes (tag them ``admin`` too).
+
+    With admin keys configured, the Bearer token must be one of them: none -> 401, any
+    other token (an inference key included) -> 403. With no admin key configured, admin
+    routes answer only clients on the loopback interface.
+    """
+    settings = request.app.state.gateway.settings
+    if not settings.admin_api_keys:
+        client = request.client.host if request.client else None
+        if client not in _LOOPBACK_HOSTS:
+            raise PermissionDeniedError(
+                "Admin routes are loopback-only when no admin key is configured "
+                "(set --admin-api-key / PENSTOCK_ADMIN_API_KEYS)"
+            )
+        return
+    token = bearer_token(request)
+    if token is None:
+        raise AuthenticationError(
+            "Missing admin key: send 'Authorization: Bearer <admin key>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    if not key_matches(token, settings.admin_api_keys):
+        raise PermissionDeniedError("This key may not use admin routes")
