@@ -31,8 +31,21 @@ def error_response(error: PenstockError) -> Response:
     )
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_type_tag(part: str) -> bool:
+    """Pydantic adds union-member tags to error locations; they aren't field names."""
+    return "[" in part or part in _TYPE_TAGS or part[:1].isupper()
+
+
 def _field_path(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    parts = [
+        str(p)
+        for p in loc
+        if p not in ("body", "query", "path") and not (isinstance(p, str) and _is_type_tag(p))
+    ]
+    parts = [p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1]]
     path = ""
     for part in parts:
         if part.isdigit():

@@ -1,0 +1,174 @@
+"""Start an engine, serve it over HTTP, drain and clean up on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from penstock.app.factory import create_app
+from penstock.app.gateway import Gateway, ServedModel
+from penstock.app.settings import Settings
+from penstock.engines.contract import parse_endpoint_types
+from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
+from penstock.engines.host import EngineHost
+from penstock.engines.loading import load_engine_class
+
+logger = logging.getLogger(__name__)
+
+_DRAIN_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What ``on_endpoint_ready`` receives: where the engine is being served."""
+
+    namespace: str
+    component: str
+    name: str
+    url: str
+
+
+def engine_argv(settings: Settings) -> list[str]:
+    """The engine's own arguments: ``--model`` is forwarded, then everything after ``--``."""
+    argv = list(settings.engine_args)
+    if settings.model:
+        argv = ["--model", settings.model, *argv]
+    return argv
+
+
+def _tokenizer_folder(settings: Settings, worker_config: Any) -> Path | None:
+    if settings.tokenizer:
+        return Path(settings.tokenizer)
+    model_name = getattr(worker_config, "model_name", "") or ""
+    if model_name and Path(model_name).is_dir():
+        return Path(model_name)
+    return None
+
+
+async def build_gateway(
+    settings: Settings, *, engine: Any = None, worker_config: Any = None
+) -> Gateway:
+    """Construct (unless given) and start the engine, and register what it serves.
+
+    Raises on any failure, after the engine's partial state has been cleaned up.
+    """
+    if engine is None:
+        engine_cls = load_engine_class(settings.engine)
+        engine, worker_config = await engine_cls.from_args(engine_argv(settings))
+    override = (
+        parse_health_check_payload_cli(settings.health_check_payload)
+        if settings.health_check_payload
+        else load_health_check_from_env()
+    )
+    host = EngineHost(engine, worker_config, health_check_override=override)
+    started = time.monotonic()
+    await host.start()
+    try:
+        gateway = Gateway(settings, host)
+        endpoint_types = parse_endpoint_types(
+            getattr(worker_config, "endpoint_types", None) or "chat,completions"
+        )
+        preprocessor = None
+        folder = _tokenizer_folder(settings, worker_config)
+        if folder is not None and not host.is_raw:
+            from penstock.preprocess import Preprocessor
+
+            preprocessor = Preprocessor.from_folder(folder)
+        config = host.engine_config
+        assert config is not None
+        name = settings.served_model_name or host.served_model_name
+        aliases = [a for a in [config.model, *config.model_aliases] if a and a != name]
+        gateway.add_model(
+            ServedModel(
+                name=name,
+                host=host,
+                preprocessor=preprocessor,
+                endpoint_types=endpoint_types,
+                aliases=list(dict.fromkeys(aliases)),
+            )
+        )
+        await engine.on_endpoint_ready(
+            Endpoint(
+                namespace=getattr(worker_config, "namespace", "penstock"),
+                component=getattr(worker_config, "component", "backend"),
+                name=getattr(worker_config, "endpoint", "generate"),
+                url=f"http://{settings.host}:{settings.port}",
+            )
+        )
+    except BaseException:
+        await host.cleanup()
+        raise
+    logger.info("engine ready in %.1fs: serving %s", time.monotonic() - started, name)
+    return gateway
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn with Penstock's shutdown: the first signal drains, a second exits at once.
+
+    Draining answers new requests with 503 while in-flight ones finish, for at most the
+    grace period; then uvicorn stops and the engine is cleaned up.
+    """
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.gateway.draining:
+            logger.warning("second signal: exiting now")
+            os._exit(128 + sig)
+        self.gateway.draining = True
+        logger.info(
+            "signal %s: draining (grace %.0fs)",
+            signal.Signals(sig).name,
+            self.gateway.settings.graceful_shutdown_s,
+        )
+        if self._loop is None:
+            self.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.gateway.settings.graceful_shutdown_s
+        # The count lives in the middleware; polling it is simpler than signalling.
+        while self.gateway.http_inflight > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(_DRAIN_POLL_S)
+        if self.gateway.http_inflight > 0:
+            logger.warning("grace period over with %d requests open", self.gateway.http_inflight)
+        self.should_exit = True
+
+
+async def serve(settings: Settings) -> None:
+    """Run the gateway until a shutdown signal; the engine is always cleaned up."""
+    gateway = await build_gateway(settings)
+    try:
+        config = uvicorn.Config(
+            create_app(gateway),
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=1,
+            access_log=False,
+        )
+        await _DrainingServer(config, gateway).serve()
+    finally:
+        await gateway.host.cleanup()
+        logger.info("engine cleaned up; bye")

@@ -1,0 +1,223 @@
+"""Request models of the OpenAI chat and completions APIs, validated at the edge.
+
+Unknown top-level fields are kept (``extra="allow"``) so the router can reject them by
+name, or ignore them when the operator allows it. Responses are plain dicts built on the
+hot path, not models.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _role_rules(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs 'tool_call_id'")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a message with role '{self.role}' needs 'content'")
+        if isinstance(self.content, list) and self.role != "user":
+            if any(part.type != "text" for part in self.content):
+                raise ValueError(f"role '{self.role}' accepts only text content parts")
+        return self
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class JSONSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs 'json_schema'")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by chat and completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    n: PositiveInt = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegativeInt = 0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    logit_bias: dict[str, float] | None = None
+    nvext: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        items = [value] if isinstance(value, str) else (value or [])
+        if any(not item for item in items):
+            raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any
+    max_tokens: PositiveInt | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    best_of: PositiveInt | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> PromptInput:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids or a list of lists "
+                "of token ids, and not empty"
+            )
+        if all(isinstance(item, str) for item in value):
+            return value
+        if _is_token_ids(value):
+            return value
+        if all(_is_token_ids(item) for item in value):
+            return value
+        raise ValueError(
+            "must be a string, a list of strings, a list of non-negative token ids or a list "
+            "of non-empty lists of non-negative token ids"
+        )
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompt as a batch: strings or token-id lists."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return self.prompt
