@@ -1,0 +1,56 @@
+"""The context-length check every prompt passes before it reaches an engine."""
+
+from __future__ import annotations
+
+from penstock.app.errors import InvalidRequestError
+
+_WHAT_THE_PROMPT_IS = {"messages": "the messages", "prompt": "the prompt"}
+
+
+def check_token_budget(
+    prompt_tokens: int,
+    max_tokens: int | None,
+    context_length: int | None,
+    *,
+    prompt_param: str = "messages",
+) -> int | None:
+    """The effective ``max_tokens``: the request's own, else whatever room the context leaves.
+
+    Raises :class:`InvalidRequestError` when the prompt fills the context by itself
+    (``param`` is ``prompt_param``) or prompt plus completion overflow it (``param`` is
+    ``max_tokens``). With no known context length the request's ``max_tokens`` stands,
+    None included: the engine then decides when to stop.
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidRequestError(
+            f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens"
+        )
+    if context_length is None:
+        return max_tokens
+    prompt_name = _WHAT_THE_PROMPT_IS.get(prompt_param, f"the {prompt_param}")
+    if prompt_tokens >= context_length:
+        if max_tokens is None:
+            requested = (
+                f"{prompt_tokens} tokens in {prompt_name}, which leaves no room for the completion"
+            )
+        else:
+            requested = (
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in {prompt_name}, "
+                f"{max_tokens} in the completion)"
+            )
+        raise InvalidRequestError(
+            f"This model's maximum context length is {context_length} tokens. However, "
+            f"you requested {requested}. Please reduce the length of {prompt_name}.",
+            param=prompt_param,
+        )
+    if max_tokens is None:
+        return context_length - prompt_tokens
+    if prompt_tokens + max_tokens > context_length:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {context_length} tokens. However, "
+            f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in "
+            f"{prompt_name}, {max_tokens} in the completion). Please reduce the length of "
+            f"{prompt_name} or completion.",
+            param="max_tokens",
+        )
+    return max_tokens

@@ -1,0 +1,90 @@
+"""Streaming token ids to text without splitting a UTF-8 character."""
+
+from __future__ import annotations
+
+import logging
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+logger = logging.getLogger(__name__)
+
+# DecodeStream raises this when a decoder is not prefix-stable (the text of the tokens seen
+# so far changes once more arrive); starting a fresh stream recovers.
+_INVALID_PREFIX_MESSAGE = "Invalid prefix encountered"
+
+# How much of the prompt primes the stream: enough context for decoders that treat the
+# first token specially (a SentencePiece leading space), small enough to stay cheap.
+_PRIMING_TOKENS = 8
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text without ever emitting a broken UTF-8 character.
+
+    ``DecodeStream`` holds back a token while the text ends in an incomplete character, so
+    each :meth:`step` returns only whole characters ("" while one is incomplete).
+    :meth:`flush` returns whatever is still held back once the stream ends.
+    """
+
+    __slots__ = ("_pending_ids", "_skip_special_tokens", "_stream", "_tokenizer")
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int] | None = None,
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(
+            _priming_ids(tokenizer, prompt_token_ids), skip_special_tokens=skip_special_tokens
+        )
+        self._pending_ids: list[int] = []
+
+    def step(self, token_id: int) -> str:
+        try:
+            text = self._stream.step(self._tokenizer, token_id)
+        except OverflowError:
+            # A negative or > u32 id has no text.
+            return ""
+        except Exception as exc:
+            if not str(exc).startswith(_INVALID_PREFIX_MESSAGE):
+                raise
+            logger.debug("detokenizer prefix became invalid; restarting the decode stream")
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            text = self._stream.step(self._tokenizer, [*self._pending_ids, token_id])
+        if text is None:
+            self._pending_ids.append(token_id)
+            return ""
+        if self._pending_ids:
+            self._pending_ids.clear()
+        return text
+
+    def flush(self) -> str:
+        """Text of tokens still held back at the end of the stream (with U+FFFD for bytes
+        that never formed a character)."""
+        if not self._pending_ids:
+            return ""
+        text = self._tokenizer.decode(
+            self._pending_ids, skip_special_tokens=self._skip_special_tokens
+        )
+        self._pending_ids.clear()
+        return text
+
+
+def _priming_ids(tokenizer: Tokenizer, prompt_token_ids: list[int] | None) -> list[int] | None:
+    """The shortest prompt tail (at least ``_PRIMING_TOKENS``) that decodes to whole characters.
+
+    A tail starting inside a multi-byte character would decode to U+FFFD, which the stream
+    would then see as an incomplete character.
+    """
+    if not prompt_token_ids:
+        return None
+    for length in range(_PRIMING_TOKENS, min(len(prompt_token_ids), 4 * _PRIMING_TOKENS) + 1):
+        tail = prompt_token_ids[-length:]
+        if "\ufffd" not in tokenizer.decode(tail, skip_special_tokens=False):
+            return tail
+    if len(prompt_token_ids) <= _PRIMING_TOKENS:
+        return list(prompt_token_ids)
+    return None

@@ -1,0 +1,153 @@
+"""One model's tokenizer and chat template, the text side of the token pipeline."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from penstock.app.errors import InvalidRequestError
+from penstock.preprocess.chat_template import (
+    compile_template,
+    render_template,
+    select_template_name,
+)
+from penstock.preprocess.detokenizer import IncrementalDetokenizer
+from penstock.preprocess.token_bytes import token_bytes_reader
+from penstock.preprocess.tokenizer_files import (
+    PreprocessorLoadError,
+    TokenizerFiles,
+    read_tokenizer_folder,
+)
+
+
+class Preprocessor:
+    """Tokenizer + chat template of one model, loaded from a local folder."""
+
+    def __init__(self, files: TokenizerFiles) -> None:
+        self.folder: Path = files.folder
+        self._tokenizer = files.tokenizer
+        self._special_tokens = files.special_tokens
+        self._templates = _compile_templates(files)
+        self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.model_max_length: int | None = files.model_max_length
+        self.bos_token_id: int | None = self._special_token_id("bos_token")
+        self.eos_token_ids: list[int] = _unique(
+            [
+                *([eos] if (eos := self._special_token_id("eos_token")) is not None else []),
+                *files.generation_eos_token_ids,
+            ]
+        )
+        self._added_tokens = {
+            token_id: added.content
+            for token_id, added in self._tokenizer.get_added_tokens_decoder().items()
+        }
+        self._read_token_bytes = token_bytes_reader(self._tokenizer)
+        self._token_texts: dict[int, str] = {}
+
+    @classmethod
+    def from_folder(cls, path: str | os.PathLike[str]) -> Preprocessor:
+        return cls(read_tokenizer_folder(path))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._templates)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text are parsed as special,
+        none are added."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        name = select_template_name(self._templates, tools)
+        if name is None:
+            raise InvalidRequestError(
+                "This model has no chat template, so it cannot serve chat requests; "
+                "send the prompt text to /v1/completions instead.",
+                param="messages",
+            )
+        return render_template(
+            self._templates[name],
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            special_tokens=self._special_tokens,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    def tokenize_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        return self.encode(
+            self.render_chat(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+        )
+
+    def new_detokenizer(
+        self, prompt_token_ids: list[int] | None = None, *, skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self._tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
+        )
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token as logprobs show it ("" for an id outside the vocabulary)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            if not 0 <= token_id < self.vocab_size:
+                return ""
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """UTF-8 bytes of one token; part of a multi-byte character gives just its part."""
+        added = self._added_tokens.get(token_id)
+        if added is not None:
+            return list(added.encode("utf-8"))
+        piece = self._tokenizer.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
+        if piece is None:
+            return []
+        return list(self._read_token_bytes(piece))
+
+    def _special_token_id(self, key: str) -> int | None:
+        token = self._special_tokens.get(key)
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+
+def _compile_templates(files: TokenizerFiles) -> dict[str, jinja2.Template]:
+    compiled: dict[str, jinja2.Template] = {}
+    for name, source in files.chat_templates.items():
+        try:
+            compiled[name] = compile_template(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise PreprocessorLoadError(
+                f"The chat template {name!r} in {files.folder} does not compile: "
+                f"{exc.message} (line {exc.lineno})"
+            ) from exc
+    return compiled
+
+
+def _unique(values: list[int]) -> list[int]:
+    return list(dict.fromkeys(values))
