@@ -1,0 +1,234 @@
+"""``POST /v1/completions``: string, strings, token ids or lists of token ids.
+
+A batch of prompts runs as one engine request per prompt, concurrently; choice ``index``
+is ``prompt_index * n + choice``. Response extensions as for chat (see
+:mod:`penstock.routers.chat`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import ORJSONResponse, Response
+
+from penstock.app.errors import InvalidRequestError
+from penstock.app.gateway import ServedModel
+from penstock.app.sse import DONE_FRAME, EventStreamResponse
+from penstock.engines.context import Context
+from penstock.routers.openai_output import Generation, LogprobEntry, merge
+from penstock.routers.openai_requests import (
+    check_budget,
+    check_common_limits,
+    completion_prompts,
+    generate_request,
+)
+from penstock.routers.streaming import (
+    ChunkEncoder,
+    ClientDisconnected,
+    unless_disconnected,
+    with_error_frame,
+)
+from penstock.schemas.openai import CompletionRequest
+
+router = APIRouter(tags=["openai"])
+
+
+def completion_logprobs(
+    model: ServedModel, entries: list[LogprobEntry], text_offset: int
+) -> dict[str, Any]:
+    pre = model.preprocessor
+
+    def text_of(token_id: int) -> str:
+        return pre.token_text(token_id) if pre is not None else f"token_id:{token_id}"
+
+    tokens, values, tops, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, logprob, alternatives in entries:
+        text = text_of(token_id)
+        tokens.append(text)
+        values.append(logprob)
+        tops.append({text_of(alt): alt_logprob for alt, alt_logprob in alternatives} or None)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def _check_unsupported(body: CompletionRequest) -> None:
+    if body.suffix is not None:
+        raise InvalidRequestError("suffix is not supported by this server", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidRequestError("best_of must be equal to n when given", param="best_of")
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    gateway = request.app.state.gateway
+    model = gateway.resolve(body.model)
+    if "completions" not in model.endpoint_types:
+        raise InvalidRequestError(
+            f"The model '{body.model}' does not serve completions", param="model"
+        )
+    check_common_limits(body, gateway.settings, model)
+    _check_unsupported(body)
+    prompts = completion_prompts(body, model)
+    for ids in prompts:
+        check_budget(len(ids), body.max_tokens, model, "prompt")
+    request_id = request.state.request_id
+    generations = [
+        Generation(
+            gateway,
+            model,
+            generate_request(body, ids, max_tokens=body.max_tokens, logprobs=body.logprobs),
+            Context(
+                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                {"x-request-id": request_id},
+                traceparent=request.headers.get("traceparent"),
+            ),
+            stops=body.stop_list,
+            keep_text=not body.stream,
+            want_logprobs=body.logprobs is not None,
+            index_offset=i * body.n,
+        )
+        for i, ids in enumerate(prompts)
+    ]
+    echoes = [_echo_text(body, model, g) for g in generations]
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if body.stream:
+        return await _stream(body, model, generations, echoes, response_id, created)
+    try:
+        result = await unless_disconnected(
+            request, _complete(body, model, generations, echoes, response_id, created)
+        )
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return ORJSONResponse(result)
+
+
+def _echo_text(body: CompletionRequest, model: ServedModel, generation: Generation) -> str:
+    if not body.echo:
+        return ""
+    if model.preprocessor is None:
+        raise InvalidRequestError(
+            "echo needs a tokenizer to render the prompt; none is configured", param="echo"
+        )
+    detokenizer = model.preprocessor.new_detokenizer(skip_special_tokens=False)
+    return "".join(detokenizer.step(t) for t in generation.request["token_ids"])
+
+
+def _usage(generations: list[Generation]) -> dict[str, Any]:
+    prompt = sum(g.prompt_tokens for g in generations)
+    completion = sum(g.completion_tokens for g in generations)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+async def _complete(
+    body: CompletionRequest,
+    model: ServedModel,
+    generations: list[Generation],
+    echoes: list[str],
+    response_id: str,
+    created: int,
+) -> dict[str, Any]:
+    async for _ in merge([g.deltas() for g in generations]):
+        pass
+    choices = []
+    for generation, echo in zip(generations, echoes, strict=True):
+        for choice in generation.choices:
+            item: dict[str, Any] = {
+                "index": choice.index,
+                "text": echo + choice.text,
+                "logprobs": completion_logprobs(model, choice.logprobs, len(echo))
+                if choice.logprobs is not None
+                else None,
+                "finish_reason": choice.finish_reason,
+                "weight_versions": [
+                    {"weight_version": version, "start_token": start}
+                    for version, start in choice.versions
+                ],
+            }
+            if body.return_token_ids:
+                item["prompt_token_ids"] = generation.request["token_ids"]
+                item["token_ids"] = choice.token_ids
+            choices.append(item)
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": body.model,
+        "choices": choices,
+        "usage": _usage(generations),
+        "weight_version": generations[-1].weight_version,
+    }
+
+
+async def _stream(
+    body: CompletionRequest,
+    model: ServedModel,
+    generations: list[Generation],
+    echoes: list[str],
+    response_id: str,
+    created: int,
+) -> Response:
+    encoder = ChunkEncoder(response_id, "text_completion", created, body.model)
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous_usage = bool(options and options.continuous_usage_stats)
+    return_ids = body.return_token_ids
+    deltas = merge([g.deltas() for g in generations])
+    first = await anext(deltas, None)
+    pending_echo = {
+        choice.index: echo
+        for generation, echo in zip(generations, echoes, strict=True)
+        for choice in generation.choices
+        if echo
+    }
+    offsets: dict[int, int] = {}
+
+    async def frames() -> Any:
+        pending = [first] if first is not None else []
+        while True:
+            if pending:
+                delta = pending.pop()
+            else:
+                delta = await anext(deltas, None)
+                if delta is None:
+                    break
+            choice, text, token_ids, logprobs, finish, version = delta
+            text = pending_echo.pop(choice.index, "") + text
+            if not text and finish is None and not (return_ids and token_ids):
+                continue
+            item: dict[str, Any] = {
+                "index": choice.index,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            if logprobs:
+                start = offsets.get(choice.index, 0)
+                item["logprobs"] = completion_logprobs(model, logprobs, start)
+                offsets[choice.index] = start + len(text)
+            if return_ids:
+                item["token_ids"] = token_ids
+            usage = _usage(generations) if continuous_usage else None
+            yield encoder.frame([item], version, usage)
+        if include_usage:
+            yield encoder.frame([], generations[-1].weight_version, _usage(generations))
+        yield DONE_FRAME
+
+    return EventStreamResponse(
+        with_error_frame(frames()),
+        keepalive_s=generations[0].gateway.settings.sse_keepalive_s,
+    )

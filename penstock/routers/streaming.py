@@ -1,0 +1,97 @@
+"""Helpers shared by the streaming OpenAI routes: chunk encoding, error frames, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import orjson
+from starlette.requests import Request
+
+from penstock.app.errors import InternalServerError, PenstockError
+from penstock.app.sse import DONE_FRAME
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ChunkEncoder:
+    """Encodes stream chunks whose id/object/created/model never change.
+
+    The constant head is encoded once; per chunk only the choices (and the rare tail
+    fields) are serialized.
+    """
+
+    __slots__ = ("_head", "_version_tails")
+
+    def __init__(self, response_id: str, obj: str, created: int, model: str) -> None:
+        head = orjson.dumps({"id": response_id, "object": obj, "created": created, "model": model})
+        self._head = b"data: " + head[:-1] + b',"choices":'
+        self._version_tails: dict[str | None, bytes] = {}
+
+    def frame(
+        self,
+        choices: list[dict[str, Any]],
+        weight_version: str | None,
+        usage: dict[str, Any] | None = None,
+    ) -> bytes:
+        tail = self._version_tails.get(weight_version)
+        if tail is None:
+            tail = b',"weight_version":' + orjson.dumps(weight_version)
+            self._version_tails[weight_version] = tail
+        body = self._head + orjson.dumps(choices) + tail
+        if usage is not None:
+            body += b',"usage":' + orjson.dumps(usage)
+        return body + b"}\n\n"
+
+
+def error_frame(error: PenstockError) -> bytes:
+    return b"data: " + orjson.dumps(error.envelope()) + b"\n\n"
+
+
+async def with_error_frame(frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """After the first byte an error can't change the status: send one error frame + DONE."""
+    try:
+        async for frame in frames:
+            yield frame
+    except PenstockError as exc:
+        if exc.status_code >= 500:
+            logger.error("stream failed: %s", exc.message)
+        yield error_frame(exc)
+        yield DONE_FRAME
+    except Exception:
+        logger.exception("stream failed")
+        yield error_frame(InternalServerError())
+        yield DONE_FRAME
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client goes away first, cancel it (which aborts the engine)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            continue
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientDisconnected
+    return task.result()
