@@ -11,6 +11,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
 
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -21,8 +22,10 @@ def data_frame(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
-class EventStreamResponse:
-    """ASGI response streaming ``frames`` as ``text/event-stream``."""
+class EventStreamResponse(Response):
+    """Response streaming ``frames`` as ``text/event-stream``."""
+
+    media_type = "text/event-stream"
 
     def __init__(
         self,
@@ -33,7 +36,9 @@ class EventStreamResponse:
     ) -> None:
         self.frames = frames
         self.keepalive_s = keepalive_s
-        self.headers = dict(headers or {})
+        self.extra_headers = dict(headers or {})
+        self.status_code = 200
+        self.background = None
         self.disconnected = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -42,7 +47,7 @@ class EventStreamResponse:
             (b"cache-control", b"no-cache"),
             (b"x-accel-buffering", b"no"),
         ]
-        raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
+        raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
         last_sent = time.monotonic()
 

@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse, Response
+from fastapi.responses import Response
 
 from penstock.app.errors import InvalidRequestError
 from penstock.app.gateway import ServedModel
@@ -31,6 +31,7 @@ from penstock.routers.openai_requests import (
 from penstock.routers.streaming import (
     ChunkEncoder,
     ClientDisconnected,
+    json_response,
     unless_disconnected,
     with_error_frame,
 )
@@ -107,7 +108,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         )
     except ClientDisconnected:
         return Response(status_code=499)
-    return ORJSONResponse(result)
+    return json_response(result)
 
 
 async def _complete(

@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import ORJSONResponse, Response
+from fastapi.responses import Response
 
 from penstock.app.errors import InvalidRequestError
 from penstock.app.gateway import ServedModel
@@ -28,6 +28,7 @@ from penstock.routers.openai_requests import (
 from penstock.routers.streaming import (
     ChunkEncoder,
     ClientDisconnected,
+    json_response,
     unless_disconnected,
     with_error_frame,
 )
@@ -110,7 +111,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         )
     except ClientDisconnected:
         return Response(status_code=499)
-    return ORJSONResponse(result)
+    return json_response(result)
 
 
 def _echo_text(body: CompletionRequest, model: ServedModel, generation: Generation) -> str:

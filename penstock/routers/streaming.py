@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
+from starlette.responses import Response
 
 from penstock.app.errors import InternalServerError, PenstockError
 from penstock.app.sse import DONE_FRAME
@@ -67,6 +68,10 @@ async def with_error_frame(frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]
         logger.exception("stream failed")
         yield error_frame(InternalServerError())
         yield DONE_FRAME
+
+
+def json_response(content: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(content), media_type="application/json")
 
 
 class ClientDisconnected(Exception):
