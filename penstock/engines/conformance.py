@@ -1,0 +1,129 @@
+"""Conformance kit: run an engine class through the contract's checks in one call.
+
+``await run_conformance(EngineClass, argv)`` raises :class:`ConformanceError` naming the
+first failed check. Checks (as the contract states them):
+
+* ``start`` returns an EngineConfig with a non-empty ``model``;
+* one ``generate`` ends in exactly one terminal per choice, and nothing follows it;
+* concurrent ``generate`` calls interleave and all complete;
+* a mid-stream cancel (``context.stop_generating()``) ends the stream within 2 s, with
+  ``finish_reason == "cancelled"`` for token engines;
+* ``cleanup`` twice is safe, and ``cleanup`` without ``start`` is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from penstock.engines.context import Context
+from penstock.engines.contract import RawEngine
+
+CANCEL_DEADLINE_S = 2.0
+
+
+class ConformanceError(AssertionError):
+    """An engine broke the contract; the message names the check."""
+
+
+def _is_raw(engine: Any) -> bool:
+    return isinstance(engine, RawEngine) or not hasattr(engine, "kv_event_sources")
+
+
+def default_request(raw: bool, max_tokens: int) -> dict[str, Any]:
+    if raw:
+        return {"prompt": "a red ball on a table", "n": 1, "response_format": "b64_json"}
+    return {
+        "token_ids": [1, 2, 3, 4],
+        "sampling_options": {"temperature": 0.0},
+        "stop_conditions": {"max_tokens": max_tokens, "ignore_eos": True},
+    }
+
+
+async def _collect(stream: AsyncIterator[dict[str, Any]], raw: bool) -> list[dict[str, Any]]:
+    chunks = [chunk async for chunk in stream]
+    if not chunks:
+        raise ConformanceError("NoTerminalChunk: generate yielded nothing")
+    if raw:
+        return chunks
+    terminals = [i for i, chunk in enumerate(chunks) if chunk.get("finish_reason")]
+    if not terminals:
+        raise ConformanceError("NoTerminalChunk: no chunk carried finish_reason")
+    if len(terminals) > 1 or terminals[0] != len(chunks) - 1:
+        raise ConformanceError("ChunkAfterTerminal: chunks followed the terminal")
+    for chunk in chunks:
+        if not isinstance(chunk.get("token_ids"), list) or not isinstance(chunk.get("index"), int):
+            raise ConformanceError("InvalidChunk: every chunk needs token_ids and index")
+    return chunks
+
+
+async def _check_cancel(engine: Any, request: dict[str, Any], raw: bool) -> None:
+    context = Context("conformance-cancel")
+    stream = engine.generate(request, context)
+    started = time.monotonic()
+    terminal: dict[str, Any] | None = None
+    try:
+        async with asyncio.timeout(CANCEL_DEADLINE_S + 30):
+            first = await anext(stream)
+            context.stop_generating()
+            started = time.monotonic()
+            terminal = first
+            if raw or not first.get("finish_reason"):
+                async for chunk in stream:
+                    terminal = chunk
+    except TimeoutError as exc:
+        raise ConformanceError("CancellationNotObserved: stream never ended") from exc
+    elapsed = time.monotonic() - started
+    if elapsed > CANCEL_DEADLINE_S:
+        raise ConformanceError(
+            f"CancellationNotObserved: stream ended {elapsed:.2f}s after the cancel"
+        )
+    if not raw and (terminal is None or terminal.get("finish_reason") != "cancelled"):
+        reason = terminal.get("finish_reason") if terminal else None
+        raise ConformanceError(f"CancellationIgnored: terminal finish_reason was {reason!r}")
+
+
+async def run_conformance(
+    engine_cls: type[Any],
+    argv: list[str] | None = None,
+    *,
+    request: dict[str, Any] | None = None,
+    long_request: dict[str, Any] | None = None,
+) -> None:
+    """Run every check on fresh instances of ``engine_cls`` built by ``from_args(argv)``."""
+    argv = list(argv or [])
+    unstarted, _ = await engine_cls.from_args(argv)
+    try:
+        await unstarted.cleanup()
+    except Exception as exc:
+        raise ConformanceError(f"CleanupWithoutStartFailed: {exc!r}") from exc
+
+    engine, _ = await engine_cls.from_args(argv)
+    config = await engine.start(1)
+    try:
+        if not getattr(config, "model", None):
+            raise ConformanceError("EmptyModelInConfig: EngineConfig.model is empty")
+        raw = _is_raw(engine)
+        short = request or default_request(raw, max_tokens=4)
+        await _collect(engine.generate(dict(short), Context("conformance-one")), raw)
+
+        results = await asyncio.gather(
+            *(
+                _collect(engine.generate(dict(short), Context(f"conformance-{i}")), raw)
+                for i in range(4)
+            ),
+            return_exceptions=True,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise ConformanceError(f"ConcurrentGenerateFailed: {failures[0]!r}")
+
+        await _check_cancel(engine, dict(long_request or default_request(raw, 100_000)), raw)
+    finally:
+        try:
+            await engine.cleanup()
+            await engine.cleanup()
+        except Exception as exc:
+            raise ConformanceError(f"SecondCleanupFailed: {exc!r}") from exc
