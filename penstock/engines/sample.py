@@ -2,16 +2,37 @@
 
 It emits a deterministic rotation of ordinary (non-special) token ids of a real tokenizer,
 so the whole token pipeline (detokenization, stop strings, logprobs, usage) runs for real.
+
+It also implements the RL admin controls in a simulated but observable way:
+
+* **weights** are one safetensors tensor, ``token_shift`` (int64, shape ``[1]``), that
+  shifts the rotation; ``update_weights_from_disk {model_path}`` loads it from a
+  ``.safetensors`` file or a folder holding ``model.safetensors`` (see
+  :func:`write_sample_weights`). A missing file, a missing/extra tensor or a wrong shape
+  is an error and the old weights keep serving. Updates need generation paused.
+* **pause** ``{mode}``: ``abort`` ends in-flight requests at once (``finish_reason``
+  ``"abort"``), ``wait`` returns once they have finished, ``keep`` freezes them in place
+  until resume. Requests that arrive while paused or asleep wait and run after resume.
+* **sleep** ``{level, mode, tags}`` / **wake_up** ``{tags}`` hold generation like a pause
+  until every released tag (``weights``, ``kv_cache``) is awake again.
+* **flush_cache** empties a simulated prefix cache (one entry per distinct prompt);
+  **abort_request** ends requests by ``context.id()``.
+* **weight versions**: every chunk carries ``engine_data: {"weight_version": v}``.
+* **LoRA**: an adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``
+  holding ``token_shift``) adds its shift for requests whose ``model`` names it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import safetensors.numpy
 from tokenizers import Tokenizer
 
 from penstock.engines.context import Context
@@ -26,11 +47,88 @@ from penstock.engines.contract import (
 from penstock.engines.health import (
     bos_token_id_or,
     build_health_check_payload,
+    is_probe,
     parse_health_check_payload_cli,
 )
 
 SAMPLE_TOKENIZER_DIR = Path(__file__).parent / "assets" / "sample-tokenizer"
 MAX_TOP_LOGPROBS = 20
+
+WEIGHTS_FILE = "model.safetensors"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+WEIGHT_SHAPES: dict[str, tuple[int, ...]] = {"token_shift": (1,)}
+PAUSE_MODES = ("abort", "wait", "keep")
+SLEEP_TAGS = ("kv_cache", "weights")
+ADMIN_ABORT_REASON = "abort"
+
+
+@dataclass(frozen=True)
+class SampleWeights:
+    """The sample engine's whole "model": how far the token rotation is shifted."""
+
+    token_shift: int = 0
+    source: str | None = None
+
+
+def write_sample_weights(path: Path, token_shift: int) -> Path:
+    """Write a weights file the engine loads (``path`` is a file or a folder)."""
+    target = path / WEIGHTS_FILE if path.is_dir() else path
+    safetensors.numpy.save_file({"token_shift": np.array([token_shift], dtype=np.int64)}, target)
+    return target
+
+
+def _check_tensors(tensors: dict[str, np.ndarray], where: str) -> int:
+    missing = sorted(set(WEIGHT_SHAPES) - set(tensors))
+    if missing:
+        raise ValueError(f"{where}: missing tensor(s) {', '.join(missing)}")
+    unexpected = sorted(set(tensors) - set(WEIGHT_SHAPES))
+    if unexpected:
+        raise ValueError(f"{where}: unexpected tensor(s) {', '.join(unexpected)}")
+    for name, expected in WEIGHT_SHAPES.items():
+        actual = tuple(tensors[name].shape)
+        if actual != expected:
+            raise ValueError(
+                f"{where}: shape mismatch for '{name}': got {list(actual)}, "
+                f"the model has {list(expected)}"
+            )
+        if tensors[name].dtype.kind not in "iu":
+            raise ValueError(f"{where}: '{name}' must be an integer tensor")
+    return int(tensors["token_shift"][0])
+
+
+def load_sample_weights(path: Path, file_name: str = WEIGHTS_FILE) -> SampleWeights:
+    """Read and validate weights; raises ValueError saying what is wrong."""
+    file = path / file_name if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"no weights at {path}: expected a .safetensors file or {file_name}")
+    try:
+        tensors = safetensors.numpy.load_file(file)
+    except Exception as exc:
+        raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
+    return SampleWeights(_check_tensors(tensors, str(file)), str(file))
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One request inside ``generate``, as the admin controls see it."""
+
+    context: Context
+    admitted: bool = False
+    abort_reason: str | None = None
+
+
+@dataclass
+class _Hold:
+    """Why generation is held (a pause or a sleep) and what happens to in-flight work."""
+
+    mode: str
+    tags: set[str] = field(default_factory=set)
+    level: int | None = None
+
+
+def _error(message: str) -> dict[str, Any]:
+    return {"status": "error", "message": message}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,6 +178,13 @@ class SampleLLMEngine(LLMEngine):
         self.started = False
         self.cleanups = 0
         self.aborted: list[str] = []
+        self.weights = SampleWeights()
+        self.weight_version: str | None = None
+        self.adapters: dict[str, SampleWeights] = {}
+        self.prefix_cache: set[int] = set()
+        self._holds: dict[str, _Hold] = {}
+        self._flights: set[_Flight] = set()
+        self._changed = asyncio.Event()
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[SampleLLMEngine, WorkerConfig]:
@@ -129,13 +234,18 @@ class SampleLLMEngine(LLMEngine):
             ),
         )
 
-    def token_at(self, step: int, choice: int) -> int:
-        return self.ordinary_ids[(step + choice) % len(self.ordinary_ids)]
+    def token_at(self, step: int, choice: int, shift: int = 0) -> int:
+        return self.ordinary_ids[(step + choice + shift) % len(self.ordinary_ids)]
+
+    def _shift_for(self, request: GenerateRequest) -> int:
+        adapter = self.adapters.get(request.get("model") or "")
+        return self.weights.token_shift + (adapter.token_shift if adapter else 0)
 
     async def generate(
         self, request: GenerateRequest, context: Context
     ) -> AsyncGenerator[GenerateChunk, None]:
-        prompt_len = len(request.get("token_ids") or [])
+        prompt = request.get("token_ids") or []
+        prompt_len = len(prompt)
         stop = request.get("stop_conditions") or {}
         sampling = request.get("sampling_options") or {}
         output = request.get("output_options") or {}
@@ -143,24 +253,274 @@ class SampleLLMEngine(LLMEngine):
         n = sampling.get("n") or 1
         logprobs = output.get("logprobs")
         top_k = min(int(logprobs), MAX_TOP_LOGPROBS) if logprobs is not None else None
-        for step in range(max_new):
-            if self.delay:
-                await asyncio.sleep(self.delay)
-            else:
-                await asyncio.sleep(0)
-            if context.is_stopped():
+        # Canaries probe that the engine runs; a pause must not make it look dead.
+        held = not is_probe(request)
+        flight = _Flight(context)
+        if held:
+            self._flights.add(flight)
+            self.prefix_cache.add(hash(tuple(prompt)))
+        try:
+            if held:
+                await self._hold_while_blocked(flight)
+            flight.admitted = True
+            for step in range(max_new):
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+                else:
+                    await asyncio.sleep(0)
+                if held:
+                    await self._hold_while_blocked(flight)
+                reason = flight.abort_reason or ("cancelled" if context.is_stopped() else None)
+                if reason is not None:
+                    for choice in range(n):
+                        yield self._terminal(choice, [], reason, prompt_len, step)
+                    return
+                shift = self._shift_for(request)
                 for choice in range(n):
-                    yield self._terminal(choice, [], "cancelled", prompt_len, step)
-                return
-            for choice in range(n):
-                token = self.token_at(step, choice)
-                chunk: GenerateChunk = {"token_ids": [token], "index": choice}
-                if top_k is not None:
-                    self._add_logprobs(chunk, token, top_k)
-                if step == max_new - 1:
-                    chunk["finish_reason"] = "length"
-                    chunk["completion_usage"] = _usage(prompt_len, max_new)
-                yield chunk
+                    token = self.token_at(step, choice, shift)
+                    chunk: GenerateChunk = {
+                        "token_ids": [token],
+                        "index": choice,
+                        "engine_data": {"weight_version": self.weight_version},
+                    }
+                    if top_k is not None:
+                        self._add_logprobs(chunk, token, top_k)
+                    if step == max_new - 1:
+                        chunk["finish_reason"] = "length"
+                        chunk["completion_usage"] = _usage(prompt_len, max_new)
+                    yield chunk
+        finally:
+            if held:
+                self._flights.discard(flight)
+                self._notify()
+
+    # -- admin controls ----------------------------------------------------------------
+
+    def _notify(self) -> None:
+        """Wake everything waiting on the hold state or the set of in-flight requests."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _blocked(self, flight: _Flight) -> bool:
+        if not self._holds:
+            return False
+        if not flight.admitted:
+            return True
+        return any(hold.mode == "keep" for hold in self._holds.values())
+
+    async def _hold_while_blocked(self, flight: _Flight) -> None:
+        while (
+            self._blocked(flight)
+            and flight.abort_reason is None
+            and not flight.context.is_stopped()
+        ):
+            changed = asyncio.ensure_future(self._changed.wait())
+            stopped = asyncio.ensure_future(flight.context.async_killed_or_stopped())
+            try:
+                await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+                stopped.cancel()
+
+    async def _wait_until(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            await self._changed.wait()
+
+    def _abort_where(self, matches: Callable[[_Flight], bool]) -> list[str]:
+        aborted = []
+        for flight in self._flights:
+            if flight.abort_reason is None and matches(flight):
+                flight.abort_reason = ADMIN_ABORT_REASON
+                aborted.append(flight.context.id())
+        self._notify()
+        return sorted(aborted)
+
+    async def _apply_hold(self, key: str, hold: _Hold) -> list[str]:
+        """Hold new requests; abort, drain or freeze the in-flight ones per ``hold.mode``."""
+        self._holds[key] = hold
+        aborted = self._abort_where(lambda f: f.admitted) if hold.mode == "abort" else []
+        self._notify()
+        if hold.mode == "wait":
+            await self._wait_until(lambda: not any(f.admitted for f in self._flights))
+        return aborted
+
+    def supported_controls(self) -> set[str]:
+        return set(self._controls())
+
+    def supported_updates(self) -> set[str]:
+        return set(self._updates())
+
+    def _controls(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
+        return {
+            "pause_generation": self._pause,
+            "resume_generation": self._resume,
+            "is_paused": self._is_paused,
+            "sleep": self._sleep,
+            "wake_up": self._wake_up,
+            "is_sleeping": self._is_sleeping,
+            "flush_cache": self._flush_cache,
+            "abort_request": self._abort_request,
+            "get_weight_version": self._get_weight_version,
+        }
+
+    def _updates(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
+        return {
+            "update_weights_from_disk": self._update_from_disk,
+            "update_weights_from_tensor": self._update_from_tensor,
+            "update_weight_version": self._update_weight_version,
+            "load_lora": self._load_lora,
+            "unload_lora": self._unload_lora,
+        }
+
+    async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+        handler = self._controls().get(control)
+        if handler is None:
+            return await super().engine_control(control, body)
+        return await _run_handler(handler, body)
+
+    async def engine_update(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
+        handler = self._updates().get(update)
+        if handler is None:
+            return await super().engine_update(update, body)
+        return await _run_handler(handler, body)
+
+    async def _pause(self, body: dict[str, Any]) -> dict[str, Any]:
+        mode = _mode(body, "pause_generation")
+        clear_cache = _bool(body, "clear_cache", False)
+        aborted = await self._apply_hold("pause", _Hold(mode))
+        if clear_cache:
+            self.prefix_cache.clear()
+        return {"status": "paused", "mode": mode, "aborted": aborted}
+
+    async def _resume(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._holds.pop("pause", None)
+        self._notify()
+        response: dict[str, Any] = {"status": "resumed"}
+        if "sleep" in self._holds:
+            response["is_sleeping"] = True
+        return response
+
+    async def _is_paused(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"is_paused": "pause" in self._holds}
+
+    async def _sleep(self, body: dict[str, Any]) -> dict[str, Any]:
+        level = body.get("level", 1)
+        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 2:
+            raise _BadBody("`level` must be 0, 1 or 2")
+        mode = _mode(body, "sleep")
+        default_tags = ("kv_cache",) if level == 0 else SLEEP_TAGS
+        tags = _tags(body, default_tags)
+        current = self._holds.get("sleep")
+        if current is not None:
+            current.tags |= tags
+            aborted: list[str] = []
+        else:
+            aborted = await self._apply_hold("sleep", _Hold(mode, set(tags), level))
+        if "kv_cache" in tags:
+            self.prefix_cache.clear()
+        hold = self._holds["sleep"]
+        return {
+            "status": "sleeping",
+            "level": hold.level,
+            "tags": sorted(hold.tags),
+            "aborted": aborted,
+        }
+
+    async def _wake_up(self, body: dict[str, Any]) -> dict[str, Any]:
+        tags = _tags(body, SLEEP_TAGS)
+        hold = self._holds.get("sleep")
+        if hold is None:
+            return {"status": "awake"}
+        hold.tags -= tags
+        if hold.tags:
+            return {"status": "partially_awake", "is_sleeping": True, "tags": sorted(hold.tags)}
+        del self._holds["sleep"]
+        self._notify()
+        return {"status": "awake"}
+
+    async def _is_sleeping(self, body: dict[str, Any]) -> dict[str, Any]:
+        hold = self._holds.get("sleep")
+        return {"is_sleeping": hold is not None, "tags": sorted(hold.tags) if hold else []}
+
+    async def _flush_cache(self, body: dict[str, Any]) -> dict[str, Any]:
+        flushed = len(self.prefix_cache)
+        self.prefix_cache.clear()
+        return {"status": "ok", "flushed_entries": flushed}
+
+    async def _abort_request(self, body: dict[str, Any]) -> dict[str, Any]:
+        if _bool(body, "abort_all", False):
+            return {"status": "ok", "aborted": self._abort_where(lambda f: True)}
+        ids = body.get("request_ids")
+        if ids is None and body.get("request_id") is not None:
+            ids = [body["request_id"]]
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
+            raise _BadBody("Missing 'request_id' in body (a string; or 'request_ids', a list)")
+        wanted = set(ids)
+        return {"status": "ok", "aborted": self._abort_where(lambda f: f.context.id() in wanted)}
+
+    async def _get_weight_version(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"weight_version": self.weight_version}
+
+    def _require_held_for_update(self) -> None:
+        if "pause" not in self._holds and "sleep" not in self._holds:
+            raise _BadBody("pause generation before updating weights (pause_generation)")
+        sleep = self._holds.get("sleep")
+        if sleep is not None and "weights" in sleep.tags:
+            raise _BadBody("the weights are asleep: wake_up with tags ['weights'] first")
+
+    def _install(self, weights: SampleWeights, version: str | None) -> None:
+        self.weights = weights
+        if version is not None:
+            self.weight_version = version
+        # Cached prefixes were computed by the old weights.
+        self.prefix_cache.clear()
+
+    async def _update_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._require_held_for_update()
+        model_path = _nonempty_str(body, "model_path")
+        version = _optional_str(body, "weight_version")
+        try:
+            weights = await asyncio.to_thread(load_sample_weights, Path(model_path))
+        except ValueError as exc:
+            raise _BadBody(str(exc)) from exc
+        self._install(weights, version)
+        return {"status": "ok", "model_path": model_path, "weight_version": self.weight_version}
+
+    async def _update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._require_held_for_update()
+        named = body.get("named_tensors")
+        if not isinstance(named, dict):
+            raise _BadBody("`named_tensors` must be an object of name -> nested list")
+        version = _optional_str(body, "weight_version")
+        try:
+            tensors = {name: np.asarray(value) for name, value in named.items()}
+        except (TypeError, ValueError) as exc:
+            raise _BadBody(f"`named_tensors` holds a value that is not a tensor: {exc}") from exc
+        shift = _check_tensors(tensors, "named_tensors")
+        self._install(SampleWeights(shift, "tensor"), version)
+        return {"status": "ok", "weight_version": self.weight_version}
+
+    async def _update_weight_version(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.weight_version = _nonempty_str(body, "new_version")
+        return {"success": True, "new_version": self.weight_version}
+
+    async def _load_lora(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = _nonempty_str(body, "lora_name")
+        folder = Path(_nonempty_str(body, "lora_path"))
+        if not (folder / ADAPTER_CONFIG_FILE).is_file():
+            raise _BadBody(f"{folder} has no {ADAPTER_CONFIG_FILE}")
+        try:
+            weights = await asyncio.to_thread(load_sample_weights, folder, ADAPTER_WEIGHTS_FILE)
+        except ValueError as exc:
+            raise _BadBody(str(exc)) from exc
+        self.adapters[name] = weights
+        return {"status": "ok", "lora_name": name}
+
+    async def _unload_lora(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = _nonempty_str(body, "lora_name")
+        if self.adapters.pop(name, None) is None:
+            raise _BadBody(f"LoRA adapter '{name}' is not loaded")
+        return {"status": "ok", "lora_name": name}
 
     def _add_logprobs(self, chunk: GenerateChunk, token: int, top_k: int) -> None:
         selected = -0.1 * (token % 10)
@@ -198,6 +558,56 @@ class SampleLLMEngine(LLMEngine):
         if self.started:
             self.cleanups += 1
         self.started = False
+
+
+class _BadBody(ValueError):
+    """A control or update body the engine refuses; the message goes back to the caller."""
+
+
+async def _run_handler(
+    handler: Callable[[dict[str, Any]], Any], body: dict[str, Any]
+) -> dict[str, Any]:
+    try:
+        return await handler(body)
+    except _BadBody as exc:
+        return _error(str(exc))
+
+
+def _mode(body: dict[str, Any], operation: str) -> str:
+    mode = body.get("mode", "abort")
+    if mode not in PAUSE_MODES:
+        raise _BadBody(f"{operation} mode must be abort, wait, or keep; got `{mode}`")
+    return mode
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise _BadBody(f"`{name}` must be a boolean")
+    return value
+
+
+def _nonempty_str(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise _BadBody(f"missing non-empty `{name}` string")
+    return value
+
+
+def _optional_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise _BadBody(f"`{name}` must be a non-empty string")
+    return value
+
+
+def _tags(body: dict[str, Any], default: Iterable[str]) -> set[str]:
+    tags = body.get("tags")
+    if tags is None:
+        return set(default)
+    if not isinstance(tags, list) or not all(t in SLEEP_TAGS for t in tags):
+        raise _BadBody(f"`tags` must be a list of {', '.join(SLEEP_TAGS)}")
+    return set(tags)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
