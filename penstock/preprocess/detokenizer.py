@@ -45,8 +45,8 @@ class IncrementalDetokenizer:
     def step(self, token_id: int) -> str:
         try:
             text = self._stream.step(self._tokenizer, token_id)
-        except OverflowError:
-            # A negative or > u32 id has no text.
+        except (OverflowError, TypeError):
+            # The Rust side refuses ids that are not u32 (negative, huge); they have no text.
             return ""
         except Exception as exc:
             if not str(exc).startswith(_INVALID_PREFIX_MESSAGE):
