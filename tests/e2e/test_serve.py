@@ -1,0 +1,138 @@
+"""``penstock serve`` as users run it: a real process on a loopback port."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.server import REPO_ROOT, running_server, start_server
+
+
+def test_serves_health_models_and_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
+    marker = tmp_path / "lifecycle.txt"
+    engine = "tests.support.doubles:MarkedSampleEngine"
+    with running_server(["--engine", engine, "--", "--marker", str(marker)], tmp_path) as server:
+        health = httpx.get(f"{server.base_url}/health")
+        assert health.status_code == 200 and health.json()["status"] == "healthy"
+        assert httpx.get(f"{server.base_url}/live").status_code == 200
+        models = httpx.get(f"{server.base_url}/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["sample-model"]
+        assert server.stop(signal.SIGTERM) == 0
+    assert marker.read_text().split() == ["start", "cleanup"]
+    assert "engine cleaned up" in server.log()
+
+
+def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path: Path) -> None:
+    args = ["--engine", "sample", "--graceful-shutdown-s", "20", "--", "--delay", "0.02"]
+    with running_server(args, tmp_path) as server:
+        body = {
+            "model": "sample-model",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 60,
+            "stream": True,
+        }
+        frames: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream(
+                "POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=30
+            ) as response:
+                frames.extend(line for line in response.iter_lines() if line)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        time.sleep(0.3)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        refused = httpx.get(f"{server.base_url}/v1/models")
+        assert refused.status_code == 503
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(f"{server.base_url}/health").status_code == 503
+        reader.join(timeout=30)
+        assert frames[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in frames[-2]
+        assert server.process.wait(timeout=30) == 0
+
+
+def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:
+    args = ["--engine", "sample", "--graceful-shutdown-s", "60", "--", "--delay", "0.05"]
+    with running_server(args, tmp_path) as server:
+        body = {"model": "sample-model", "prompt": "x", "max_tokens": 1000, "stream": True}
+        client = httpx.Client(timeout=30)
+        with client.stream("POST", f"{server.base_url}/v1/completions", json=body) as response:
+            next(response.iter_lines())
+            server.process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert server.process.poll() is None
+            started = time.monotonic()
+            server.process.send_signal(signal.SIGINT)
+            code = server.process.wait(timeout=10)
+        assert code != 0
+        assert time.monotonic() - started < 5
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "penstock", "serve", "--port", "1", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+    )
+
+
+def test_unknown_engine_lists_the_builtins() -> None:
+    result = run_cli("--engine", "nope")
+    assert result.returncode != 0
+    assert "unknown engine 'nope'" in result.stderr
+    for name in ("sample", "sample-diffusion", "transformers", "diffusion"):
+        assert name in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_such_module:Engine", "cannot import engine module 'no_such_module'"),
+        ("tests.support.doubles:Missing", "has no attribute 'Missing'"),
+        ("tests.support.doubles:NotAnEngine", "is not an engine"),
+    ],
+)
+def test_bad_engine_classes_are_explained(spec: str, message: str) -> None:
+    result = run_cli("--engine", spec)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_a_failing_start_cleans_up_prints_the_error_and_exits_nonzero(tmp_path: Path) -> None:
+    marker = tmp_path / "lifecycle.txt"
+    result = run_cli(
+        "--engine", "tests.support.doubles:FailingStartEngine", "--", "--marker", str(marker)
+    )
+    assert result.returncode == 1
+    assert "checkpoint /nowhere is unreadable" in result.stderr
+    assert marker.read_text().split() == ["start", "cleanup"]
+
+
+def test_invalid_engine_arguments_print_the_engine_usage() -> None:
+    result = run_cli("--engine", "sample", "--", "--delay", "soon")
+    assert result.returncode == 2
+    assert "usage: penstock serve --engine sample --" in result.stderr
+    assert "--delay" in result.stderr
+
+
+def test_engine_args_after_double_dash_reach_the_engine(tmp_path: Path) -> None:
+    server = start_server(["--engine", "sample", "--", "--max-tokens", "3"], tmp_path)
+    try:
+        body = {"model": "sample-model", "prompt": "x"}
+        body["max_tokens"] = None
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body)
+        assert response.json()["usage"]["completion_tokens"] == 3
+    finally:
+        server.stop()

@@ -1,0 +1,32 @@
+"""Every built-in engine passes the conformance kit."""
+
+from __future__ import annotations
+
+import pytest
+
+from penstock.engines.conformance import ConformanceError, run_conformance
+from penstock.engines.loading import load_engine_class
+from penstock.engines.sample import SampleLLMEngine
+from tests.support.doubles import ScriptedEngine
+
+
+async def test_sample_engine_conforms() -> None:
+    await run_conformance(SampleLLMEngine, ["--delay", "0.001"])
+
+
+async def test_the_kit_catches_a_chunk_after_the_terminal() -> None:
+    request = {"token_ids": [1], "extra_args": {"mode": "after_terminal"}}
+    with pytest.raises(ConformanceError, match="ChunkAfterTerminal"):
+        await run_conformance(ScriptedEngine, request=request)
+
+
+async def test_the_kit_catches_an_ignored_cancel() -> None:
+    long_request = {"token_ids": [1], "extra_args": {"mode": "ok"}}
+    with pytest.raises(ConformanceError, match="CancellationIgnored"):
+        await run_conformance(
+            ScriptedEngine, request={"token_ids": [1]}, long_request=long_request
+        )
+
+
+def test_builtin_engines_resolve() -> None:
+    assert load_engine_class("sample") is SampleLLMEngine

@@ -1,0 +1,122 @@
+"""Engine test doubles for faults that a real engine can't be made to show on demand."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+from penstock.engines.context import Context
+from penstock.engines.contract import (
+    EngineConfig,
+    GenerateChunk,
+    GenerateRequest,
+    LLMEngine,
+    WorkerConfig,
+)
+from penstock.engines.sample import SampleLLMEngine
+
+
+class MarkedSampleEngine(SampleLLMEngine):
+    """The sample engine, recording start and cleanup in a file the test reads."""
+
+    marker: Path
+
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None) -> tuple[Any, WorkerConfig]:
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--marker", required=True)
+        own, rest = parser.parse_known_args(argv)
+        engine, config = await SampleLLMEngine.from_args(rest)
+        engine.__class__ = cls
+        engine.marker = Path(own.marker)
+        return engine, config
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        config = await super().start(worker_id)
+        with self.marker.open("a") as f:
+            f.write("start\n")
+        return config
+
+    async def cleanup(self) -> None:
+        await super().cleanup()
+        with self.marker.open("a") as f:
+            f.write("cleanup\n")
+
+
+class ScriptedEngine(LLMEngine):
+    """Yields whatever ``script(request)`` says; records lifecycle calls."""
+
+    def __init__(self, fail_start: bool = False, start_delay: float = 0.0) -> None:
+        self.fail_start = fail_start
+        self.start_delay = start_delay
+        self.calls: list[str] = []
+        self.aborted: list[str] = []
+        self.partial_resource: object | None = None
+        self.canary: dict[str, Any] | None = None
+        self.requests: list[dict[str, Any]] = []
+
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None) -> tuple[ScriptedEngine, WorkerConfig]:
+        return cls(), WorkerConfig(namespace="test")
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        self.calls.append(f"start:{worker_id}")
+        self.partial_resource = object()
+        if self.start_delay:
+            await asyncio.sleep(self.start_delay)
+        if self.fail_start:
+            raise RuntimeError("weights not found")
+        return EngineConfig(model="scripted")
+
+    async def cleanup(self) -> None:
+        self.calls.append("cleanup")
+        self.partial_resource = None
+
+    async def abort(self, context: Context) -> None:
+        self.aborted.append(context.id())
+
+    async def health_check_payload(self) -> dict[str, Any] | None:
+        return self.canary
+
+    async def generate(
+        self, request: GenerateRequest, context: Context
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        self.requests.append(dict(request))
+        mode = request.get("extra_args", {}).get("mode", "ok")
+        if mode == "raise_first":
+            raise RuntimeError("secret internal detail")
+        if mode == "raise_value":
+            raise ValueError("temperature must be positive")
+        yield {"token_ids": [5], "index": 0}
+        if mode == "raise_late":
+            raise RuntimeError("device lost")
+        if mode == "no_terminal":
+            return
+        if mode == "slow":
+            for _ in range(1000):
+                if context.is_stopped():
+                    yield {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
+                    return
+                await asyncio.sleep(0.01)
+                yield {"token_ids": [6], "index": 0}
+        if mode == "hang":
+            await asyncio.sleep(3600)
+        yield {"token_ids": [7], "index": 0, "finish_reason": "length"}
+        if mode == "after_terminal":
+            yield {"token_ids": [8], "index": 0}
+
+
+class FailingStartEngine(MarkedSampleEngine):
+    """Allocates something in start, then fails; cleanup must still run."""
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        with self.marker.open("a") as f:
+            f.write("start\n")
+        raise RuntimeError("checkpoint /nowhere is unreadable")
+
+
+class NotAnEngine:
+    pass

@@ -1,0 +1,89 @@
+"""Start ``penstock serve`` as a real subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen[str]
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout)
+
+
+def start_server(
+    args: list[str],
+    log_dir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    ready_timeout: float = 60.0,
+    wait_ready: bool = True,
+) -> ServerProcess:
+    """Run ``penstock serve --port <free> *args``; wait until ``/live`` answers."""
+    port = free_port()
+    log_path = log_dir / f"penstock-{port}.log"
+    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "penstock", "serve", "--port", str(port), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=REPO_ROOT,
+            text=True,
+        )
+    server = ServerProcess(process, port, log_path)
+    if not wait_ready:
+        return server
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.base_url}/live", timeout=1.0).status_code == 200:
+                return server
+        time.sleep(0.05)
+    server.stop(signal.SIGKILL)
+    raise RuntimeError(f"server not ready in {ready_timeout}s:\n{server.log()}")
+
+
+@contextlib.contextmanager
+def running_server(args: list[str], log_dir: Path, **kwargs: object) -> Iterator[ServerProcess]:
+    server = start_server(args, log_dir, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield server
+    finally:
+        if server.process.poll() is None:
+            server.stop(signal.SIGKILL)
