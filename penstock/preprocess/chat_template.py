@@ -126,7 +126,9 @@ def render_template(
                 param="chat_template_kwargs",
             )
         variables.update(chat_template_kwargs)
-    variables["messages"] = [_template_message(message) for message in messages]
+    variables["messages"] = [
+        _template_message(message, index) for index, message in enumerate(messages)
+    ]
     variables["tools"] = tools
     variables["add_generation_prompt"] = add_generation_prompt
     try:
@@ -146,8 +148,13 @@ def _describe(exc: Exception) -> str:
     return text if text else type(exc).__name__
 
 
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+def _template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     """The message as templates expect it: content as one string, tool arguments as objects."""
+    if not isinstance(message, dict):
+        raise InvalidRequestError(
+            f"messages[{index}] must be an object, not {type(message).__name__}",
+            param=f"messages[{index}]",
+        )
     rendered = dict(message)
     rendered["content"] = _text_content(message.get("content"))
     tool_calls = message.get("tool_calls")

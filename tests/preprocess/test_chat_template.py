@@ -64,6 +64,15 @@ def test_rendering_leaves_the_callers_messages_untouched(preprocessor: Preproces
     assert messages == [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
 
 
+def test_a_message_that_is_not_an_object_is_named_in_the_error(
+    preprocessor: Preprocessor,
+) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        preprocessor.render_chat([{"role": "user", "content": "hi"}, "hello"])  # type: ignore[list-item]
+    assert caught.value.param == "messages[1]"
+    assert caught.value.message == "messages[1] must be an object, not str"
+
+
 def test_tokenize_chat_is_render_then_encode(preprocessor: Preprocessor) -> None:
     messages = [{"role": "user", "content": "Hello there"}]
     ids = preprocessor.tokenize_chat(messages)
