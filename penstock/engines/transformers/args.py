@@ -1,0 +1,108 @@
+"""Command line of the transformers engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL_CACHE_ENV = "PENSTOCK_MODEL_CACHE"
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def default_model_cache_dir() -> Path:
+    configured = os.environ.get(MODEL_CACHE_ENV, "").strip()
+    if configured:
+        return Path(configured).expanduser()
+    return Path.home() / ".cache" / "penstock" / "models"
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Parsed engine options; None means "derive from the checkpoint"."""
+
+    model: Path | None
+    served_model_name: str | None
+    device: str
+    dtype: str
+    max_num_seqs: int
+    max_model_len: int | None
+    kv_cache_tokens: int | None
+    seed: int
+    model_cache_dir: Path
+    health_check_payload: str | None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="penstock serve --engine transformers",
+        description="Serve a local Hugging Face causal-LM checkpoint with continuous batching.",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="folder of a Hugging Face causal-LM checkpoint (default: the embedded "
+        "SmolLM2-135M-Instruct, converted once into --model-cache-dir)",
+    )
+    parser.add_argument("--served-model-name", help="name clients use in 'model'")
+    parser.add_argument("--device", choices=DEVICES, default="auto", help="auto = cuda if present")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="auto = float32 on cpu, the checkpoint's half precision (else bfloat16) on cuda",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=_positive_int, default=16, help="sequences decoded together"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        help="context length in tokens (default: the model's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=_positive_int,
+        help="KV capacity in tokens across all sequences (default: max-num-seqs x max-model-len)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed for requests without a seed")
+    parser.add_argument(
+        "--model-cache-dir",
+        type=Path,
+        default=None,
+        help=f"where converted models live (default: ${MODEL_CACHE_ENV} or "
+        "~/.cache/penstock/models)",
+    )
+    parser.add_argument(
+        "--health-check-payload", help="canary request JSON or @file (replaces the default)"
+    )
+    return parser
+
+
+def parse_args(argv: list[str]) -> EngineArgs:
+    """Parse ``argv``; bad options print usage and raise ``SystemExit(2)``."""
+    namespace = build_parser().parse_args(argv)
+    return EngineArgs(
+        model=namespace.model.expanduser() if namespace.model is not None else None,
+        served_model_name=namespace.served_model_name,
+        device=namespace.device,
+        dtype=namespace.dtype,
+        max_num_seqs=namespace.max_num_seqs,
+        max_model_len=namespace.max_model_len,
+        kv_cache_tokens=namespace.kv_cache_tokens,
+        seed=namespace.seed,
+        model_cache_dir=(namespace.model_cache_dir or default_model_cache_dir()).expanduser(),
+        health_check_payload=namespace.health_check_payload,
+    )

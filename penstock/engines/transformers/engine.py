@@ -1,0 +1,615 @@
+"""The ``transformers`` engine: any local Hugging Face causal LM behind the token contract.
+
+Forward passes run on the scheduler's thread (see :mod:`.scheduler`); ``generate`` only
+validates, submits, and relays the chunks the thread hands over through the event loop,
+so the HTTP server keeps serving while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import gc
+import logging
+import sys
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from penstock.engines.context import Context
+from penstock.engines.contract import (
+    EngineConfig,
+    GenerateChunk,
+    GenerateRequest,
+    LLMEngine,
+    LlmRegistration,
+    WorkerConfig,
+)
+from penstock.engines.health import build_health_check_payload, parse_health_check_payload_cli
+from penstock.engines.transformers.args import EngineArgs, parse_args
+from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from penstock.engines.transformers.sampling import parse_sampling_params
+from penstock.engines.transformers.scheduler import (
+    KV_BLOCK_SIZE,
+    BatchScheduler,
+    KvUsage,
+    StepFailure,
+    Submission,
+)
+from penstock.engines.transformers.weights import (
+    CheckpointError,
+    apply_weight_update,
+    check_checkpoint_folder,
+    load_model,
+    plan_weight_update,
+    read_safetensors,
+)
+from penstock.metrics.forward_pass import ComponentSnapshot, ForwardPassMetrics
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")
+SLEEP_TAGS = frozenset({"weights", "kv_cache"})
+RECENT_FORWARD_PASSES = 256
+# Operations that move or replace weights or KV run one at a time.
+_MEMORY_OPERATIONS = frozenset({"sleep", "wake_up", "update_weights_from_disk"})
+
+Body = dict[str, Any]
+
+
+def _error(message: str) -> Body:
+    return {"status": "error", "message": message}
+
+
+def _resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was requested but no CUDA device is available")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def _resolve_dtype(choice: str, device: torch.device, config: Any) -> torch.dtype:
+    if choice != "auto":
+        return getattr(torch, choice)
+    if device.type == "cpu":
+        return torch.float32
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _token_ids(value: Any, vocab_size: int) -> list[int]:
+    if isinstance(value, bytes | bytearray | memoryview):
+        raw = bytes(value)
+        if len(raw) % 4:
+            raise ValueError("token_ids: packed token ids must be a multiple of 4 bytes")
+        ids = torch.frombuffer(bytearray(raw), dtype=torch.int32).tolist()
+    elif isinstance(value, list):
+        ids = value
+    else:
+        raise ValueError("token_ids is required and must be a list of token ids")
+    if not ids:
+        raise ValueError("token_ids must not be empty")
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise ValueError(f"token_ids: {token!r} is not a token id in [0, {vocab_size})")
+    return ids
+
+
+def _eos_ids(*sources: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in sources:
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+class TransformersEngine(LLMEngine):
+    """Continuous-batching engine over ``transformers`` models (CPU or CUDA)."""
+
+    def __init__(self, args: EngineArgs, model_path: Path, served_model_name: str) -> None:
+        self.args = args
+        self.model_path = model_path
+        self.served_model_name = served_model_name
+        self.model: Any = None
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
+        self.context_length = 0
+        self.vocab_size = 0
+        self.scheduler: BatchScheduler | None = None
+        self.weight_version: str | None = None
+        self.forward_pass_metrics: collections.deque[ForwardPassMetrics] = collections.deque(
+            maxlen=RECENT_FORWARD_PASSES
+        )
+        self.latest_forward_pass_metrics: ForwardPassMetrics | None = None
+        self._weights_source: Path | None = None
+        self._snapshot_publisher: Any = None
+        self._sleeping: set[str] = set()
+        self._sleep_level = 0
+        self._paused_by_sleep = False
+        self._memory_lock = asyncio.Lock()
+        self._bos_or_eos = 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @classmethod
+    async def from_args(
+        cls, argv: list[str] | None = None
+    ) -> tuple[TransformersEngine, WorkerConfig]:
+        args = parse_args(sys.argv[1:] if argv is None else list(argv))
+        if args.model is None:
+            model_path = await asyncio.to_thread(ensure_default_model, args.model_cache_dir)
+            default_name = DEFAULT_MODEL_NAME
+        else:
+            model_path = check_checkpoint_folder(args.model)
+            default_name = str(args.model)
+        served = args.served_model_name or default_name
+        engine = cls(args, model_path, served)
+        worker = WorkerConfig(
+            namespace="penstock",
+            component="backend",
+            model_name=str(model_path),
+            served_model_name=served,
+            endpoint_types="chat,completions",
+            health_check_payload=parse_health_check_payload_cli(args.health_check_payload),
+        )
+        return engine, worker
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"cannot read the config of {self.model_path}: {exc}") from exc
+        self.device = _resolve_device(self.args.device)
+        self.dtype = _resolve_dtype(self.args.dtype, self.device, config)
+        self.model = await asyncio.to_thread(
+            load_model, self.model_path, dtype=self.dtype, device=self.device
+        )
+        text_config = self.model.config.get_text_config(decoder=True)
+        model_limit = getattr(text_config, "max_position_embeddings", None)
+        if self.args.max_model_len is not None:
+            if model_limit is not None and self.args.max_model_len > model_limit:
+                raise ValueError(
+                    f"--max-model-len {self.args.max_model_len} exceeds the model's "
+                    f"max_position_embeddings of {model_limit}"
+                )
+            self.context_length = self.args.max_model_len
+        elif model_limit is not None:
+            self.context_length = int(model_limit)
+        else:
+            raise ValueError(
+                "the model config has no max_position_embeddings; pass --max-model-len"
+            )
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        eos = _eos_ids(self.model.generation_config, text_config)
+        bos = getattr(self.model.generation_config, "bos_token_id", None)
+        self._bos_or_eos = bos if isinstance(bos, int) else min(eos, default=0)
+        kv_tokens = self.args.kv_cache_tokens or self.args.max_num_seqs * self.context_length
+        self.scheduler = BatchScheduler(
+            self.model,
+            device=self.device,
+            eos_token_ids=eos,
+            vocab_size=self.vocab_size,
+            max_num_seqs=self.args.max_num_seqs,
+            kv_capacity_tokens=kv_tokens,
+            seed=self.args.seed,
+            engine_data=self._engine_data,
+            on_forward_pass=self._on_forward_pass,
+            worker_id=str(worker_id),
+        )
+        self.scheduler.start()
+        logger.info(
+            "transformers engine ready: %s on %s (%s), context %d, %d sequences, %d KV tokens",
+            self.model_path,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.context_length,
+            self.args.max_num_seqs,
+            kv_tokens,
+        )
+        return EngineConfig(
+            model=self.served_model_name,
+            served_model_name=self.served_model_name,
+            llm=LlmRegistration(
+                context_length=self.context_length,
+                kv_cache_block_size=KV_BLOCK_SIZE,
+                total_kv_blocks=self.scheduler.kv_total_blocks,
+                max_num_seqs=self.args.max_num_seqs,
+                max_num_batched_tokens=self.context_length,
+            ),
+        )
+
+    async def cleanup(self) -> None:
+        scheduler, self.scheduler = self.scheduler, None
+        if scheduler is not None:
+            await asyncio.to_thread(scheduler.stop)
+        self.model = None
+        gc.collect()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _engine_data(self) -> dict[str, Any]:
+        return {"weight_version": self.weight_version}
+
+    def _require_scheduler(self) -> BatchScheduler:
+        if self.scheduler is None:
+            raise RuntimeError("the transformers engine is not started")
+        return self.scheduler
+
+    async def generate(
+        self, request: GenerateRequest, context: Context
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        scheduler = self._require_scheduler()
+        prompt = _token_ids(request.get("token_ids"), self.vocab_size)
+        params = parse_sampling_params(
+            dict(request),
+            prompt_len=len(prompt),
+            context_length=self.context_length,
+            vocab_size=self.vocab_size,
+            max_num_seqs=self.args.max_num_seqs,
+        )
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[list[Any]] = asyncio.Queue()
+
+        def deliver(items: list[Any]) -> None:
+            try:
+                loop.call_soon_threadsafe(inbox.put_nowait, items)
+            except RuntimeError:
+                logger.debug("request %s: event loop closed before delivery", context.id())
+
+        submission = Submission(context.id(), context, prompt, params, deliver)
+        scheduler.submit(submission)
+        remaining = params.n
+        try:
+            while remaining:
+                for item in await inbox.get():
+                    if isinstance(item, StepFailure):
+                        raise RuntimeError(str(item))
+                    if "finish_reason" in item:
+                        remaining -= 1
+                    yield item
+        finally:
+            if remaining:
+                scheduler.cancel(submission)
+
+    async def abort(self, context: Context) -> None:
+        if self.scheduler is not None:
+            self.scheduler.cancel_request_id(context.id())
+
+    async def health_check_payload(self) -> dict[str, Any] | None:
+        return build_health_check_payload(self._bos_or_eos)
+
+    # -- metrics -------------------------------------------------------------------------
+
+    def _on_forward_pass(self, metrics: ForwardPassMetrics, usage: KvUsage) -> None:
+        """Runs on the scheduler thread after every forward pass and on going idle."""
+        self.forward_pass_metrics.append(metrics)
+        self.latest_forward_pass_metrics = metrics
+        publisher = self._snapshot_publisher
+        if publisher is None:
+            return
+        snapshot = ComponentSnapshot(
+            kv_used_blocks=usage.used_blocks,
+            kv_total_blocks=usage.total_blocks,
+            gpu_cache_usage=usage.used_blocks / usage.total_blocks if usage.total_blocks else 0.0,
+            dp_rank=0,
+        )
+        try:
+            publisher.publish(0, snapshot)
+        except Exception:
+            logger.exception("snapshot publisher failed")
+
+    def component_metrics_dp_ranks(self) -> list[int]:
+        return [0]
+
+    def attach_snapshot_publisher(self, publisher: Any) -> None:
+        self._snapshot_publisher = publisher
+
+    async def register_prometheus(self, metrics: Any) -> None:
+        add_callback = getattr(metrics, "add_expfmt_callback", None)
+        if callable(add_callback):
+            add_callback(self.prometheus_text)
+
+    def prometheus_text(self) -> str:
+        """The engine's gauges in the Prometheus text format."""
+        scheduler = self.scheduler
+        usage = scheduler.usage() if scheduler is not None else KvUsage(0, 0, 0, 0)
+        label = self.served_model_name.replace("\\", "\\\\").replace('"', '\\"')
+        gauges = (
+            ("penstock_engine_kv_used_blocks", "KV cache blocks in use", usage.used_blocks),
+            ("penstock_engine_kv_total_blocks", "KV cache blocks in total", usage.total_blocks),
+            ("penstock_engine_num_running", "Sequences being decoded", usage.running),
+            ("penstock_engine_num_waiting", "Requests waiting to start", usage.waiting),
+        )
+        lines = []
+        for name, help_text, value in gauges:
+            lines += [
+                f"# HELP {name} {help_text}",
+                f"# TYPE {name} gauge",
+                f'{name}{{model="{label}"}} {value}',
+            ]
+        return "\n".join(lines) + "\n"
+
+    # -- controls and updates ---------------------------------------------------------------
+
+    def supported_controls(self) -> set[str]:
+        return set(self._controls())
+
+    def supported_updates(self) -> set[str]:
+        return set(self._updates())
+
+    def _controls(self) -> dict[str, Callable[[Body], Awaitable[Body]]]:
+        return {
+            "pause_generation": self._pause_generation,
+            "resume_generation": self._resume_generation,
+            "is_paused": self._is_paused,
+            "is_sleeping": self._is_sleeping,
+            "sleep": self._sleep,
+            "wake_up": self._wake_up,
+            "get_weight_version": self._get_weight_version,
+            "flush_cache": self._flush_cache,
+            "abort_request": self._abort_request,
+        }
+
+    def _updates(self) -> dict[str, Callable[[Body], Awaitable[Body]]]:
+        return {
+            "update_weights_from_disk": self._update_weights_from_disk,
+            "update_weight_version": self._update_weight_version,
+            "set_weight_version": self._set_weight_version,
+        }
+
+    async def engine_control(self, control: str, body: Body) -> Body:
+        return await self._dispatch("control", self._controls(), control, body)
+
+    async def engine_update(self, update: str, body: Body) -> Body:
+        return await self._dispatch("update", self._updates(), update, body)
+
+    async def _dispatch(
+        self,
+        kind: str,
+        handlers: dict[str, Callable[[Body], Awaitable[Body]]],
+        name: str,
+        body: Any,
+    ) -> Body:
+        handler = handlers.get(name)
+        if handler is None:
+            return _error(f"unsupported engine {kind}: {name}")
+        if body is None:
+            body = {}
+        if not isinstance(body, dict):
+            return _error("request body must be a JSON object")
+        if self.scheduler is None:
+            return _error("the engine is not running")
+        try:
+            if name in _MEMORY_OPERATIONS:
+                async with self._memory_lock:
+                    return await handler(body)
+            return await handler(body)
+        except Exception as exc:
+            logger.exception("engine %s %s failed", kind, name)
+            return _error(str(exc) or type(exc).__name__)
+
+    @staticmethod
+    def _mode(body: Body, operation: str) -> str | Body:
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            return _error(f"Invalid mode '{mode}' for {operation}; expected abort|wait|keep")
+        return str(mode)
+
+    async def _pause(self, mode: str) -> None:
+        scheduler = self._require_scheduler()
+        in_flight = await asyncio.to_thread(
+            scheduler.pause, abort=mode == "abort", freeze=mode == "keep"
+        )
+        if mode != "keep":
+            await asyncio.to_thread(scheduler.wait_until_done, in_flight)
+
+    async def _pause_generation(self, body: Body) -> Body:
+        mode = self._mode(body, "pause_generation")
+        if isinstance(mode, dict):
+            return mode
+        clear_cache = body.get("clear_cache", False)
+        if not isinstance(clear_cache, bool):
+            return _error("`clear_cache` must be a boolean")
+        await self._pause(mode)
+        if clear_cache:
+            await self._flush_cache({})
+        return {
+            "status": "ok",
+            "message": "Engine paused",
+            "mode": mode,
+            "clear_cache": clear_cache,
+        }
+
+    async def _resume_generation(self, body: Body) -> Body:
+        self._require_scheduler().resume()
+        self._paused_by_sleep = False
+        response: Body = {"status": "ok", "message": "Engine resumed"}
+        if self._sleeping:
+            response["is_sleeping"] = True
+        return response
+
+    async def _is_paused(self, body: Body) -> Body:
+        return {"status": "ok", "is_paused": self._require_scheduler().paused}
+
+    async def _is_sleeping(self, body: Body) -> Body:
+        return {"status": "ok", "is_sleeping": bool(self._sleeping)}
+
+    async def _sleep(self, body: Body) -> Body:
+        level = body.get("level", 1)
+        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 2:
+            return _error("`level` must be 0, 1 or 2")
+        mode = self._mode(body, "sleep")
+        if isinstance(mode, dict):
+            return mode
+        if self._sleeping:
+            return {"status": "sleeping", "message": "Engine already sleeping", "is_sleeping": True}
+        scheduler = self._require_scheduler()
+        was_paused = scheduler.paused
+        await self._pause(mode)
+        self._paused_by_sleep = not was_paused
+        await asyncio.to_thread(scheduler.set_sleeping, True)
+        await asyncio.to_thread(self._release_memory, level)
+        self._sleep_level = level
+        self._sleeping = set(SLEEP_TAGS)
+        return {
+            "status": "sleeping",
+            "message": f"Engine slept (level={level})",
+            "level": level,
+            "is_sleeping": True,
+        }
+
+    def _release_memory(self, level: int) -> None:
+        """Level 1 moves weights and held KV to the CPU; level 2 drops the weights."""
+        scheduler = self._require_scheduler()
+        with scheduler.step_lock:
+            if level >= 1:
+                scheduler.move_kv(torch.device("cpu"))
+            if level == 1 and self.model is not None:
+                self.model.to("cpu")
+            elif level == 2:
+                self.model = None
+                scheduler.model = None
+        gc.collect()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _restore_weights(self) -> None:
+        scheduler = self._require_scheduler()
+        assert self.device is not None and self.dtype is not None
+        if self.model is None:
+            model = load_model(self.model_path, dtype=self.dtype, device=self.device)
+            if self._weights_source is not None:
+                apply_weight_update(
+                    plan_weight_update(model, read_safetensors(self._weights_source))
+                )
+            self.model = model
+        else:
+            self.model.to(self.device)
+        with scheduler.step_lock:
+            scheduler.model = self.model
+
+    def _restore_kv(self) -> None:
+        scheduler = self._require_scheduler()
+        assert self.device is not None
+        with scheduler.step_lock:
+            scheduler.move_kv(self.device)
+
+    async def _wake_up(self, body: Body) -> Body:
+        tags = body.get("tags")
+        if tags is None:
+            wanted = set(SLEEP_TAGS)
+        elif isinstance(tags, list) and all(isinstance(t, str) for t in tags):
+            unknown = sorted(set(tags) - SLEEP_TAGS)
+            if unknown:
+                return _error(
+                    f"unknown wake_up tags {unknown}; expected a subset of {sorted(SLEEP_TAGS)}"
+                )
+            wanted = set(tags)
+        else:
+            return _error("`tags` must be a list of strings")
+        if not self._sleeping:
+            return {"status": "awake", "message": "Engine already awake", "is_sleeping": False}
+        if "weights" in wanted & self._sleeping:
+            await asyncio.to_thread(self._restore_weights)
+            self._sleeping.discard("weights")
+        if "kv_cache" in wanted & self._sleeping:
+            await asyncio.to_thread(self._restore_kv)
+            self._sleeping.discard("kv_cache")
+        if self._sleeping:
+            return {
+                "status": "partially_awake",
+                "is_sleeping": True,
+                "sleeping": sorted(self._sleeping),
+            }
+        scheduler = self._require_scheduler()
+        scheduler.set_sleeping(False)
+        if self._paused_by_sleep:
+            scheduler.resume()
+            self._paused_by_sleep = False
+        return {"status": "awake", "message": "Engine woke", "is_sleeping": False}
+
+    async def _get_weight_version(self, body: Body) -> Body:
+        version = self.weight_version
+        return {
+            "status": "ok",
+            "version": version,
+            "version_declared": version is not None,
+            "weight_version": version,
+        }
+
+    async def _flush_cache(self, body: Body) -> Body:
+        # There is no prefix cache: KV lives only as long as its sequence. Flushing returns
+        # the allocator's idle blocks to the device.
+        gc.collect()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"status": "ok", "message": "Cache flushed"}
+
+    async def _abort_request(self, body: Body) -> Body:
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            return _error("Missing 'request_id' in body")
+        found = self._require_scheduler().cancel_request_id(request_id)
+        return {"status": "ok", "request_id": request_id, "found": found > 0}
+
+    async def _update_weights_from_disk(self, body: Body) -> Body:
+        model_path = body.get("model_path")
+        if not isinstance(model_path, str) or not model_path:
+            return _error("missing non-empty `model_path` string")
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            return _error("`weight_version` must be a string")
+        scheduler = self._require_scheduler()
+        if not scheduler.paused:
+            return _error(
+                "update_weights_from_disk needs paused generation: "
+                "call pause_generation first, then resume_generation after the update"
+            )
+        if self.model is None or "weights" in self._sleeping:
+            return _error("the weights are asleep: call wake_up before updating them")
+        source = Path(model_path)
+        try:
+            await asyncio.to_thread(self._load_weights, source)
+        except CheckpointError as exc:
+            return _error(f"weight update failed, the previous weights keep serving: {exc}")
+        self._weights_source = source
+        if version is not None:
+            self.weight_version = version
+        return {
+            "status": "ok",
+            "message": f"Weights updated from {source}",
+            "version": self.weight_version,
+            "version_declared": version is not None,
+        }
+
+    def _load_weights(self, source: Path) -> None:
+        scheduler = self._require_scheduler()
+        plan = plan_weight_update(self.model, read_safetensors(source))
+        with scheduler.step_lock:
+            apply_weight_update(plan)
+
+    async def _update_weight_version(self, body: Body) -> Body:
+        version = body.get("new_version")
+        if not isinstance(version, str) or not version:
+            return _error("missing non-empty `new_version` string")
+        self.weight_version = version
+        return {"status": "ok", "success": True, "new_version": version}
+
+    async def _set_weight_version(self, body: Body) -> Body:
+        version = body.get("weight_version")
+        if not isinstance(version, str) or not version:
+            return _error("Missing 'weight_version' in body")
+        self.weight_version = version
+        return {"status": "ok", "version": version}

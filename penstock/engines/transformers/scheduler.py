@@ -1,0 +1,626 @@
+"""Continuous batching over a Hugging Face causal LM, on one dedicated thread.
+
+Why a scheduler of our own: transformers' ``ContinuousBatchingManager`` fixes its sampling
+setup per manager (only temperature/top-k/top-p have per-request variants, and only when
+the manager's GenerationConfig enables them); it has no per-request seed, min-p,
+penalties, min_tokens, top logprobs or ``n``. This scheduler keeps the model's own forward
+and KV cache and adds what a server needs around them.
+
+Layout: every running sequence is one row of a batched ``DynamicCache``, right-aligned
+(left padding), so one decode step appends one column for all rows. Each row's real
+tokens are selected by an attention mask and its own position ids. Membership changes
+only at step boundaries: a new request is prefilled alone (so its first token does not
+depend on its neighbours), then its KV is merged into the batch; a finished or cancelled
+sequence's row is dropped, and padding columns no row needs any more are trimmed, so its
+KV is released at once.
+
+Admission reserves ``n * (prompt + max_tokens)`` tokens of the KV budget; a request that
+fits waits in FIFO order, so a running long request never blocks a short one from
+starting, and no running sequence is ever preempted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from penstock.engines.context import Context
+from penstock.engines.transformers.sampling import (
+    PenaltyState,
+    RowSampling,
+    SamplingParams,
+    TokenChoice,
+    choose_tokens,
+)
+from penstock.metrics.forward_pass import (
+    ForwardPassMetrics,
+    QueuedRequestMetrics,
+    ScheduledRequestMetrics,
+    WelfordAccumulator,
+)
+
+logger = logging.getLogger(__name__)
+
+KV_BLOCK_SIZE = 16
+# How often a thread with held or frozen requests re-checks them for cancellation.
+_HELD_POLL_S = 0.05
+
+
+class StepFailure(Exception):
+    """A forward pass failed; every request that was in it ends with this error."""
+
+
+Deliver = Callable[[list[Any]], None]
+
+
+@dataclass(eq=False)
+class Submission:
+    """One ``generate`` call: a prompt and ``n`` choices decoded as separate sequences."""
+
+    request_id: str
+    context: Context
+    prompt_ids: list[int]
+    params: SamplingParams
+    deliver: Deliver
+    cancelled: bool = False
+    done: bool = False
+    unfinished: int = 0
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.params.n * (len(self.prompt_ids) + self.params.max_tokens)
+
+    def should_stop(self) -> bool:
+        return self.cancelled or self.context.is_stopped()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of a submission: one row of the decode batch."""
+
+    submission: Submission
+    index: int
+    generator: torch.Generator | None
+    penalties: PenaltyState | None
+    output_ids: list[int] = field(default_factory=list)
+    kv_length: int = 0
+    next_token: int = 0
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class KvUsage:
+    used_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+
+
+class BatchScheduler:
+    """Runs the decode loop on its own thread; every public method is thread-safe."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        device: torch.device,
+        eos_token_ids: frozenset[int],
+        vocab_size: int,
+        max_num_seqs: int,
+        kv_capacity_tokens: int,
+        seed: int,
+        engine_data: Callable[[], dict[str, Any]],
+        on_forward_pass: Callable[[ForwardPassMetrics, KvUsage], None],
+        worker_id: str = "",
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.worker_id = worker_id
+        self._engine_data = engine_data
+        self._on_forward_pass = on_forward_pass
+        self._shared_generator = torch.Generator(device=device)
+        self._shared_generator.manual_seed(seed)
+        self._cond = threading.Condition()
+        # Held by the thread for a whole step; holders of it see no forward pass running.
+        self.step_lock = threading.Lock()
+        self._waiting: deque[Submission] = deque()
+        self._admitted: list[Submission] = []
+        self._running: list[Sequence] = []
+        self._cache: DynamicCache | None = None
+        self._width = 0
+        self._reserved_tokens = 0
+        self._paused = False
+        self._frozen = False
+        self._sleeping = False
+        self._stopping = False
+        self._counter = 0
+        self._thread: threading.Thread | None = None
+
+    @property
+    def kv_total_blocks(self) -> int:
+        return self.kv_capacity_tokens // KV_BLOCK_SIZE
+
+    # -- control (any thread) ----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="penstock-batch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread; every unfinished request ends with ``cancelled``."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self.step_lock, self._cond:
+            pending = list(self._waiting) + list(self._admitted)
+            self._waiting.clear()
+            self._running.clear()
+            self._admitted.clear()
+            self._cache = None
+            self._width = 0
+        with self._cond:
+            for submission in pending:
+                self._finish_unstarted(submission, "cancelled")
+            self._cond.notify_all()
+
+    def submit(self, submission: Submission) -> None:
+        if submission.reserved_tokens > self.kv_capacity_tokens:
+            raise ValueError(
+                f"the request needs {submission.reserved_tokens} KV tokens "
+                f"(n x (prompt + max_tokens)) but the engine holds at most "
+                f"{self.kv_capacity_tokens} (--kv-cache-tokens); lower max_tokens or n"
+            )
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the engine is shutting down")
+            self._waiting.append(submission)
+            self._cond.notify_all()
+
+    def cancel(self, submission: Submission) -> None:
+        with self._cond:
+            submission.cancelled = True
+            self._cond.notify_all()
+
+    def cancel_request_id(self, request_id: str) -> int:
+        """Cancel every submission with this request id; returns how many were found."""
+        with self._cond:
+            found = [
+                s
+                for s in list(self._waiting) + self._admitted
+                if s.request_id == request_id and not s.done
+            ]
+            for submission in found:
+                submission.cancelled = True
+            self._cond.notify_all()
+        return len(found)
+
+    def pause(self, *, abort: bool, freeze: bool) -> list[Submission]:
+        """Stop admitting; ``abort`` cancels what is in flight, ``freeze`` stops stepping.
+
+        Returns the submissions in flight at this moment (admitted, or cancelled here).
+        """
+        with self._cond:
+            self._paused = True
+            self._frozen = freeze
+            in_flight = list(self._admitted)
+            if abort:
+                in_flight += list(self._waiting)
+                for submission in in_flight:
+                    submission.cancelled = True
+            self._cond.notify_all()
+        if freeze:
+            # Wait for the step in progress (if any) to end: no forward pass after this.
+            with self.step_lock:
+                pass
+        return in_flight
+
+    def wait_until_done(self, submissions: list[Submission]) -> None:
+        """Block until every one of ``submissions`` has ended."""
+        with self._cond:
+            self._cond.wait_for(lambda: all(s.done for s in submissions))
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._frozen = False
+            self._cond.notify_all()
+
+    def set_sleeping(self, sleeping: bool) -> None:
+        """While sleeping nothing steps; returns once no forward pass is running."""
+        with self._cond:
+            self._sleeping = sleeping
+            self._cond.notify_all()
+        if sleeping:
+            with self.step_lock:
+                pass
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def num_in_flight(self) -> int:
+        with self._cond:
+            return len(self._admitted)
+
+    def usage(self) -> KvUsage:
+        with self._cond:
+            return self._usage_locked()
+
+    def _usage_locked(self) -> KvUsage:
+        used = sum(math.ceil(seq.kv_length / KV_BLOCK_SIZE) for seq in self._running)
+        return KvUsage(used, self.kv_total_blocks, len(self._running), len(self._waiting))
+
+    def move_kv(self, device: torch.device) -> None:
+        """Move the KV of held sequences (call with ``step_lock`` held)."""
+        if self._cache is not None:
+            self._cache = DynamicCache(
+                ddp_cache_data=[
+                    (layer.keys.to(device), layer.values.to(device)) for layer in self._cache.layers
+                ]
+            )
+
+    # -- the loop (scheduler thread) ------------------------------------------------------
+
+    def _run(self) -> None:
+        active = False
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+                self._drop_cancelled_waiting_locked()
+                can_step = not (self._frozen or self._sleeping) and (
+                    bool(self._running) or (bool(self._waiting) and not self._paused)
+                )
+                if not can_step:
+                    cancelled_rows = any(seq.submission.should_stop() for seq in self._running)
+                    if not cancelled_rows:
+                        if active:
+                            active = False
+                            self._emit_heartbeat_locked()
+                        held = bool(self._waiting or self._running)
+                        self._cond.wait(timeout=_HELD_POLL_S if held else None)
+                        continue
+                admitted = [] if not can_step or self._paused else self._admit_locked()
+                queued = list(self._waiting)
+            with self.step_lock:
+                if not can_step:
+                    self._release_cancelled_rows()
+                    continue
+                active = True
+                self._step(admitted, queued)
+
+    def _drop_cancelled_waiting_locked(self) -> None:
+        if not any(s.should_stop() for s in self._waiting):
+            return
+        keep: deque[Submission] = deque()
+        for submission in self._waiting:
+            if submission.should_stop():
+                self._finish_unstarted(submission, "cancelled")
+            else:
+                keep.append(submission)
+        self._waiting = keep
+        self._cond.notify_all()
+
+    def _admit_locked(self) -> list[Submission]:
+        admitted: list[Submission] = []
+        rows = len(self._running)
+        while self._waiting:
+            head = self._waiting[0]
+            if rows + head.params.n > self.max_num_seqs:
+                break
+            if self._reserved_tokens + head.reserved_tokens > self.kv_capacity_tokens:
+                break
+            self._waiting.popleft()
+            rows += head.params.n
+            self._reserved_tokens += head.reserved_tokens
+            self._admitted.append(head)
+            admitted.append(head)
+        return admitted
+
+    def _release_cancelled_rows(self) -> None:
+        """Drop rows of cancelled requests while the batch is frozen or paused."""
+        outbox: dict[Submission, list[Any]] = {}
+        for seq in self._running:
+            if seq.submission.should_stop():
+                self._finish(seq, "cancelled", outbox, last_chunk=None)
+        self._rebuild_batch([])
+        self._send(outbox)
+
+    def _step(self, admitted: list[Submission], queued: list[Submission]) -> None:
+        started = time.perf_counter()
+        outbox: dict[Submission, list[Any]] = {}
+        decode_rows: list[Sequence] = []
+        try:
+            with torch.inference_mode():
+                for seq in self._running:
+                    if seq.submission.should_stop():
+                        self._finish(seq, "cancelled", outbox, last_chunk=None)
+                self._rebuild_batch([])
+                decode_rows = list(self._running)
+                if decode_rows:
+                    self._decode(decode_rows, outbox)
+                joined: list[tuple[Sequence, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+                for submission in admitted:
+                    joined += self._prefill(submission, outbox)
+                self._rebuild_batch(joined)
+        except Exception as exc:
+            logger.exception("forward pass failed")
+            self._fail_all(outbox, StepFailure(f"forward pass failed: {exc}"))
+        self._send(outbox)
+        self._publish(admitted, decode_rows, queued, time.perf_counter() - started)
+
+    def _decode(self, rows: list[Sequence], outbox: dict[Submission, list[Any]]) -> None:
+        width = self._width
+        lengths = torch.tensor([seq.kv_length for seq in rows], device=self.device)
+        columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
+        attention_mask = (columns >= (width - lengths).unsqueeze(1)).long()
+        input_ids = torch.tensor([[seq.next_token] for seq in rows], device=self.device)
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=lengths.unsqueeze(1),
+            cache=self._cache,
+            use_cache=True,
+        )
+        self._cache = output.cache
+        self._width = width + 1
+        for seq in rows:
+            seq.kv_length += 1
+        choices = choose_tokens(
+            output.logits[:, -1, :], [self._row(seq) for seq in rows], self._shared_generator
+        )
+        for seq, choice in zip(rows, choices, strict=True):
+            self._accept(seq, choice, outbox)
+
+    def _prefill(
+        self, submission: Submission, outbox: dict[Submission, list[Any]]
+    ) -> list[tuple[Sequence, list[tuple[torch.Tensor, torch.Tensor]]]]:
+        params = submission.params
+        submission.unfinished = params.n
+        sequences = [self._new_sequence(submission, i) for i in range(params.n)]
+        if submission.should_stop():
+            for seq in sequences:
+                self._finish(seq, "cancelled", outbox, last_chunk=None)
+            return []
+        prompt = torch.tensor([submission.prompt_ids], device=self.device)
+        output = self.model(
+            input_ids=prompt, cache=DynamicCache(), use_cache=True, logits_to_keep=1
+        )
+        layers = [(layer.keys, layer.values) for layer in output.cache.layers]
+        logits = output.logits[:, -1, :].expand(params.n, -1)
+        choices = choose_tokens(
+            logits, [self._row(seq) for seq in sequences], self._shared_generator
+        )
+        joined = []
+        for seq, choice in zip(sequences, choices, strict=True):
+            seq.kv_length = len(submission.prompt_ids)
+            self._accept(seq, choice, outbox)
+            if not seq.finished:
+                joined.append((seq, layers))
+        return joined
+
+    def _new_sequence(self, submission: Submission, index: int) -> Sequence:
+        params = submission.params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed + index)
+        penalties = None
+        if params.has_penalties:
+            penalties = PenaltyState(submission.prompt_ids, self.vocab_size, self.device)
+        return Sequence(submission, index, generator, penalties)
+
+    def _row(self, seq: Sequence) -> RowSampling:
+        params = seq.submission.params
+        banned: list[int] = []
+        if len(seq.output_ids) < params.min_tokens:
+            banned = sorted(params.stop_token_ids | self.eos_token_ids)
+        return RowSampling(params, len(seq.output_ids), banned, seq.generator, seq.penalties)
+
+    def _accept(
+        self,
+        seq: Sequence,
+        choice: TokenChoice,
+        outbox: dict[Submission, list[Any]],
+    ) -> None:
+        params = seq.submission.params
+        token = choice.token_id
+        seq.output_ids.append(token)
+        seq.next_token = token
+        if seq.penalties is not None:
+            seq.penalties.record(token)
+        chunk: dict[str, Any] = {"token_ids": [token], "index": seq.index}
+        if choice.logprob is not None:
+            chunk["log_probs"] = [choice.logprob]
+            if choice.top_logprobs is not None:
+                chunk["top_logprobs"] = [choice.top_logprobs]
+        chunk["engine_data"] = self._engine_data()
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
+            self._finish(seq, "stop", outbox, last_chunk=chunk)
+        elif len(seq.output_ids) >= params.max_tokens:
+            self._finish(seq, "length", outbox, last_chunk=chunk)
+        else:
+            outbox.setdefault(seq.submission, []).append(chunk)
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: str,
+        outbox: dict[Submission, list[Any]],
+        *,
+        last_chunk: dict[str, Any] | None,
+    ) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        submission = seq.submission
+        chunk = last_chunk or {
+            "token_ids": [],
+            "index": seq.index,
+            "engine_data": self._engine_data(),
+        }
+        chunk["finish_reason"] = reason
+        chunk["completion_usage"] = _usage(len(submission.prompt_ids), len(seq.output_ids))
+        outbox.setdefault(submission, []).append(chunk)
+        submission.unfinished -= 1
+        if submission.unfinished <= 0:
+            self._retire(submission)
+
+    def _retire(self, submission: Submission) -> None:
+        with self._cond:
+            submission.done = True
+            if submission in self._admitted:
+                self._admitted.remove(submission)
+                self._reserved_tokens -= submission.reserved_tokens
+            self._cond.notify_all()
+
+    def _finish_unstarted(self, submission: Submission, reason: str) -> None:
+        submission.done = True
+        submission.deliver(
+            [
+                {
+                    "token_ids": [],
+                    "index": index,
+                    "finish_reason": reason,
+                    "completion_usage": _usage(len(submission.prompt_ids), 0),
+                    "engine_data": self._engine_data(),
+                }
+                for index in range(submission.params.n)
+            ]
+        )
+
+    def _fail_all(self, outbox: dict[Submission, list[Any]], error: StepFailure) -> None:
+        with self._cond:
+            failed = list(self._admitted)
+            self._running = []
+        self._cache = None
+        self._width = 0
+        for submission in failed:
+            outbox.setdefault(submission, []).append(error)
+            self._retire(submission)
+
+    def _rebuild_batch(
+        self, joined: list[tuple[Sequence, list[tuple[torch.Tensor, torch.Tensor]]]]
+    ) -> None:
+        """Drop finished rows, trim padding nobody needs, append newly prefilled rows."""
+        keep = [i for i, seq in enumerate(self._running) if not seq.finished]
+        if len(keep) == len(self._running) and not joined:
+            return
+        survivors = [self._running[i] for i in keep]
+        rows = survivors + [seq for seq, _ in joined]
+        with self._cond:
+            self._running = rows
+        if not rows:
+            self._cache = None
+            self._width = 0
+            return
+        width = max(seq.kv_length for seq in rows)
+        layer_count = len(joined[0][1]) if joined else len(self._cache.layers)  # type: ignore[union-attr]
+        merged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in range(layer_count):
+            parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if survivors and self._cache is not None:
+                cached = self._cache.layers[layer]
+                keys, values = cached.keys, cached.values
+                if len(keep) != keys.shape[0]:
+                    index = torch.tensor(keep, device=keys.device)
+                    keys, values = keys.index_select(0, index), values.index_select(0, index)
+                parts.append(_fit_width(keys, values, width))
+            for _seq, prefilled in joined:
+                keys, values = prefilled[layer]
+                parts.append(_fit_width(keys, values, width))
+            merged.append(
+                (
+                    torch.cat([k for k, _ in parts], dim=0),
+                    torch.cat([v for _, v in parts], dim=0),
+                )
+            )
+        self._cache = DynamicCache(ddp_cache_data=merged)
+        self._width = width
+
+    def _send(self, outbox: dict[Submission, list[Any]]) -> None:
+        for submission, items in outbox.items():
+            submission.deliver(items)
+
+    # -- metrics -------------------------------------------------------------------------
+
+    def _publish(
+        self,
+        admitted: list[Submission],
+        decoded: list[Sequence],
+        queued: list[Submission],
+        wall_time: float,
+    ) -> None:
+        prefill = WelfordAccumulator()
+        for submission in admitted:
+            prefill.add(len(submission.prompt_ids))
+        decode = WelfordAccumulator()
+        for seq in decoded:
+            decode.add(seq.kv_length)
+        waiting = WelfordAccumulator()
+        for submission in queued:
+            waiting.add(len(submission.prompt_ids))
+        self._counter += 1
+        metrics = ForwardPassMetrics(
+            worker_id=self.worker_id,
+            counter_id=self._counter,
+            wall_time=max(wall_time, 1e-9),
+            scheduled_requests=ScheduledRequestMetrics(
+                num_prefill_requests=prefill.n,
+                sum_prefill_tokens=int(prefill.s),
+                var_prefill_length=prefill.variance(),
+                num_decode_requests=decode.n,
+                sum_decode_kv_tokens=int(decode.s),
+                var_decode_kv_tokens=decode.variance(),
+            ),
+            queued_requests=QueuedRequestMetrics(
+                num_prefill_requests=waiting.n,
+                sum_prefill_tokens=int(waiting.s),
+                var_prefill_length=waiting.variance(),
+            ),
+        )
+        self._on_forward_pass(metrics, self.usage())
+
+    def _emit_heartbeat_locked(self) -> None:
+        self._counter += 1
+        heartbeat = ForwardPassMetrics(worker_id=self.worker_id, counter_id=self._counter)
+        self._on_forward_pass(heartbeat, self._usage_locked())
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _fit_width(
+    keys: torch.Tensor, values: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-align ``[batch, heads, length, dim]`` KV to ``width`` columns."""
+    length = keys.shape[-2]
+    if length > width:
+        return keys[..., length - width :, :], values[..., length - width :, :]
+    if length < width:
+        pad = (0, 0, width - length, 0)
+        return torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad)
+    return keys, values

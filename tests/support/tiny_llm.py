@@ -1,0 +1,52 @@
+"""A complete tiny causal-LM checkpoint built offline: random Llama weights + the tiny tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from tokenizers import Tokenizer
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from tests.support.tiny import build_tokenizer
+
+
+def build_tiny_llama(folder: Path, *, seed: int = 0, tokenizer_from: Path | None = None) -> Path:
+    """Save a random-init ``LlamaForCausalLM`` with tokenizer and chat template into ``folder``.
+
+    ``tokenizer_from`` reuses an already trained tokenizer folder (same vocabulary), so two
+    checkpoints built with different seeds have identical parameter names and shapes.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is None:
+        build_tokenizer(folder)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (folder / name).write_bytes((tokenizer_from / name).read_bytes())
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos_id = tokenizer.token_to_id("<|im_end|>")
+    pad_id = tokenizer.token_to_id("<pad>")
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Random init gives near-uniform logits; a wider spread keeps greedy choices stable
+    # against float rounding so batched and single runs pick the same tokens.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    model.save_pretrained(folder)
+    return folder
