@@ -13,7 +13,16 @@ from penstock.app.gateway import Gateway
 from penstock.app.handlers import install_error_handlers
 from penstock.app.middleware import GatewayMiddleware
 from penstock.app.security import require_inference_key
-from penstock.routers import chat, completions, health, models
+from penstock.routers import (
+    admin,
+    chat,
+    completions,
+    health,
+    lora,
+    models,
+    sglang_compat,
+    vllm_compat,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +33,10 @@ ROUTER_MODULES: list[ModuleType] = [
     models,
     chat,
     completions,
+    admin,
+    lora,
+    sglang_compat,
+    vllm_compat,
 ]
 
 ALWAYS_OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})

@@ -1,0 +1,319 @@
+"""The admin state machine every admin dialect drives: one engine, one state.
+
+States: ``serving``; ``paused`` (with the pause mode); ``sleeping`` (with the released
+tags); ``updating`` (while a weight update runs, with its target version); ``draining``
+(the process is shutting down). Sleep may start from serving or paused, and a full wake
+returns to where it started.
+
+Rules, whatever route or dialect asked:
+
+* state-changing operations are serialized (one lock);
+* repeating an operation in the state it leads to is a no-op (``changed=False``);
+* an invalid transition raises :class:`ConflictError` (409) carrying the current state;
+* weight updates need ``paused``: called while serving they get a 409 saying to pause;
+* an operation that fails (the engine refuses or raises) restores the previous state,
+  and the engine keeps its previous weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from penstock.app.errors import (
+    ConflictError,
+    InternalServerError,
+    InvalidRequestError,
+    PenstockError,
+    ServiceUnavailableError,
+)
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")
+SLEEP_TAGS = ("kv_cache", "weights")
+STATE_NAMES = ("serving", "paused", "sleeping", "updating", "draining")
+
+# Controls that only read state or end individual requests: no need to queue them behind
+# a long operation (a trainer may abort stragglers while a wait-mode pause drains).
+UNSERIALIZED_CONTROLS = frozenset({"is_paused", "is_sleeping", "get_weight_version"})
+WEIGHT_UPDATES_PREFIX = "update_weights_"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an admin operation did: ``changed`` is False for an idempotent repeat."""
+
+    changed: bool
+    engine: dict[str, Any]
+
+
+def default_sleep_tags(level: int) -> frozenset[str]:
+    """Level 0 only drops the KV cache; higher levels release the weights too."""
+    return frozenset({"kv_cache"}) if level == 0 else frozenset(SLEEP_TAGS)
+
+
+def is_error_response(result: dict[str, Any]) -> bool:
+    status = result.get("status")
+    return (isinstance(status, str) and status.lower() == "error") or result.get("success") is False
+
+
+class AdminStateMachine:
+    """Owns the admin state and the weight version; talks to the engine's controls."""
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        is_draining: Callable[[], bool] = lambda: False,
+        publish_version: Callable[[str | None], None] = lambda version: None,
+        weight_version: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self._is_draining = is_draining
+        self._publish_version = publish_version
+        self._lock = asyncio.Lock()
+        self.pause_mode: str | None = None
+        self.sleep_tags: frozenset[str] = frozenset()
+        self.sleep_level: int | None = None
+        self.updating: str | None = None
+        self.update_target: str | None = None
+        self.weight_version = weight_version
+        self.version_declared = weight_version is not None
+        self.since = time.time()
+
+    # -- what the gateway reads -------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        if self._is_draining():
+            return "draining"
+        if self.updating is not None:
+            return "updating"
+        if self.sleep_tags:
+            return "sleeping"
+        if self.pause_mode is not None:
+            return "paused"
+        return "serving"
+
+    @property
+    def is_paused(self) -> bool:
+        return self.pause_mode is not None
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.sleep_tags)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "state": self.name,
+            "mode": self.pause_mode,
+            "tags": sorted(self.sleep_tags),
+            "sleep_level": self.sleep_level,
+            "updating": self.updating,
+            "target_version": self.update_target,
+            "weight_version": self.weight_version,
+            "version_declared": self.version_declared,
+            "since": self.since,
+        }
+
+    def conflict(self, message: str) -> ConflictError:
+        return ConflictError(
+            message,
+            code="invalid_state_transition",
+            extra={"state": self.name, "admin": self.describe()},
+        )
+
+    # -- engine calls -----------------------------------------------------------------
+
+    def supports(self, kind: str, name: str) -> bool:
+        if kind == "control":
+            return name in self.engine.supported_controls()
+        return name in self.engine.supported_updates()
+
+    def require_support(self, kind: str, name: str) -> None:
+        if self.supports(kind, name):
+            return
+        offered = (
+            self.engine.supported_controls()
+            if kind == "control"
+            else self.engine.supported_updates()
+        )
+        raise InvalidRequestError(
+            f"this engine does not support the {kind} '{name}' "
+            f"(it offers: {', '.join(sorted(offered)) or 'none'})",
+            code="unsupported_by_engine",
+        )
+
+    async def call_engine(self, kind: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Run an engine control/update; engine refusals become 400 with its message."""
+        self.require_support(kind, name)
+        call = self.engine.engine_control if kind == "control" else self.engine.engine_update
+        try:
+            result = await call(name, body)
+        except PenstockError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"{name}: {exc}", code="engine_rejected") from exc
+        except Exception as exc:
+            logger.exception("engine %s %s failed", kind, name)
+            raise InternalServerError(f"engine {kind} '{name}' failed") from exc
+        if result is None:
+            return {"status": "ok"}
+        if not isinstance(result, dict):
+            raise InternalServerError(f"engine {kind} '{name}' returned a non-object")
+        if is_error_response(result):
+            message = result.get("message") or f"engine {kind} '{name}' failed"
+            raise InvalidRequestError(str(message), code="engine_rejected")
+        return result
+
+    def _refuse_if_draining(self) -> None:
+        if self._is_draining():
+            raise ServiceUnavailableError("The server is shutting down")
+
+    def _set_version(self, version: str | None) -> None:
+        self.weight_version = version
+        self.version_declared = version is not None
+        self._publish_version(version)
+
+    def _touch(self) -> None:
+        self.since = time.time()
+
+    # -- transitions ------------------------------------------------------------------
+
+    async def pause(self, mode: str, clear_cache: bool = False) -> Outcome:
+        async with self._lock:
+            self._refuse_if_draining()
+            if self.is_sleeping:
+                raise self.conflict("cannot pause while sleeping: wake_up first")
+            if self.pause_mode is not None:
+                if self.pause_mode == mode:
+                    return Outcome(False, {"status": "paused", "mode": mode})
+                raise self.conflict(
+                    f"already paused in mode '{self.pause_mode}': resume before pausing "
+                    f"in mode '{mode}'"
+                )
+            # Paused from the start, so readiness says so while a wait-mode pause drains.
+            self.pause_mode = mode
+            try:
+                result = await self.call_engine(
+                    "control", "pause_generation", {"mode": mode, "clear_cache": clear_cache}
+                )
+            except BaseException:
+                self.pause_mode = None
+                raise
+            self._touch()
+            return Outcome(True, result)
+
+    async def resume(self) -> Outcome:
+        async with self._lock:
+            self._refuse_if_draining()
+            if self.is_sleeping:
+                raise self.conflict("the engine is sleeping: wake_up before resuming")
+            if self.pause_mode is None:
+                return Outcome(False, {"status": "resumed"})
+            result = await self.call_engine("control", "resume_generation", {})
+            self.pause_mode = None
+            self._touch()
+            return Outcome(True, result)
+
+    async def sleep(self, level: int, mode: str, tags: list[str] | None) -> Outcome:
+        """Release ``tags`` (default: level 0 the KV cache, else everything)."""
+        async with self._lock:
+            self._refuse_if_draining()
+            wanted = frozenset(tags) if tags is not None else default_sleep_tags(level)
+            if self.is_sleeping and wanted <= self.sleep_tags:
+                return Outcome(False, {"status": "sleeping", "tags": sorted(self.sleep_tags)})
+            body: dict[str, Any] = {"level": level, "mode": mode, "tags": sorted(wanted)}
+            result = await self.call_engine("control", "sleep", body)
+            if self.sleep_level is None:
+                self.sleep_level = level
+            self.sleep_tags = self.sleep_tags | wanted
+            self._touch()
+            return Outcome(True, result)
+
+    async def wake_up(self, tags: list[str] | None) -> Outcome:
+        async with self._lock:
+            self._refuse_if_draining()
+            if not self.is_sleeping:
+                return Outcome(False, {"status": "awake"})
+            body: dict[str, Any] = {} if tags is None else {"tags": list(tags)}
+            result = await self.call_engine("control", "wake_up", body)
+            remaining = self.sleep_tags - frozenset(tags if tags is not None else SLEEP_TAGS)
+            if result.get("is_sleeping") is False or result.get("status") == "awake":
+                remaining = frozenset()
+            self.sleep_tags = remaining
+            if not remaining:
+                self.sleep_level = None
+            self._touch()
+            return Outcome(True, result)
+
+    async def update_weights(
+        self, update: str, body: dict[str, Any], version: str | None
+    ) -> Outcome:
+        """Run a weight update (needs ``paused``); publish ``version`` once it succeeded."""
+        async with self._lock:
+            self._refuse_if_draining()
+            if self.is_sleeping:
+                raise self.conflict(
+                    "the engine is sleeping: wake_up, then pause_generation, before "
+                    "updating weights"
+                )
+            if self.pause_mode is None:
+                raise self.conflict(
+                    "pause generation before updating weights "
+                    "(POST /engine/pause_generation, /pause or /pause_generation)"
+                )
+            self.require_support("update", update)
+            self.updating, self.update_target = update, version
+            self._touch()
+            try:
+                result = await self.call_engine("update", update, body)
+                if version is not None:
+                    await self._sync_engine_version(version, result)
+            finally:
+                self.updating = self.update_target = None
+                self._touch()
+            if version is not None:
+                self._set_version(version)
+            elif isinstance(result.get("weight_version"), str):
+                self._set_version(result["weight_version"])
+            return Outcome(True, result)
+
+    async def _sync_engine_version(self, version: str, result: dict[str, Any]) -> None:
+        if result.get("weight_version") != version and self.supports(
+            "update", "update_weight_version"
+        ):
+            await self.call_engine("update", "update_weight_version", {"new_version": version})
+
+    async def set_weight_version(self, version: str) -> Outcome:
+        """Relabel the serving weights; any state but draining, no pause needed."""
+        async with self._lock:
+            self._refuse_if_draining()
+            if self.version_declared and self.weight_version == version:
+                return Outcome(False, {"success": True, "new_version": version})
+            result: dict[str, Any] = {"success": True, "new_version": version}
+            if self.supports("update", "update_weight_version"):
+                result = await self.call_engine(
+                    "update", "update_weight_version", {"new_version": version}
+                )
+            self._set_version(version)
+            return Outcome(True, result)
+
+    async def run_control(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """An engine control with no state transition of its own (flush, profile, ...)."""
+        if name in UNSERIALIZED_CONTROLS or name == "abort_request":
+            return await self.call_engine("control", name, body)
+        async with self._lock:
+            self._refuse_if_draining()
+            return await self.call_engine("control", name, body)
+
+    async def run_update(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """An engine update that is neither a weight update nor a version change."""
+        async with self._lock:
+            self._refuse_if_draining()
+            return await self.call_engine("update", name, body)

@@ -1,0 +1,51 @@
+"""LoRA adapter routes in vLLM's shape, and the adapter listing.
+
+* ``POST /v1/load_lora_adapter {lora_name, lora_path}`` -> text ``Success: LoRA adapter
+  '<name>' added successfully.``; ``lora_path`` is a local folder or a URI
+  (``file://``, ``hf://`` from the local hub cache, ``s3://``, or a registered scheme).
+  An engine without LoRA support -> 400; a name already loaded from elsewhere -> 409.
+* ``POST /v1/unload_lora_adapter {lora_name}`` -> text ``Success: LoRA adapter '<name>'
+  removed successfully.``; not loaded -> 404.
+* ``GET /v1/loras`` -> ``{"status": "success", "loras": [{"lora_name", "lora_id",
+  "local_path", "source"}], "count"}``.
+
+A loaded adapter is also listed by ``GET /v1/models`` (with ``parent``: the base model)
+and is used by any request whose ``model`` names it. Admin auth as in
+:mod:`penstock.routers.admin`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import PlainTextResponse
+
+from penstock.app.security import ADMIN_TAG, require_admin_key
+from penstock.rl.fields import json_object_body, required_str
+from penstock.rl.plane import admin_plane
+
+router = APIRouter(tags=[ADMIN_TAG], dependencies=[Depends(require_admin_key)])
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> PlainTextResponse:
+    body = await json_object_body(request)
+    name = required_str(body, "lora_name")
+    path = required_str(body, "lora_path")
+    await admin_plane(request).adapters.load(name, path, field="lora_path")
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+    body = await json_object_body(request)
+    name = required_str(body, "lora_name")
+    await admin_plane(request).adapters.unload(name)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+@router.get("/v1/loras")
+async def list_loras(request: Request) -> dict[str, Any]:
+    loras = admin_plane(request).adapters.listing()
+    return {"status": "success", "loras": loras, "count": len(loras)}

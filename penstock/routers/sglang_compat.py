@@ -1,0 +1,255 @@
+"""SGLang-shaped admin routes, for trainers that already speak SGLang (slime, verl, ...).
+
+Same process, same admin state machine and engine as ``/engine/*`` (see
+:mod:`penstock.routers.admin` for auth, states and error statuses). Requests and
+responses:
+
+* ``POST /pause_generation {mode="abort"|"retract"|"in_place"}`` (also ``wait``/``keep``;
+  ``retract`` and ``in_place`` both freeze in-flight requests, which continue on resume)
+  -> ``{"status": "ok", "message": "Generation paused successfully.", "mode", "state"}``
+* ``POST /continue_generation`` -> ``{"status": "ok", "message": "Generation continued
+  successfully.", "state"}``
+* ``POST /update_weights_from_disk {model_path, weight_version?, abort_all_requests=false,
+  flush_cache=true}`` (needs the paused state) -> ``{"success": true, "message",
+  "num_paused_requests": 0, "weight_version"}``
+* ``POST /update_weight_version {new_version, abort_all_requests=false}`` -> ``{"success":
+  true, "message", "new_version"}`` (in-flight requests are kept unless asked otherwise)
+* ``GET /get_weight_version`` -> ``{"weight_version"}``
+* ``GET|POST /flush_cache`` -> text ``Cache flushed.``
+* ``POST /abort_request {rid?, abort_all=false}`` -> ``{"status": "ok", "aborted": [ids]}``
+* ``GET|POST /release_memory_occupation {tags?}`` (in-flight requests finish first) and
+  ``GET|POST /resume_memory_occupation {tags?}`` -> ``{"status": "ok", "message", "tags",
+  "is_sleeping", "state"}``
+* ``POST /load_lora_adapter {lora_name, lora_path}``, ``POST /unload_lora_adapter
+  {lora_name}`` -> ``{"success": true, "error_message": "", "loaded_adapters": {name:
+  path}}``
+* ``GET /get_model_info`` -> ``{"model_path", "tokenizer_path", "is_generation",
+  "preferred_sampling_params", "weight_version", "has_image_understanding",
+  "has_audio_understanding"}``
+* ``GET /get_server_info`` -> ``{"model_path", "served_model_name", "tokenizer_path",
+  "context_length", "weight_version", "version", "admin", "internal_states"}``
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import PlainTextResponse
+
+from penstock.app.security import ADMIN_TAG, require_admin_key
+from penstock.rl.fields import (
+    bool_field,
+    invalid,
+    json_object_body,
+    required_str,
+    str_field,
+    tags_field,
+)
+from penstock.rl.plane import AdminPlane, admin_plane
+
+router = APIRouter(tags=[ADMIN_TAG], dependencies=[Depends(require_admin_key)])
+
+# SGLang's retract (requeue, recompute later) and in_place (keep KV) both leave requests
+# waiting to continue after resume; to the client that is ``keep``.
+SGLANG_PAUSE_MODES = {
+    "abort": "abort",
+    "retract": "keep",
+    "in_place": "keep",
+    "wait": "wait",
+    "keep": "keep",
+}
+
+
+def _penstock_version() -> str:
+    try:
+        return version("penstock")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+async def _abort_all(plane: AdminPlane) -> list[str]:
+    if not plane.state.supports("control", "abort_request"):
+        return []
+    result = await plane.state.run_control("abort_request", {"abort_all": True})
+    return list(result.get("aborted", []))
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    requested = body.get("mode", "abort")
+    if requested not in SGLANG_PAUSE_MODES:
+        raise invalid("mode", f"must be one of {', '.join(SGLANG_PAUSE_MODES)}; got {requested!r}")
+    await plane.state.pause(SGLANG_PAUSE_MODES[requested])
+    return {
+        "status": "ok",
+        "message": "Generation paused successfully.",
+        "mode": requested,
+        "state": plane.state.name,
+    }
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    await json_object_body(request)
+    await plane.state.resume()
+    return {
+        "status": "ok",
+        "message": "Generation continued successfully.",
+        "state": plane.state.name,
+    }
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    model_path = required_str(body, "model_path")
+    weight_version = str_field(body, "weight_version")
+    abort_all = bool_field(body, "abort_all_requests", False)
+    flush = bool_field(body, "flush_cache", True)
+    update_body: dict[str, Any] = {"model_path": model_path}
+    if weight_version is not None:
+        update_body["weight_version"] = weight_version
+    if abort_all:
+        await _abort_all(plane)
+    await plane.state.update_weights("update_weights_from_disk", update_body, weight_version)
+    if flush and plane.state.supports("control", "flush_cache"):
+        await plane.state.run_control("flush_cache", {})
+    return {
+        "success": True,
+        "message": "Succeeded to update model weights.",
+        "num_paused_requests": 0,
+        "weight_version": plane.state.weight_version,
+    }
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    new_version = required_str(body, "new_version")
+    if bool_field(body, "abort_all_requests", False):
+        await _abort_all(plane)
+    await plane.state.set_weight_version(new_version)
+    return {
+        "success": True,
+        "message": f"Weight version updated to {new_version}",
+        "new_version": new_version,
+    }
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request) -> dict[str, Any]:
+    return {"weight_version": admin_plane(request).state.weight_version}
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> PlainTextResponse:
+    plane = admin_plane(request)
+    await plane.state.run_control("flush_cache", {})
+    return PlainTextResponse("Cache flushed.\n")
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    if bool_field(body, "abort_all", False):
+        return {"status": "ok", "aborted": await _abort_all(plane)}
+    rid = required_str(body, "rid")
+    result = await plane.state.run_control("abort_request", {"request_id": rid})
+    return {"status": "ok", "aborted": list(result.get("aborted", []))}
+
+
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+async def release_memory_occupation(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    # SGLang refuses to release memory under running requests; waiting for them to
+    # finish gives the same guarantee without failing the call.
+    await plane.state.sleep(1, "wait", tags_field(body))
+    return _memory_response(plane, "Memory released.")
+
+
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+async def resume_memory_occupation(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    await plane.state.wake_up(tags_field(body))
+    return _memory_response(plane, "Memory resumed.")
+
+
+def _memory_response(plane: AdminPlane, message: str) -> dict[str, Any]:
+    return {
+        "status": "ok",
+        "message": message,
+        "tags": sorted(plane.state.sleep_tags),
+        "is_sleeping": plane.state.is_sleeping,
+        "state": plane.state.name,
+    }
+
+
+def _loaded_adapters(plane: AdminPlane) -> dict[str, str]:
+    return {name: adapter.info.path for name, adapter in plane.adapters.adapters.items()}
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    name = required_str(body, "lora_name")
+    await plane.adapters.load(name, required_str(body, "lora_path"), field="lora_path")
+    return {"success": True, "error_message": "", "loaded_adapters": _loaded_adapters(plane)}
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    await plane.adapters.unload(required_str(body, "lora_name"))
+    return {"success": True, "error_message": "", "loaded_adapters": _loaded_adapters(plane)}
+
+
+def _model_facts(request: Request) -> dict[str, Any]:
+    gateway = request.app.state.gateway
+    host = gateway.host
+    config = host.engine_config
+    tokenizer_path = getattr(host.worker_config, "model_name", None)
+    return {
+        "model_path": config.model if config is not None else None,
+        "tokenizer_path": tokenizer_path,
+        "served_model_name": host.served_model_name if config is not None else None,
+        "context_length": config.llm.context_length if config and config.llm else None,
+    }
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    facts = _model_facts(request)
+    return {
+        "model_path": facts["model_path"],
+        "tokenizer_path": facts["tokenizer_path"],
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": admin_plane(request).state.weight_version,
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+    }
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    state = plane.state
+    return {
+        **_model_facts(request),
+        "weight_version": state.weight_version,
+        "version": _penstock_version(),
+        "admin": state.describe(),
+        "internal_states": [{"weight_version": state.weight_version, "state": state.name}],
+    }

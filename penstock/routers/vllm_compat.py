@@ -1,0 +1,108 @@
+"""vLLM-shaped admin routes, for trainers that already speak vLLM's RL and dev routes.
+
+Same process, same admin state machine and engine as ``/engine/*`` (see
+:mod:`penstock.routers.admin` for auth, states and error statuses). Parameters travel in
+the query string, as vLLM takes them:
+
+* ``POST /pause?mode=abort|wait|keep&clear_cache=false`` -> ``{"status": "paused", "mode"}``
+* ``POST /resume`` -> ``{"status": "resumed"}``
+* ``GET /is_paused`` -> ``{"is_paused": bool}``
+* ``POST /sleep?level=1&mode=abort`` -> ``{"status": "sleeping", "level", "tags"}``
+* ``POST /wake_up?tags=weights&tags=kv_cache`` (no tags: everything) -> ``{"status":
+  "awake"}`` or ``{"status": "partially_awake", "is_sleeping": true, "tags": [still asleep]}``
+* ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``
+* ``POST /reset_prefix_cache`` -> ``{"status": "ok"}``
+* ``POST /abort_requests {request_ids?}`` (missing or empty: all) -> ``{"status":
+  "aborted", "aborted": <count>}``
+* ``GET /weight_info`` -> ``{"weight_version"}``
+
+LoRA (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) is in
+:mod:`penstock.routers.lora`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from penstock.app.security import ADMIN_TAG, require_admin_key
+from penstock.rl.fields import json_object_body, mode_field, str_list_field, tags_field
+from penstock.rl.plane import admin_plane
+
+router = APIRouter(tags=[ADMIN_TAG], dependencies=[Depends(require_admin_key)])
+
+
+@router.post("/pause")
+async def pause(request: Request, mode: str = "abort", clear_cache: bool = False) -> dict[str, Any]:
+    plane = admin_plane(request)
+    checked = mode_field({"mode": mode}, "mode", "abort")
+    await plane.state.pause(checked, clear_cache)
+    return {"status": "paused", "mode": checked}
+
+
+@router.post("/resume")
+async def resume(request: Request) -> dict[str, Any]:
+    await admin_plane(request).state.resume()
+    return {"status": "resumed"}
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> dict[str, Any]:
+    return {"is_paused": admin_plane(request).state.is_paused}
+
+
+@router.post("/sleep")
+async def sleep(
+    request: Request,
+    level: Annotated[int, Query(ge=0, le=2)] = 1,
+    mode: str = "abort",
+) -> dict[str, Any]:
+    plane = admin_plane(request)
+    await plane.state.sleep(level, mode_field({"mode": mode}, "mode", "abort"), None)
+    return {
+        "status": "sleeping",
+        "level": plane.state.sleep_level,
+        "tags": sorted(plane.state.sleep_tags),
+    }
+
+
+@router.post("/wake_up")
+async def wake_up(
+    request: Request, tags: Annotated[list[str] | None, Query()] = None
+) -> dict[str, Any]:
+    plane = admin_plane(request)
+    await plane.state.wake_up(tags_field({"tags": tags}))
+    if plane.state.is_sleeping:
+        return {
+            "status": "partially_awake",
+            "is_sleeping": True,
+            "tags": sorted(plane.state.sleep_tags),
+        }
+    return {"status": "awake"}
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> dict[str, Any]:
+    return {"is_sleeping": admin_plane(request).state.is_sleeping}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict[str, Any]:
+    await admin_plane(request).state.run_control("flush_cache", {})
+    return {"status": "ok"}
+
+
+@router.post("/abort_requests")
+async def abort_requests(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    ids = str_list_field(body, "request_ids")
+    engine_body: dict[str, Any] = {"request_ids": ids} if ids else {"abort_all": True}
+    result = await plane.state.run_control("abort_request", engine_body)
+    return {"status": "aborted", "aborted": len(result.get("aborted", []))}
+
+
+@router.get("/weight_info")
+async def weight_info(request: Request) -> dict[str, Any]:
+    return {"weight_version": admin_plane(request).state.weight_version}
