@@ -1,0 +1,118 @@
+"""``sample-diffusion``: an image engine that needs no model, for trying the raw path.
+
+Every image is the same valid 1x1 PNG; ``delay`` seconds pass before the answer (not for
+health canaries). It ignores cancellation: the answer is one object, produced at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import numpy as np
+
+from penstock.engines.constants import ModelInput
+from penstock.engines.context import Context
+from penstock.engines.contract import (
+    DiffusionEngine,
+    EngineConfig,
+    RawRequest,
+    RawResponseChunk,
+    WorkerConfig,
+)
+from penstock.engines.health import (
+    build_raw_health_check_payload,
+    is_probe,
+    parse_health_check_payload_cli,
+)
+from penstock.media.encoding import encode_image
+
+MAX_IMAGES = 10
+_PIXEL_PNG_B64 = base64.b64encode(
+    encode_image(np.full((1, 1, 3), 128, dtype=np.uint8), "png")
+).decode()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="penstock serve --engine sample-diffusion --",
+        description="Sample image engine: 1x1 PNG answers, no model weights.",
+    )
+    parser.add_argument("--model", "--model-name", dest="model", default="sample-diffusion-model")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--namespace", default="dynamo")
+    parser.add_argument("--component", default="sample")
+    parser.add_argument("--endpoint", default="generate")
+    parser.add_argument("--delay", type=float, default=0.05, help="seconds before each answer")
+    parser.add_argument("--endpoint-types", default="images")
+    parser.add_argument("--health-check-payload", default=None)
+    return parser
+
+
+def _image_count(request: RawRequest) -> int:
+    raw = request.get("n", 1)
+    if raw is None:
+        return 1
+    try:
+        count = int(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError("`n` must be an integer") from exc
+    if not 1 <= count <= MAX_IMAGES:
+        raise ValueError(f"`n` must be between 1 and {MAX_IMAGES}")
+    return count
+
+
+class SampleDiffusionEngine(DiffusionEngine):
+    """Answers ``n`` copies of a 1x1 PNG, as ``b64_json`` or a ``data:`` URL."""
+
+    def __init__(self, model: str, *, delay: float = 0.05) -> None:
+        if delay < 0:
+            raise ValueError("--delay must be >= 0")
+        self.model = model
+        self.delay = delay
+
+    @classmethod
+    async def from_args(
+        cls, argv: list[str] | None = None
+    ) -> tuple[SampleDiffusionEngine, WorkerConfig]:
+        args = _parser().parse_args(argv)
+        engine = cls(args.model, delay=args.delay)
+        config = WorkerConfig(
+            namespace=args.namespace,
+            component=args.component,
+            endpoint=args.endpoint,
+            served_model_name=args.served_model_name or args.model,
+            model_input=ModelInput.Text,
+            endpoint_types=args.endpoint_types,
+            enable_kv_routing=False,
+            health_check_payload=parse_health_check_payload_cli(args.health_check_payload),
+        )
+        return engine, config
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        return EngineConfig(model=self.model, served_model_name=self.model)
+
+    async def generate(
+        self, request: RawRequest, context: Context
+    ) -> AsyncGenerator[RawResponseChunk, None]:
+        count = _image_count(request)
+        response_format = request.get("response_format") or "url"
+        if not is_probe(request) and self.delay:
+            await asyncio.sleep(self.delay)
+        if response_format == "b64_json":
+            item = {"b64_json": _PIXEL_PNG_B64}
+        else:
+            item = {"url": f"data:image/png;base64,{_PIXEL_PNG_B64}"}
+        yield {"created": int(time.time()), "data": [dict(item) for _ in range(count)]}
+
+    async def health_check_payload(self) -> dict[str, Any] | None:
+        return build_raw_health_check_payload(
+            {"prompt": "ping", "n": 1, "response_format": "b64_json"}
+        )
+
+    async def cleanup(self) -> None:
+        """Nothing to release."""

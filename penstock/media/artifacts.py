@@ -1,0 +1,67 @@
+"""Generated files, kept in a folder or behind any fsspec URL (``s3://``, ``memory://``...).
+
+Calls block (they may go over the network): async callers run them in a thread.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import uuid
+
+import fsspec
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+
+
+def _check_key(key: str) -> str:
+    if not _KEY_RE.match(key) or ".." in key.split("/"):
+        raise ValueError(f"invalid artifact key {key!r}")
+    return key
+
+
+class ArtifactStore:
+    """Bytes under keys like ``videos/<id>.mp4``, relative to ``location``."""
+
+    def __init__(self, location: str) -> None:
+        self.location = location
+        self.fs, self.root = fsspec.core.url_to_fs(location)
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    @property
+    def is_local(self) -> bool:
+        return "file" in self._protocols()
+
+    def _protocols(self) -> tuple[str, ...]:
+        protocol = self.fs.protocol
+        return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+    def _path(self, key: str) -> str:
+        return posixpath.join(self.root, _check_key(key))
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write ``data`` whole: readers see the old file, no file, or the new one."""
+        path = self._path(key)
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        if not self.is_local:
+            self.fs.pipe_file(path, data)
+            return
+        partial = f"{path}.{uuid.uuid4().hex}.partial"
+        self.fs.pipe_file(partial, data)
+        self.fs.mv(partial, path)
+
+    def size(self, key: str) -> int | None:
+        path = self._path(key)
+        try:
+            return int(self.fs.size(path))
+        except FileNotFoundError:
+            return None
+
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of the artifact."""
+        return bytes(self.fs.cat_file(self._path(key), start=start, end=end))
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        if self.fs.exists(path):
+            self.fs.rm_file(path)

@@ -1,0 +1,184 @@
+"""Video job records in SQLite (stdlib ``sqlite3``): they outlive the process.
+
+One connection, used from the event loop thread only; every write commits at once (WAL,
+so readers never wait). The engine request of each job is stored too, so a job still
+queued when the process stopped can run after a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+QUEUED = "queued"
+IN_PROGRESS = "in_progress"
+COMPLETED = "completed"
+FAILED = "failed"
+UNFINISHED = (QUEUED, IN_PROGRESS)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS video_jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    model TEXT NOT NULL,
+    prompt TEXT NOT NULL,
+    status TEXT NOT NULL,
+    progress INTEGER NOT NULL DEFAULT 0,
+    created_at INTEGER NOT NULL,
+    completed_at INTEGER,
+    seconds TEXT NOT NULL,
+    size TEXT NOT NULL,
+    error_code TEXT,
+    error_message TEXT,
+    artifact TEXT,
+    content_type TEXT,
+    inference_time_s REAL,
+    request TEXT NOT NULL
+)
+"""
+
+_COLUMNS = (
+    "id",
+    "model",
+    "prompt",
+    "status",
+    "progress",
+    "created_at",
+    "completed_at",
+    "seconds",
+    "size",
+    "error_code",
+    "error_message",
+    "artifact",
+    "content_type",
+    "inference_time_s",
+    "request",
+)
+
+
+@dataclass
+class VideoJob:
+    """One video generation job; ``artifact`` is a store key or, for engines that answer
+    with a remote URL, that URL."""
+
+    id: str
+    model: str
+    prompt: str
+    seconds: str
+    size: str
+    request: dict[str, Any]
+    status: str = QUEUED
+    progress: int = 0
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    completed_at: int | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    artifact: str | None = None
+    content_type: str | None = None
+    inference_time_s: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status not in UNFINISHED
+
+    def video_object(self, queue_position: int | None = None) -> dict[str, Any]:
+        """The OpenAI ``video`` object (plus ``queue_position`` while queued)."""
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "video",
+            "model": self.model,
+            "status": self.status,
+            "progress": self.progress,
+            "created_at": self.created_at,
+            "completed_at": self.completed_at,
+            "expires_at": None,
+            "prompt": self.prompt,
+            "seconds": self.seconds,
+            "size": self.size,
+            "remixed_from_video_id": None,
+            "error": (
+                {"code": self.error_code or "generation_failed", "message": self.error_message}
+                if self.status == FAILED
+                else None
+            ),
+        }
+        if queue_position is not None:
+            body["queue_position"] = queue_position
+        return body
+
+
+def _row_to_job(row: sqlite3.Row) -> VideoJob:
+    values = {name: row[name] for name in _COLUMNS}
+    values["request"] = json.loads(values["request"])
+    return VideoJob(**values)
+
+
+class JobStore:
+    """CRUD over the ``video_jobs`` table; newest first means highest insertion order."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def add(self, job: VideoJob) -> None:
+        values = [getattr(job, name) for name in _COLUMNS]
+        values[_COLUMNS.index("request")] = json.dumps(job.request)
+        placeholders = ", ".join("?" for _ in _COLUMNS)
+        self._db.execute(
+            f"INSERT INTO video_jobs ({', '.join(_COLUMNS)}) VALUES ({placeholders})", values
+        )
+
+    def get(self, job_id: str) -> VideoJob | None:
+        row = self._db.execute("SELECT * FROM video_jobs WHERE id = ?", (job_id,)).fetchone()
+        return _row_to_job(row) if row is not None else None
+
+    def update(self, job_id: str, **changes: Any) -> None:
+        unknown = set(changes) - set(_COLUMNS) - {"request"}
+        if unknown:
+            raise KeyError(f"unknown job fields: {sorted(unknown)}")
+        assignments = ", ".join(f"{name} = ?" for name in changes)
+        self._db.execute(
+            f"UPDATE video_jobs SET {assignments} WHERE id = ?", [*changes.values(), job_id]
+        )
+
+    def delete(self, job_id: str) -> bool:
+        return self._db.execute("DELETE FROM video_jobs WHERE id = ?", (job_id,)).rowcount > 0
+
+    def page(
+        self, *, limit: int, after: str | None = None, newest_first: bool = True
+    ) -> tuple[list[VideoJob], bool]:
+        """Up to ``limit`` jobs after the cursor job ``after``; and whether more follow.
+
+        An ``after`` that names no job gives :class:`KeyError`.
+        """
+        op, order = ("<", "DESC") if newest_first else (">", "ASC")
+        params: list[Any] = []
+        where = ""
+        if after is not None:
+            row = self._db.execute("SELECT seq FROM video_jobs WHERE id = ?", (after,)).fetchone()
+            if row is None:
+                raise KeyError(after)
+            where = f"WHERE seq {op} ?"
+            params.append(row["seq"])
+        rows = self._db.execute(
+            f"SELECT * FROM video_jobs {where} ORDER BY seq {order} LIMIT ?", [*params, limit + 1]
+        ).fetchall()
+        return [_row_to_job(r) for r in rows[:limit]], len(rows) > limit
+
+    def unfinished(self) -> list[VideoJob]:
+        rows = self._db.execute(
+            "SELECT * FROM video_jobs WHERE status IN (?, ?) ORDER BY seq ASC", UNFINISHED
+        ).fetchall()
+        return [_row_to_job(r) for r in rows]

@@ -1,0 +1,377 @@
+"""Everything media generation needs in one gateway process.
+
+The video and image routers share one :class:`MediaService` (kept on
+``gateway.extensions["media"]``): one job store, one artifact store and one worker pool,
+so ``media_workers`` bounds all generations on the engine together.
+
+Video jobs are rows in the job store before they run. On startup, jobs a previous process
+left ``in_progress`` are marked failed with the reason; jobs it left ``queued`` run again
+(their engine request is stored). On a clean shutdown, running jobs are cancelled and
+marked failed the same way.
+
+Progress: a raw engine yields objects whose ``status`` is ``in_progress`` (carrying
+``progress`` 0-100 and optionally ``step`` / ``total_steps``) and ends with its terminal
+object. The service stores the percentage, computes an ETA from the elapsed time, and
+publishes each change to the subscribers of that job (the streaming route).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from penstock.app.errors import EngineError, PenstockError
+from penstock.engines.context import Context
+from penstock.media.artifacts import ArtifactStore
+from penstock.media.encoding import VIDEO_CONTENT_TYPES, data_url_bytes
+from penstock.media.jobs import COMPLETED, FAILED, IN_PROGRESS, QUEUED, JobStore, VideoJob
+from penstock.media.pool import WorkerPool
+
+if TYPE_CHECKING:
+    from penstock.app.gateway import Gateway, ServedModel
+    from penstock.app.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_KEY = "media"
+MEDIA_DB_ENV = "PENSTOCK_MEDIA_DB"
+CANCEL_WAIT_S = 30.0
+INTERRUPTED_REASON = "the server stopped while this job was running; create it again"
+SHUTDOWN_REASON = "the server shut down while this job was running; create it again"
+_PROGRESS_STATUSES = frozenset({QUEUED, IN_PROGRESS})
+_FORMAT_RE = re.compile(r"^[a-z0-9]{1,8}$")
+
+
+def media_store_location(settings: Settings) -> str:
+    return settings.media_store or str(Path(settings.cache_dir) / "media")
+
+
+def job_db_path(settings: Settings, artifacts: ArtifactStore) -> Path:
+    """Next to the artifacts when they are local (a store folder is then self-contained);
+    in the cache folder otherwise; ``PENSTOCK_MEDIA_DB`` overrides both."""
+    override = os.environ.get(MEDIA_DB_ENV, "").strip()
+    if override:
+        return Path(override)
+    if artifacts.is_local:
+        return Path(artifacts.root) / "jobs.sqlite3"
+    return Path(settings.cache_dir) / "media-jobs.sqlite3"
+
+
+def is_progress(chunk: dict[str, Any]) -> bool:
+    return chunk.get("status") in _PROGRESS_STATUSES and not chunk.get("data")
+
+
+@dataclass
+class _Run:
+    """A generation being executed."""
+
+    served: ServedModel
+    context: Context
+    started: float = field(default_factory=time.monotonic)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class JobEvent:
+    """A change of one job, as streaming subscribers see it."""
+
+    job: VideoJob
+    queue_position: int | None = None
+    step: int | None = None
+    total_steps: int | None = None
+    eta_s: float | None = None
+    error: PenstockError | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.job.finished
+
+
+class MediaService:
+    def __init__(self, gateway: Gateway) -> None:
+        settings = gateway.settings
+        self.gateway = gateway
+        self.artifacts = ArtifactStore(media_store_location(settings))
+        self.jobs = JobStore(job_db_path(settings, self.artifacts))
+        self.pool = WorkerPool(settings.media_workers)
+        self._runs: dict[str, _Run] = {}
+        self._subscribers: dict[str, list[asyncio.Queue[JobEvent]]] = {}
+        self._users = 0
+
+    # -- lifecycle shared by the routers ----------------------------------------------
+
+    @classmethod
+    async def acquire(cls, gateway: Gateway) -> MediaService:
+        service = gateway.extensions.get(EXTENSION_KEY)
+        if service is None:
+            service = cls(gateway)
+            gateway.extensions[EXTENSION_KEY] = service
+            service._recover()
+            service.pool.start()
+        service._users += 1
+        return service
+
+    @classmethod
+    async def release(cls, gateway: Gateway) -> None:
+        service = gateway.extensions.get(EXTENSION_KEY)
+        if service is None:
+            return
+        service._users -= 1
+        if service._users <= 0:
+            gateway.extensions.pop(EXTENSION_KEY, None)
+            await service._close()
+
+    @classmethod
+    def of(cls, gateway: Gateway) -> MediaService:
+        service = gateway.extensions.get(EXTENSION_KEY)
+        if service is None:
+            raise RuntimeError("media service not started")
+        return service
+
+    def _recover(self) -> None:
+        for job in self.jobs.unfinished():
+            if job.status == IN_PROGRESS:
+                logger.warning("video job %s was running when the server stopped", job.id)
+                self._fail(job.id, "interrupted", INTERRUPTED_REASON)
+            else:
+                self.pool.submit(job.id, lambda job_id=job.id: self._run_video(job_id))
+
+    async def _close(self) -> None:
+        running = list(self._runs)
+        await self.pool.stop()
+        for job_id in running:
+            job = self.jobs.get(job_id)
+            if job is not None and not job.finished:
+                self._fail(job_id, "interrupted", SHUTDOWN_REASON)
+        self.jobs.close()
+
+    # -- video jobs ----------------------------------------------------------------------
+
+    def queue_position(self, job: VideoJob) -> int | None:
+        return self.pool.position(job.id) if job.status == QUEUED else None
+
+    def video_object(self, job: VideoJob) -> dict[str, Any]:
+        return job.video_object(self.queue_position(job))
+
+    def submit_video(self, job: VideoJob) -> None:
+        self.jobs.add(job)
+        self.pool.submit(job.id, lambda: self._run_video(job.id))
+
+    def subscribe(self, job_id: str) -> asyncio.Queue[JobEvent]:
+        queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+        self._subscribers.setdefault(job_id, []).append(queue)
+        return queue
+
+    def unsubscribe(self, job_id: str, queue: asyncio.Queue[JobEvent]) -> None:
+        queues = self._subscribers.get(job_id, [])
+        with contextlib.suppress(ValueError):
+            queues.remove(queue)
+        if not queues:
+            self._subscribers.pop(job_id, None)
+
+    def _publish(self, event: JobEvent) -> None:
+        for queue in self._subscribers.get(event.job.id, []):
+            queue.put_nowait(event)
+
+    def _fail(
+        self, job_id: str, code: str, message: str, error: PenstockError | None = None
+    ) -> None:
+        self.jobs.update(
+            job_id,
+            status=FAILED,
+            error_code=code,
+            error_message=message,
+            completed_at=int(time.time()),
+        )
+        job = self.jobs.get(job_id)
+        if job is not None:
+            self._publish(JobEvent(job, error=error))
+
+    async def cancel_video(self, job_id: str) -> None:
+        """Stop a job wherever it is: out of the queue, or stopped between engine steps."""
+        if self.pool.withdraw(job_id):
+            return
+        run = self._runs.get(job_id)
+        if run is None:
+            return
+        run.served.host.cancel(run.context)
+        try:
+            async with asyncio.timeout(CANCEL_WAIT_S):
+                await run.done.wait()
+        except TimeoutError:
+            logger.warning("video job %s still running %.0fs after cancel", job_id, CANCEL_WAIT_S)
+
+    async def delete_video(self, job_id: str) -> None:
+        """Cancel the job if it runs, then drop its record and its stored video."""
+        await self.cancel_video(job_id)
+        job = self.jobs.get(job_id)
+        if job is None:
+            return
+        self.jobs.delete(job_id)
+        if job.artifact and not job.artifact.startswith(("http://", "https://")):
+            await asyncio.to_thread(self.artifacts.delete, job.artifact)
+
+    async def _run_video(self, job_id: str) -> None:
+        job = self.jobs.get(job_id)
+        if job is None or job.finished:
+            return
+        try:
+            served = self.gateway.resolve(job.model)
+        except PenstockError as exc:
+            self._fail(job_id, "model_not_found", exc.message, exc)
+            return
+        run = _Run(served, Context(job_id))
+        self._runs[job_id] = run
+        try:
+            await self._execute_video(job, run)
+        finally:
+            self._runs.pop(job_id, None)
+            run.done.set()
+
+    async def _execute_video(self, job: VideoJob, run: _Run) -> None:
+        self.jobs.update(job.id, status=IN_PROGRESS, progress=0)
+        job.status, job.progress = IN_PROGRESS, 0
+        self._publish(JobEvent(job))
+        terminal: dict[str, Any] | None = None
+        try:
+            async for chunk in run.served.host.generate(dict(job.request), run.context):
+                if not isinstance(chunk, dict):
+                    raise EngineError("engine yielded a non-object")
+                terminal = chunk
+                if is_progress(chunk):
+                    self._record_progress(job, run, chunk)
+        except PenstockError as exc:
+            if self.jobs.get(job.id) is not None:
+                self._fail(job.id, exc.code, exc.message, exc)
+            return
+        except asyncio.CancelledError:
+            raise
+        if self.jobs.get(job.id) is None:
+            return
+        if run.context.is_stopped():
+            self._fail(job.id, "cancelled", "the job was cancelled")
+            return
+        if terminal is None or is_progress(terminal):
+            self._fail(job.id, "engine_error", "the engine ended without a video")
+            return
+        await self._store_result(job, run, terminal)
+
+    def _record_progress(self, job: VideoJob, run: _Run, chunk: dict[str, Any]) -> None:
+        try:
+            progress = min(max(int(chunk.get("progress", job.progress)), 0), 99)
+        except (TypeError, ValueError):
+            progress = job.progress
+        step, total = chunk.get("step"), chunk.get("total_steps")
+        elapsed = time.monotonic() - run.started
+        eta: float | None = None
+        if isinstance(step, int) and isinstance(total, int) and 0 < step <= total:
+            eta = elapsed / step * (total - step)
+        elif progress > 0:
+            eta = elapsed / progress * (100 - progress)
+        if progress != job.progress:
+            self.jobs.update(job.id, progress=progress)
+            job.progress = progress
+        self._publish(
+            JobEvent(
+                job,
+                step=step if isinstance(step, int) else None,
+                total_steps=total if isinstance(total, int) else None,
+                eta_s=round(eta, 3) if eta is not None else None,
+            )
+        )
+
+    async def _store_result(self, job: VideoJob, run: _Run, terminal: dict[str, Any]) -> None:
+        if terminal.get("status") == FAILED or terminal.get("error"):
+            self._fail(job.id, "generation_failed", str(terminal.get("error") or "failed"))
+            return
+        items = terminal.get("data") or []
+        item = items[0] if items and isinstance(items[0], dict) else {}
+        output_format = str(item.get("output_format") or "mp4").lower()
+        if not _FORMAT_RE.match(output_format):
+            output_format = "bin"
+        payload: bytes | None = None
+        external_url: str | None = None
+        if isinstance(item.get("b64_json"), str):
+            payload = data_url_bytes(item["b64_json"])
+        elif isinstance(item.get("url"), str):
+            url = item["url"]
+            if url.startswith("data:"):
+                payload = data_url_bytes(url)
+            elif url.startswith(("http://", "https://")):
+                external_url = url
+        if payload is None and external_url is None:
+            self._fail(job.id, "engine_error", "the engine's answer holds no readable video")
+            return
+        artifact = external_url
+        if payload is not None:
+            artifact = f"videos/{job.id}.{output_format}"
+            await asyncio.to_thread(self.artifacts.put, artifact, payload)
+            if self.jobs.get(job.id) is None:
+                await asyncio.to_thread(self.artifacts.delete, artifact)
+                return
+        inference_time = terminal.get("inference_time_s")
+        self.jobs.update(
+            job.id,
+            status=COMPLETED,
+            progress=100,
+            completed_at=int(time.time()),
+            artifact=artifact,
+            content_type=VIDEO_CONTENT_TYPES.get(output_format, "application/octet-stream"),
+            inference_time_s=(
+                float(inference_time)
+                if isinstance(inference_time, int | float)
+                else round(time.monotonic() - run.started, 3)
+            ),
+        )
+        finished = self.jobs.get(job.id)
+        if finished is not None:
+            self._publish(JobEvent(finished))
+
+    # -- one-shot generations (images) ------------------------------------------------
+
+    async def generate_once(
+        self, served: ServedModel, request: dict[str, Any], context: Context
+    ) -> dict[str, Any]:
+        """Run one request through the pool and return the engine's terminal object.
+
+        If the caller goes away, the request leaves the queue or the engine is told to
+        stop.
+        """
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[dict[str, Any]] = loop.create_future()
+        key = f"once-{context.id()}"
+
+        async def work() -> None:
+            if result.done():
+                return
+            terminal: dict[str, Any] | None = None
+            try:
+                async for chunk in served.host.generate(request, context):
+                    terminal = chunk
+            except BaseException as exc:
+                if not result.done():
+                    result.set_exception(exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                return
+            if result.done():
+                return
+            if terminal is None or is_progress(terminal):
+                result.set_exception(EngineError("the engine ended without a result"))
+            else:
+                result.set_result(terminal)
+
+        self.pool.submit(key, work)
+        try:
+            return await asyncio.shield(result)
+        except asyncio.CancelledError:
+            if not self.pool.withdraw(key):
+                served.host.cancel(context)
+            raise
