@@ -78,6 +78,8 @@ def validation_error_from(exc: RequestValidationError) -> InvalidRequestError:
     message = first.get("msg", "invalid value")
     if kind == "missing":
         message = "Field required"
+    elif isinstance(first.get("input"), str | int | float | bool) and kind != "value_error":
+        message += f"; got {first['input']!r}"[:200]
     return InvalidRequestError(
         f"{field}: {message}" if field else message, param=field or None, code="invalid_value"
     )

@@ -52,9 +52,9 @@ class HealthStatus:
 def engine_exception_to_error(exc: BaseException) -> PenstockError:
     """Map an exception raised by ``generate`` to what the client sees.
 
-    Argument errors are the caller's fault (400, message kept); objects carrying an int
-    ``status`` (or ``code``) and a ``message`` keep their status class; anything else is
-    an internal error whose details stay in the log.
+    ``ValueError`` means the engine rejected the request's arguments (400, message kept);
+    objects carrying an int ``status`` (or ``code``) and a ``message`` keep their status
+    class; anything else is an internal error whose details stay in the log.
     """
     if isinstance(exc, PenstockError):
         return exc
@@ -68,7 +68,7 @@ def engine_exception_to_error(exc: BaseException) -> PenstockError:
             error.status_code = status
             return error
         return EngineError("Internal server error")
-    if isinstance(exc, ValueError | TypeError):
+    if isinstance(exc, ValueError):
         return InvalidRequestError(str(exc) or type(exc).__name__)
     return EngineError("Internal server error")
 

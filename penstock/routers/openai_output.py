@@ -89,6 +89,8 @@ class ChoiceState:
             for token in token_ids:
                 text += step(token)
         reason = chunk.get("finish_reason")
+        if reason and self.detokenizer is not None:
+            text += self.detokenizer.flush()
         if self.stop is not None:
             text, matched = self.stop.feed(text)
             if matched:

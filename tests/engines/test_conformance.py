@@ -23,9 +23,7 @@ async def test_the_kit_catches_a_chunk_after_the_terminal() -> None:
 async def test_the_kit_catches_an_ignored_cancel() -> None:
     long_request = {"token_ids": [1], "extra_args": {"mode": "ok"}}
     with pytest.raises(ConformanceError, match="CancellationIgnored"):
-        await run_conformance(
-            ScriptedEngine, request={"token_ids": [1]}, long_request=long_request
-        )
+        await run_conformance(ScriptedEngine, request={"token_ids": [1]}, long_request=long_request)
 
 
 def test_builtin_engines_resolve() -> None:

@@ -30,7 +30,11 @@ from tests.support.doubles import ScriptedEngine
 
 def test_engine_config_positional_order_and_defaults() -> None:
     config = EngineConfig("m", "served", {"k": 1}, LlmRegistration(context_length=8))
-    assert (config.model, config.served_model_name, config.runtime_data) == ("m", "served", {"k": 1})
+    assert (config.model, config.served_model_name, config.runtime_data) == (
+        "m",
+        "served",
+        {"k": 1},
+    )
     assert config.llm.context_length == 8 and config.model_aliases == []
     assert LlmRegistration().max_num_seqs is None and LlmRegistration().enable_eagle is False
 

@@ -120,3 +120,20 @@ class FailingStartEngine(MarkedSampleEngine):
 
 class NotAnEngine:
     pass
+
+
+class AbortRecordingEngine(MarkedSampleEngine):
+    """The sample engine writing each emitted step and each abort to the marker file."""
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        return await SampleLLMEngine.start(self, worker_id)
+
+    def token_at(self, step: int, *rest: int) -> int:
+        with self.marker.open("a") as f:
+            f.write(f"token {step}\n")
+        return super().token_at(step, *rest)
+
+    async def abort(self, context: Context) -> None:
+        await super().abort(context)
+        with self.marker.open("a") as f:
+            f.write(f"abort {context.id()}\n")
