@@ -18,9 +18,11 @@ from penstock.routers import (
     chat,
     completions,
     health,
+    images,
     lora,
     models,
     sglang_compat,
+    videos,
     vllm_compat,
 )
 
@@ -37,6 +39,8 @@ ROUTER_MODULES: list[ModuleType] = [
     lora,
     sglang_compat,
     vllm_compat,
+    videos,
+    images,
 ]
 
 ALWAYS_OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})

@@ -64,8 +64,10 @@ def decode_image(data: bytes) -> Image.Image:
         with Image.open(io.BytesIO(data)) as image:
             image.load()
             return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise UndecodableImage(f"not a decodable image: {exc}") from exc
+    except UnidentifiedImageError as exc:
+        raise UndecodableImage("not a decodable image (unknown format)") from exc
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise UndecodableImage(f"not a decodable image ({exc})") from exc
 
 
 def image_data_url(image: Image.Image) -> str:

@@ -1,0 +1,178 @@
+"""The HTTP edge of media routes: request bodies, model choice, reference images, waiting.
+
+Media routes take JSON or ``multipart/form-data`` (what the official client sends for
+``videos.create``, with an optional ``input_reference`` file). Form keys in bracket form
+(``nvext[num_frames]``, ``nvext[annotations][]``) become nested objects, so both
+encodings validate against the same schema.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.datastructures import UploadFile
+
+from penstock.app.errors import InvalidRequestError, PenstockError, UnsupportedMediaTypeError
+from penstock.app.gateway import Gateway, ServedModel
+from penstock.media.encoding import UndecodableImage, data_url_bytes, decode_image, image_data_url
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
+
+DISCONNECT_POLL_S = 0.5
+
+
+class ClientClosedRequest(PenstockError):
+    """The client went away before the answer; nobody reads this response."""
+
+    status_code = 499
+    error_type = "request_cancelled"
+    default_code = "request_cancelled"
+
+
+_BRACKETS = re.compile(r"\[([^\]]*)\]")
+
+
+def _form_path(key: str) -> list[str]:
+    head, _, rest = key.partition("[")
+    return [head, *_BRACKETS.findall("[" + rest)] if rest else [head]
+
+
+def _place(body: dict[str, Any], path: list[str], value: Any) -> None:
+    node = body
+    for index, part in enumerate(path[:-1]):
+        if path[index + 1] == "":
+            node = node.setdefault(part, [])
+            break
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise InvalidRequestError(f"form field '{part}' is given twice", param=part)
+        node = child
+    else:
+        node[path[-1]] = value
+        return
+    if not isinstance(node, list):
+        raise InvalidRequestError(f"form field '{path[0]}' mixes list and value", param=path[0])
+    node.append(value)
+
+
+async def read_media_body(request: Request, *, file_fields: frozenset[str]) -> dict[str, Any]:
+    """The request body as a dict; uploaded files (only ``file_fields``) as bytes."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "multipart/form-data":
+        form = await request.form()
+        body: dict[str, Any] = {}
+        for key, value in form.multi_items():
+            path = _form_path(key)
+            if isinstance(value, UploadFile):
+                if path[0] not in file_fields or len(path) > 1:
+                    raise InvalidRequestError(f"{key}: files are not accepted here", param=key)
+                value = await value.read()
+            _place(body, path, value)
+        return body
+    if content_type in ("application/json", ""):
+        raw = await request.body()
+        try:
+            body = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequestError(f"Invalid JSON body: {exc}", code="invalid_json") from exc
+        if not isinstance(body, dict):
+            raise InvalidRequestError("The request body must be a JSON object")
+        return body
+    raise UnsupportedMediaTypeError(
+        f"Content-Type '{content_type}' is not supported: send application/json "
+        "or multipart/form-data"
+    )
+
+
+def validate_body(schema: type[ModelT], body: dict[str, Any]) -> ModelT:
+    """Validate like FastAPI does, so errors read the same (400 naming the field)."""
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from exc
+
+
+def fill_default_model(body: dict[str, Any], gateway: Gateway, endpoint_type: str) -> None:
+    """Without ``model``, use the only model that serves ``endpoint_type``, if just one."""
+    if body.get("model") not in (None, ""):
+        return
+    candidates = [m for m in gateway.listed_models() if endpoint_type in m.endpoint_types]
+    if len(candidates) == 1:
+        body["model"] = candidates[0].name
+    else:
+        body.pop("model", None)
+
+
+def served_for(gateway: Gateway, model: str, endpoint_type: str, route: str) -> ServedModel:
+    served = gateway.resolve(model)
+    if endpoint_type not in served.endpoint_types or not served.host.is_raw:
+        offered = ", ".join(sorted(served.endpoint_types)) or "nothing"
+        raise InvalidRequestError(
+            f"The model '{model}' does not serve {route} (it serves: {offered})",
+            param="model",
+            code="model_not_supported",
+        )
+    return served
+
+
+def reference_data_url(value: Any) -> str:
+    """A client's ``input_reference`` as a PNG ``data:`` URL for the engine.
+
+    Accepts an uploaded file, a base64 ``data:`` URL, bare base64, or the OpenAI object
+    form ``{"image_url": ...}``. Anything that does not decode as an image is a 415.
+    """
+    if isinstance(value, dict):
+        if value.get("file_id"):
+            raise InvalidRequestError(
+                "input_reference.file_id: file references are not supported; upload the "
+                "image or send it as a data: URL",
+                param="input_reference",
+            )
+        value = value.get("image_url")
+    if isinstance(value, str):
+        if value.startswith(("http://", "https://")):
+            raise InvalidRequestError(
+                "input_reference: remote URLs are not fetched; upload the image or send "
+                "it as a data: URL",
+                param="input_reference",
+            )
+        data = data_url_bytes(value)
+        if data is None:
+            raise UnsupportedMediaTypeError(
+                "input_reference: not an image (expected an upload, a base64 data: URL or base64)",
+                param="input_reference",
+            )
+    elif isinstance(value, bytes):
+        data = value
+    else:
+        raise InvalidRequestError(
+            "input_reference: expected an image upload or a data: URL", param="input_reference"
+        )
+    try:
+        return image_data_url(decode_image(data))
+    except UndecodableImage as exc:
+        raise UnsupportedMediaTypeError(f"input_reference: {exc}", param="input_reference") from exc
+
+
+async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable``; cancel it if the client goes away meanwhile."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise ClientClosedRequest("Request cancelled")
+    finally:
+        if not task.done():
+            task.cancel()
