@@ -20,6 +20,7 @@ from penstock.routers import (
     health,
     images,
     lora,
+    metrics,
     models,
     sglang_compat,
     videos,
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 # ``async on_shutdown(gateway)``; they run in this order (shutdown in reverse).
 ROUTER_MODULES: list[ModuleType] = [
     health,
+    metrics,
     models,
     chat,
     completions,

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from penstock.app.errors import ModelNotFoundError
 from penstock.app.settings import Settings
 from penstock.engines.host import EngineHost
+from penstock.metrics.engine_bridge import EngineMetrics
+from penstock.metrics.frontend import FrontendMetrics
 
 if TYPE_CHECKING:
     from penstock.preprocess import Preprocessor
@@ -62,6 +64,8 @@ class Gateway:
         self.admin: AdminStateView | None = None
         self.weight_version: str | None = None
         self.extensions: dict[str, Any] = {}
+        self.metrics = FrontendMetrics()
+        self.engine_metrics = EngineMetrics()
 
     def add_model(self, model: ServedModel) -> None:
         for name in (model.name, *model.aliases):

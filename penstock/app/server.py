@@ -21,6 +21,7 @@ from penstock.engines.contract import parse_endpoint_types
 from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
 from penstock.engines.host import EngineHost
 from penstock.engines.loading import load_engine_class
+from penstock.metrics.engine_bridge import SnapshotPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ async def build_gateway(
                 aliases=list(dict.fromkeys(aliases)),
             )
         )
+        await _bridge_engine_metrics(gateway, engine, name)
         await engine.on_endpoint_ready(
             Endpoint(
                 namespace=getattr(worker_config, "namespace", "penstock"),
@@ -109,6 +111,13 @@ async def build_gateway(
         raise
     logger.info("engine ready in %.1fs: serving %s", time.monotonic() - started, name)
     return gateway
+
+
+async def _bridge_engine_metrics(gateway: Gateway, engine: Any, model: str) -> None:
+    await engine.register_prometheus(gateway.engine_metrics)
+    ranks = list(engine.component_metrics_dp_ranks())
+    if ranks:
+        engine.attach_snapshot_publisher(SnapshotPublisher(ranks, model, gateway.metrics.registry))
 
 
 class _DrainingServer(uvicorn.Server):

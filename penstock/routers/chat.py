@@ -97,6 +97,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         stops=body.stop_list,
         keep_text=not body.stream,
         want_logprobs=want_logprobs,
+        endpoint="chat_completions",
+        streaming=body.stream,
     )
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())

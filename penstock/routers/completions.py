@@ -96,6 +96,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             stops=body.stop_list,
             keep_text=not body.stream,
             want_logprobs=body.logprobs is not None,
+            endpoint="completions",
+            streaming=body.stream,
             index_offset=i * body.n,
         )
         for i, ids in enumerate(prompts)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from penstock.app.errors import EngineError
+from penstock.app.errors import EngineError, PenstockError
 from penstock.engines.context import Context
 
 if TYPE_CHECKING:
@@ -134,9 +135,13 @@ class Generation:
         stops: list[str],
         keep_text: bool,
         want_logprobs: bool,
+        endpoint: str,
+        streaming: bool,
         index_offset: int = 0,
     ) -> None:
         self.gateway = gateway
+        self.endpoint = endpoint
+        self.streaming = streaming
         self.model = model
         self.request = request
         self.context = context
@@ -181,6 +186,13 @@ class Generation:
         """
         pending = len(self.choices)
         choices = self.choices
+        metrics = self.gateway.metrics
+        label = self.model.name
+        metrics.active.labels(label).inc()
+        metrics.queued.labels(label).inc()
+        started = last = time.perf_counter()
+        first_token = True
+        status, error_type = "error", "internal"
         stream = self.model.host.generate(self.request, self.context)
         try:
             async for chunk in stream:
@@ -193,13 +205,39 @@ class Generation:
                 if chunk.get("finish_reason") == "error":
                     raise EngineError(chunk.get("error") or "the engine reported an error")
                 text, token_ids, logprobs, finish = choice.consume(chunk, self.weight_version)
+                if token_ids:
+                    now = time.perf_counter()
+                    if first_token:
+                        first_token = False
+                        metrics.queued.labels(label).dec()
+                        metrics.ttft.labels(label).observe(now - started)
+                        metrics.input_tokens.labels(label).observe(self.prompt_tokens)
+                    else:
+                        metrics.itl.labels(label).observe((now - last) / len(token_ids))
+                    last = now
+                    metrics.output_tokens_total.labels(label).inc(len(token_ids))
                 if finish is not None:
                     pending -= 1
                     self._record_usage(chunk)
                 yield choice, text, token_ids, logprobs, finish, self.weight_version
                 if pending == 0:
+                    status, error_type = "success", ""
                     return
+        except (asyncio.CancelledError, GeneratorExit):
+            error_type = "cancelled"
+            raise
+        except PenstockError as exc:
+            error_type = "validation" if exc.status_code < 500 else "internal"
+            raise
         finally:
+            if first_token:
+                metrics.queued.labels(label).dec()
+            metrics.active.labels(label).dec()
+            metrics.duration.labels(label).observe(time.perf_counter() - started)
+            metrics.output_tokens.labels(label).observe(self.completion_tokens)
+            metrics.requests.labels(
+                label, self.endpoint, "stream" if self.streaming else "unary", status, error_type
+            ).inc()
             if pending:
                 self.model.host.cancel(self.context)
             with contextlib.suppress(Exception):
