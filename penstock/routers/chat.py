@@ -21,12 +21,14 @@ from penstock.app.errors import InvalidRequestError
 from penstock.app.gateway import ServedModel
 from penstock.app.sse import DONE_FRAME, EventStreamResponse
 from penstock.engines.context import Context
+from penstock.metadata_upload import MetadataUploader
 from penstock.routers.openai_output import Generation, LogprobEntry
 from penstock.routers.openai_requests import (
     chat_prompt,
     check_budget,
     check_common_limits,
     generate_request,
+    metadata_uploader,
 )
 from penstock.routers.streaming import (
     ChunkEncoder,
@@ -78,6 +80,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             f"The model '{body.model}' does not serve chat completions", param="model"
         )
     check_common_limits(body, gateway.settings, model)
+    uploader = metadata_uploader(body)
     token_ids, extra = chat_prompt(body, model)
     max_tokens = body.max_new_tokens
     check_budget(len(token_ids), max_tokens, model, "messages")
@@ -103,10 +106,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if body.stream:
-        return await _stream(body, model, generation, response_id, created)
+        return await _stream(body, model, generation, uploader, response_id, created)
     try:
         result = await unless_disconnected(
-            request, _complete(body, model, generation, response_id, created)
+            request, _complete(body, model, generation, uploader, response_id, created)
         )
     except ClientDisconnected:
         return Response(status_code=499)
@@ -117,11 +120,13 @@ async def _complete(
     body: ChatCompletionRequest,
     model: ServedModel,
     generation: Generation,
+    uploader: MetadataUploader | None,
     response_id: str,
     created: int,
 ) -> dict[str, Any]:
     async for _ in generation.deltas():
         pass
+    await generation.upload_metadata(uploader)
     choices = []
     for choice in generation.choices:
         item: dict[str, Any] = {
@@ -157,6 +162,7 @@ async def _stream(
     body: ChatCompletionRequest,
     model: ServedModel,
     generation: Generation,
+    uploader: MetadataUploader | None,
     response_id: str,
     created: int,
 ) -> Response:
@@ -202,6 +208,7 @@ async def _stream(
                 item["token_ids"] = token_ids
             usage = generation.usage() if continuous_usage else None
             yield encoder.frame([item], version, usage)
+        await generation.upload_metadata(uploader)
         if include_usage:
             yield encoder.frame([], generation.weight_version, generation.usage())
         yield DONE_FRAME

@@ -18,12 +18,14 @@ from penstock.app.errors import InvalidRequestError
 from penstock.app.gateway import ServedModel
 from penstock.app.sse import DONE_FRAME, EventStreamResponse
 from penstock.engines.context import Context
+from penstock.metadata_upload import MetadataUploader
 from penstock.routers.openai_output import Generation, LogprobEntry, merge
 from penstock.routers.openai_requests import (
     check_budget,
     check_common_limits,
     completion_prompts,
     generate_request,
+    metadata_uploader,
 )
 from penstock.routers.streaming import (
     ChunkEncoder,
@@ -79,6 +81,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         )
     check_common_limits(body, gateway.settings, model)
     _check_unsupported(body)
+    uploader = metadata_uploader(body)
     prompts = completion_prompts(body, model)
     for ids in prompts:
         check_budget(len(ids), body.max_tokens, model, "prompt")
@@ -106,10 +109,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     response_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if body.stream:
-        return await _stream(body, model, generations, echoes, response_id, created)
+        return await _stream(body, model, generations, echoes, uploader, response_id, created)
     try:
         result = await unless_disconnected(
-            request, _complete(body, model, generations, echoes, response_id, created)
+            request, _complete(body, model, generations, echoes, uploader, response_id, created)
         )
     except ClientDisconnected:
         return Response(status_code=499)
@@ -142,11 +145,14 @@ async def _complete(
     model: ServedModel,
     generations: list[Generation],
     echoes: list[str],
+    uploader: MetadataUploader | None,
     response_id: str,
     created: int,
 ) -> dict[str, Any]:
     async for _ in merge([g.deltas() for g in generations]):
         pass
+    for generation in generations:
+        await generation.upload_metadata(uploader)
     choices = []
     for generation, echo in zip(generations, echoes, strict=True):
         for choice in generation.choices:
@@ -182,6 +188,7 @@ async def _stream(
     model: ServedModel,
     generations: list[Generation],
     echoes: list[str],
+    uploader: MetadataUploader | None,
     response_id: str,
     created: int,
 ) -> Response:
@@ -227,6 +234,8 @@ async def _stream(
                 item["token_ids"] = token_ids
             usage = _usage(generations) if continuous_usage else None
             yield encoder.frame([item], version, usage)
+        for generation in generations:
+            await generation.upload_metadata(uploader)
         if include_usage:
             yield encoder.frame([], generations[-1].weight_version, _usage(generations))
         yield DONE_FRAME

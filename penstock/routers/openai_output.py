@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from penstock.app.errors import EngineError, PenstockError
 from penstock.engines.context import Context
+from penstock.metadata_upload import MetadataUploader
 
 if TYPE_CHECKING:
     from penstock.app.gateway import Gateway, ServedModel
@@ -242,6 +243,27 @@ class Generation:
                 self.model.host.cancel(self.context)
             with contextlib.suppress(Exception):
                 await stream.aclose()  # type: ignore[attr-defined]
+
+    async def upload_metadata(self, uploader: MetadataUploader | None) -> None:
+        """Write each choice's rollout record where the request asked (``nvext``)."""
+        if uploader is None:
+            return
+        for choice in self.choices:
+            record: dict[str, Any] = {
+                "prompt_token_ids": self.request["token_ids"],
+                "token_ids": choice.token_ids,
+                "finish_reason": choice.finish_reason,
+                "weight_versions": [
+                    {"weight_version": version, "start_token": start}
+                    for version, start in choice.versions
+                ],
+            }
+            if choice.logprobs is not None:
+                record["logprobs"] = [logprob for _, logprob, _ in choice.logprobs]
+            try:
+                await uploader.upload_choice(choice.index, record)
+            except Exception as exc:
+                raise EngineError(f"metadata upload to {uploader.url} failed: {exc}") from exc
 
     def _record_usage(self, chunk: dict[str, Any]) -> None:
         usage = chunk.get("completion_usage")

@@ -11,6 +11,7 @@ from typing import Any
 from penstock.app.errors import InvalidRequestError
 from penstock.app.gateway import ServedModel
 from penstock.app.settings import Settings
+from penstock.metadata_upload import MetadataUploader
 from penstock.schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 # Fields an engine's runtime_data may advertise to accept requests the gateway would
@@ -41,6 +42,13 @@ def check_common_limits(body: SamplingFields, settings: Settings, model: ServedM
         raise InvalidRequestError(
             f"The model '{body.model}' generates media; use its media endpoint", param="model"
         )
+
+
+def metadata_uploader(body: SamplingFields) -> MetadataUploader | None:
+    try:
+        return MetadataUploader.from_backend_request({"nvext": body.nvext})
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="nvext.metadata_upload") from exc
 
 
 def engine_capability(model: ServedModel, name: str) -> bool:
