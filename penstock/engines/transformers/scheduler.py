@@ -72,6 +72,8 @@ class Submission:
     params: SamplingParams
     deliver: Deliver
     cancelled: bool = False
+    # Arrived before a pause in "wait" mode: still runs, the pause waits for it.
+    drain: bool = False
     done: bool = False
     unfinished: int = 0
 
@@ -211,9 +213,11 @@ class BatchScheduler:
         return len(found)
 
     def pause(self, *, abort: bool, freeze: bool) -> list[Submission]:
-        """Stop admitting; ``abort`` cancels what is in flight, ``freeze`` stops stepping.
+        """Stop admitting new requests.
 
-        Returns the submissions in flight at this moment (admitted, or cancelled here).
+        ``abort`` cancels every request in flight; ``freeze`` stops stepping (requests keep
+        their KV); otherwise the requests already submitted run to their end. Returns
+        the requests in flight at this moment.
         """
         with self._cond:
             self._paused = True
@@ -223,6 +227,10 @@ class BatchScheduler:
                 in_flight += list(self._waiting)
                 for submission in in_flight:
                     submission.cancelled = True
+            elif not freeze:
+                for submission in self._waiting:
+                    submission.drain = True
+                in_flight += list(self._waiting)
             self._cond.notify_all()
         if freeze:
             # Wait for the step in progress (if any) to end: no forward pass after this.
@@ -285,7 +293,7 @@ class BatchScheduler:
                     return
                 self._drop_cancelled_waiting_locked()
                 can_step = not (self._frozen or self._sleeping) and (
-                    bool(self._running) or (bool(self._waiting) and not self._paused)
+                    bool(self._running) or self._admissible_locked()
                 )
                 if not can_step:
                     cancelled_rows = any(seq.submission.should_stop() for seq in self._running)
@@ -296,7 +304,7 @@ class BatchScheduler:
                         held = bool(self._waiting or self._running)
                         self._cond.wait(timeout=_HELD_POLL_S if held else None)
                         continue
-                admitted = [] if not can_step or self._paused else self._admit_locked()
+                admitted = self._admit_locked() if can_step else []
                 queued = list(self._waiting)
             with self.step_lock:
                 if not can_step:
@@ -317,10 +325,13 @@ class BatchScheduler:
         self._waiting = keep
         self._cond.notify_all()
 
+    def _admissible_locked(self) -> bool:
+        return bool(self._waiting) and (not self._paused or self._waiting[0].drain)
+
     def _admit_locked(self) -> list[Submission]:
         admitted: list[Submission] = []
         rows = len(self._running)
-        while self._waiting:
+        while self._admissible_locked():
             head = self._waiting[0]
             if rows + head.params.n > self.max_num_seqs:
                 break
