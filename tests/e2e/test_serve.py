@@ -136,3 +136,27 @@ def test_engine_args_after_double_dash_reach_the_engine(tmp_path: Path) -> None:
         assert response.json()["usage"]["completion_tokens"] == 3
     finally:
         server.stop()
+
+
+def test_a_failing_canary_turns_health_503_with_the_reason(tmp_path: Path) -> None:
+    canary = '{"token_ids": [1], "extra_args": {"mode": "raise_first"}}'
+    args = ["--engine", "tests.support.doubles:ScriptedEngine", "--health-check-payload", canary]
+    env = {"DYN_ENGINE_HEALTH_CHECK_INTERVAL": "0.1"}
+    with running_server(args, tmp_path, env=env) as server:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            health = httpx.get(f"{server.base_url}/health")
+            if health.status_code == 503:
+                break
+            time.sleep(0.05)
+        assert health.status_code == 503
+        assert health.json()["status"] == "unhealthy"
+        assert "health canary failed" in health.json()["reason"]
+        assert httpx.get(f"{server.base_url}/live").status_code == 200
+
+
+def test_unknown_fields_can_be_allowed_by_the_operator(tmp_path: Path) -> None:
+    args = ["--engine", "sample", "--allow-unknown-fields", "--", "--delay", "0"]
+    with running_server(args, tmp_path) as server:
+        body = {"model": "sample-model", "prompt": "x", "max_tokens": 2, "vendor_knob": 3}
+        assert httpx.post(f"{server.base_url}/v1/completions", json=body).status_code == 200
