@@ -126,7 +126,9 @@ class RLRoutes:
         update_body: dict[str, Any] = {"model_path": model_path}
         if version is not None:
             update_body["weight_version"] = version
-        await self.admin.update_weights("update_weights_from_disk", update_body, version)
+        await self.admin.update_weights(
+            "update_weights_from_disk", update_body, version, param="model_path"
+        )
         return self._ok(**self._version())
 
     async def update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:

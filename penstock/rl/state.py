@@ -149,8 +149,10 @@ class AdminStateMachine:
             code="unsupported_by_engine",
         )
 
-    async def call_engine(self, kind: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Run an engine control/update; engine refusals become 400 with its message."""
+    async def call_engine(
+        self, kind: str, name: str, body: dict[str, Any], *, param: str | None = None
+    ) -> dict[str, Any]:
+        """Run an engine control/update; refusals become 400 with its message (on ``param``)."""
         self.require_support(kind, name)
         call = self.engine.engine_control if kind == "control" else self.engine.engine_update
         try:
@@ -158,7 +160,9 @@ class AdminStateMachine:
         except PenstockError:
             raise
         except (ValueError, TypeError) as exc:
-            raise InvalidRequestError(f"{name}: {exc}", code="engine_rejected") from exc
+            raise InvalidRequestError(
+                f"{name}: {exc}", param=param, code="engine_rejected"
+            ) from exc
         except Exception as exc:
             logger.exception("engine %s %s failed", kind, name)
             raise InternalServerError(f"engine {kind} '{name}' failed") from exc
@@ -168,7 +172,7 @@ class AdminStateMachine:
             raise InternalServerError(f"engine {kind} '{name}' returned a non-object")
         if is_error_response(result):
             message = result.get("message") or f"engine {kind} '{name}' failed"
-            raise InvalidRequestError(str(message), code="engine_rejected")
+            raise InvalidRequestError(str(message), param=param, code="engine_rejected")
         return result
 
     def _refuse_if_draining(self) -> None:
@@ -253,7 +257,7 @@ class AdminStateMachine:
             return Outcome(True, result)
 
     async def update_weights(
-        self, update: str, body: dict[str, Any], version: str | None
+        self, update: str, body: dict[str, Any], version: str | None, *, param: str | None = None
     ) -> Outcome:
         """Run a weight update (needs ``paused``); publish ``version`` once it succeeded."""
         async with self._lock:
@@ -272,7 +276,7 @@ class AdminStateMachine:
             self.updating, self.update_target = update, version
             self._touch()
             try:
-                result = await self.call_engine("update", update, body)
+                result = await self.call_engine("update", update, body, param=param)
                 if version is not None:
                     await self._sync_engine_version(version, result)
             finally:

@@ -162,7 +162,8 @@ async def run_update(plane: AdminPlane, name: str, body: dict[str, Any]) -> dict
         return (await state.set_weight_version(required_str(body, "new_version"))).engine
     if name.startswith(WEIGHT_UPDATES_PREFIX):
         version = str_field(body, "weight_version")
-        return (await state.update_weights(name, body, version)).engine
+        param = "model_path" if "model_path" in body else None
+        return (await state.update_weights(name, body, version, param=param)).engine
     if name == "load_lora":
         lora_name = required_str(body, "lora_name")
         path = required_str(body, "lora_path")

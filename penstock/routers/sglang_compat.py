@@ -117,7 +117,9 @@ async def update_weights_from_disk(request: Request) -> dict[str, Any]:
         update_body["weight_version"] = weight_version
     if abort_all:
         await _abort_all(plane)
-    await plane.state.update_weights("update_weights_from_disk", update_body, weight_version)
+    await plane.state.update_weights(
+        "update_weights_from_disk", update_body, weight_version, param="model_path"
+    )
     if flush and plane.state.supports("control", "flush_cache"):
         await plane.state.run_control("flush_cache", {})
     return {
