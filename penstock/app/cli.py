@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
         help="ignore unknown request fields instead of rejecting them",
     )
     serve.add_argument("--max-n", type=int)
+    serve.add_argument("--max-concurrency", type=int, help="engine requests running at once")
+    serve.add_argument("--max-queue", type=int, help="requests waiting beyond that")
+    serve.add_argument("--overload-status", type=int, help="status when both are full (529)")
     serve.add_argument("--cache-dir")
     serve.add_argument("--media-store", help="folder or fsspec URL for generated media")
     serve.add_argument("--media-workers", type=int)

@@ -14,6 +14,7 @@ from typing import Any
 
 import uvicorn
 
+from penstock.app.admission import AdmissionGate
 from penstock.app.factory import create_app
 from penstock.app.gateway import Gateway, ServedModel
 from penstock.app.settings import Settings
@@ -71,6 +72,9 @@ async def build_gateway(
         else load_health_check_from_env()
     )
     host = EngineHost(engine, worker_config, health_check_override=override)
+    host.admission = AdmissionGate(
+        settings.max_concurrency, settings.max_queue, settings.overload_status
+    )
     started = time.monotonic()
     await host.start()
     try:

@@ -25,10 +25,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from penstock.app.admission import AdmissionGate
 from penstock.app.errors import EngineError, InvalidRequestError, PenstockError
 from penstock.engines.context import Context
 from penstock.engines.contract import BaseEngine, EngineConfig, RawEngine
-from penstock.engines.health import HEALTH_CHECK_KEY, EngineHealthMonitorConfig
+from penstock.engines.health import HEALTH_CHECK_KEY, EngineHealthMonitorConfig, is_probe
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class EngineHost:
         self._last_activity = time.monotonic()
         self._monitor_task: asyncio.Task[None] | None = None
         self.contract_violations = 0
+        self.admission: AdmissionGate | None = None
 
     @property
     def is_raw(self) -> bool:
@@ -208,6 +210,9 @@ class EngineHost:
         """
         if self.state is not EngineState.RUNNING:
             raise EngineError("engine is not running")
+        gate = None if is_probe(request) else self.admission
+        if gate is not None:
+            await gate.acquire()
         self._inflight += 1
         self._last_activity = time.monotonic()
         raw = self.is_raw
@@ -257,6 +262,8 @@ class EngineHost:
         finally:
             self._inflight -= 1
             self._last_activity = time.monotonic()
+            if gate is not None:
+                gate.release()
             if not completed and not context.is_stopped():
                 context.kill()
                 self._schedule_abort(context)

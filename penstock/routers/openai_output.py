@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from penstock.app.errors import EngineError, PenstockError
+from penstock.app.errors import EngineError, OverloadedError, PenstockError
 from penstock.engines.context import Context
 from penstock.metadata_upload import MetadataUploader
 
@@ -226,6 +226,9 @@ class Generation:
                     return
         except (asyncio.CancelledError, GeneratorExit):
             error_type = "cancelled"
+            raise
+        except OverloadedError:
+            error_type = "overload"
             raise
         except PenstockError as exc:
             error_type = "validation" if exc.status_code < 500 else "internal"
