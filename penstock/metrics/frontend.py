@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "penstock_frontend_"
@@ -16,6 +19,20 @@ def log_buckets(low: float, high: float, count: int) -> list[float]:
         if value not in bounds:
             bounds.append(value)
     return bounds
+
+
+@dataclass(frozen=True)
+class ModelMetrics:
+    """The children of every per-model family, resolved once (``labels()`` is not free)."""
+
+    active: Any
+    queued: Any
+    duration: Any
+    ttft: Any
+    itl: Any
+    input_tokens: Any
+    output_tokens: Any
+    output_tokens_total: Any
 
 
 class FrontendMetrics:
@@ -74,3 +91,20 @@ class FrontendMetrics:
         self.output_tokens_total = Counter(
             f"{PREFIX}output_tokens", "Completion tokens streamed", ["model"], registry=r
         )
+        self._per_model: dict[str, ModelMetrics] = {}
+
+    def for_model(self, model: str) -> ModelMetrics:
+        children = self._per_model.get(model)
+        if children is None:
+            children = ModelMetrics(
+                active=self.active.labels(model),
+                queued=self.queued.labels(model),
+                duration=self.duration.labels(model),
+                ttft=self.ttft.labels(model),
+                itl=self.itl.labels(model),
+                input_tokens=self.input_tokens.labels(model),
+                output_tokens=self.output_tokens.labels(model),
+                output_tokens_total=self.output_tokens_total.labels(model),
+            )
+            self._per_model[model] = children
+        return children

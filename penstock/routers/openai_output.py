@@ -187,10 +187,10 @@ class Generation:
         """
         pending = len(self.choices)
         choices = self.choices
-        metrics = self.gateway.metrics
-        label = self.model.name
-        metrics.active.labels(label).inc()
-        metrics.queued.labels(label).inc()
+        families = self.gateway.metrics
+        metrics = families.for_model(self.model.name)
+        metrics.active.inc()
+        metrics.queued.inc()
         started = last = time.perf_counter()
         first_token = True
         status, error_type = "error", "internal"
@@ -210,13 +210,13 @@ class Generation:
                     now = time.perf_counter()
                     if first_token:
                         first_token = False
-                        metrics.queued.labels(label).dec()
-                        metrics.ttft.labels(label).observe(now - started)
-                        metrics.input_tokens.labels(label).observe(self.prompt_tokens)
+                        metrics.queued.dec()
+                        metrics.ttft.observe(now - started)
+                        metrics.input_tokens.observe(self.prompt_tokens)
                     else:
-                        metrics.itl.labels(label).observe((now - last) / len(token_ids))
+                        metrics.itl.observe((now - last) / len(token_ids))
                     last = now
-                    metrics.output_tokens_total.labels(label).inc(len(token_ids))
+                    metrics.output_tokens_total.inc(len(token_ids))
                 if finish is not None:
                     pending -= 1
                     self._record_usage(chunk)
@@ -235,12 +235,16 @@ class Generation:
             raise
         finally:
             if first_token:
-                metrics.queued.labels(label).dec()
-            metrics.active.labels(label).dec()
-            metrics.duration.labels(label).observe(time.perf_counter() - started)
-            metrics.output_tokens.labels(label).observe(self.completion_tokens)
-            metrics.requests.labels(
-                label, self.endpoint, "stream" if self.streaming else "unary", status, error_type
+                metrics.queued.dec()
+            metrics.active.dec()
+            metrics.duration.observe(time.perf_counter() - started)
+            metrics.output_tokens.observe(self.completion_tokens)
+            families.requests.labels(
+                self.model.name,
+                self.endpoint,
+                "stream" if self.streaming else "unary",
+                status,
+                error_type,
             ).inc()
             if pending:
                 self.model.host.cancel(self.context)
