@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from penstock.app.settings import Settings
 from penstock.engines.loading import BUILTIN_ENGINES, EngineLoadError
+from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="model path or name, forwarded to the engine")
     serve.add_argument("--tokenizer", help="folder with tokenizer.json and chat template")
     serve.add_argument("--served-model-name", help="name clients use in 'model'")
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="turn tool calls the model writes into OpenAI tool_calls",
+    )
     serve.add_argument(
         "--api-key", dest="api_keys", action="append", help="inference key (repeatable)"
     )

@@ -36,6 +36,7 @@ class ServedModel:
     aliases: list[str] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     lora_adapter: str | None = None
+    tool_call_parser: str | None = None
 
     @property
     def context_length(self) -> int | None:

@@ -23,6 +23,7 @@ from penstock.engines.health import load_health_check_from_env, parse_health_che
 from penstock.engines.host import EngineHost
 from penstock.engines.loading import load_engine_class
 from penstock.metrics.engine_bridge import SnapshotPublisher
+from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,15 @@ def _tokenizer_folder(settings: Settings, worker_config: Any) -> Path | None:
     if model_name and Path(model_name).is_dir():
         return Path(model_name)
     return None
+
+
+def _tool_call_parser(settings: Settings, worker_config: Any) -> str | None:
+    name = settings.tool_call_parser or getattr(worker_config, "tool_call_parser", None)
+    if name is not None and name not in TOOL_CALL_PARSERS:
+        raise ValueError(
+            f"unknown tool call parser '{name}'; supported: {', '.join(TOOL_CALL_PARSERS)}"
+        )
+    return name
 
 
 async def build_gateway(
@@ -99,6 +109,7 @@ async def build_gateway(
                 preprocessor=preprocessor,
                 endpoint_types=endpoint_types,
                 aliases=list(dict.fromkeys(aliases)),
+                tool_call_parser=_tool_call_parser(settings, worker_config),
             )
         )
         await _bridge_engine_metrics(gateway, engine, name)

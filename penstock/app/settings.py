@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     model: str | None = None
     tokenizer: str | None = None
     served_model_name: str | None = None
+    tool_call_parser: str | None = None
     engine_args: list[str] = Field(default_factory=list)
     log_level: str = "info"
 

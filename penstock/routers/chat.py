@@ -61,6 +61,17 @@ def chat_logprobs(model: ServedModel, entries: list[LogprobEntry]) -> dict[str, 
     return {"content": content, "refusal": None}
 
 
+def _parse_tool_calls(body: ChatCompletionRequest, model: ServedModel) -> bool:
+    """Tools reach the chat template; calls are parsed only with a configured parser."""
+    choice = body.tool_choice
+    if choice is not None and choice not in ("auto", "none"):
+        raise InvalidRequestError(
+            "only tool_choice 'auto' and 'none' are supported: this server can't force a call",
+            param="tool_choice",
+        )
+    return bool(body.tools) and choice != "none" and model.tool_call_parser is not None
+
+
 def _context(request: Request) -> Context:
     request_id = request.state.request_id
     return Context(
@@ -102,6 +113,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         want_logprobs=want_logprobs,
         endpoint="chat_completions",
         streaming=body.stream,
+        parse_tool_calls=_parse_tool_calls(body, model),
     )
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -129,9 +141,13 @@ async def _complete(
     await generation.upload_metadata(uploader)
     choices = []
     for choice in generation.choices:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+        if choice.tool_calls:
+            message["content"] = choice.text or None
+            message["tool_calls"] = [call.as_openai() for call in choice.tool_calls]
         item: dict[str, Any] = {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text, "refusal": None},
+            "message": message,
             "logprobs": chat_logprobs(model, choice.logprobs)
             if choice.logprobs is not None
             else None,
@@ -198,9 +214,14 @@ async def _stream(
             choice, text, token_ids, logprobs, finish, version = delta
             if not text and finish is None and not (return_ids and token_ids):
                 continue
+            delta_body: dict[str, Any] = {"content": text} if text else {}
+            if finish is not None and choice.tool_calls:
+                delta_body["tool_calls"] = [
+                    call.as_openai(i) for i, call in enumerate(choice.tool_calls)
+                ]
             item: dict[str, Any] = {
                 "index": choice.index,
-                "delta": {"content": text} if text else {},
+                "delta": delta_body,
                 "logprobs": chat_logprobs(model, logprobs) if logprobs else None,
                 "finish_reason": finish,
             }

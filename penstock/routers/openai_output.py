@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from penstock.app.errors import EngineError, OverloadedError, PenstockError
 from penstock.engines.context import Context
 from penstock.metadata_upload import MetadataUploader
+from penstock.preprocess.tool_calls import ParsedToolCall, ToolCallStream
 
 if TYPE_CHECKING:
     from penstock.app.gateway import Gateway, ServedModel
@@ -46,6 +47,8 @@ class ChoiceState:
         "stop",
         "text_parts",
         "token_ids",
+        "tool_calls",
+        "tool_stream",
         "versions",
     )
 
@@ -57,8 +60,11 @@ class ChoiceState:
         *,
         keep_text: bool,
         want_logprobs: bool,
+        parse_tool_calls: bool = False,
     ) -> None:
         self.index = index
+        self.tool_stream = ToolCallStream() if parse_tool_calls else None
+        self.tool_calls: list[ParsedToolCall] = []
         self.detokenizer = preprocessor.new_detokenizer() if preprocessor is not None else None
         if stops:
             from penstock.preprocess import StopStringMatcher
@@ -99,6 +105,13 @@ class ChoiceState:
                 reason = "stop"
             elif reason:
                 text += self.stop.flush()
+        if self.tool_stream is not None:
+            text = self.tool_stream.feed(text)
+            if reason:
+                tail, self.tool_calls = self.tool_stream.finish()
+                text += tail
+                if self.tool_calls:
+                    reason = "tool_calls"
         entries = None
         if self.logprobs is not None and "log_probs" in chunk:
             entries = _logprob_entries(token_ids, chunk)
@@ -139,6 +152,7 @@ class Generation:
         endpoint: str,
         streaming: bool,
         index_offset: int = 0,
+        parse_tool_calls: bool = False,
     ) -> None:
         self.gateway = gateway
         self.endpoint = endpoint
@@ -154,6 +168,7 @@ class Generation:
                 stops,
                 keep_text=keep_text,
                 want_logprobs=want_logprobs,
+                parse_tool_calls=parse_tool_calls,
             )
             for i in range(n)
         ]

@@ -137,3 +137,43 @@ class AbortRecordingEngine(MarkedSampleEngine):
         await super().abort(context)
         with self.marker.open("a") as f:
             f.write(f"abort {context.id()}\n")
+
+
+class ReplyEngine(SampleLLMEngine):
+    """Answers every request with the tokens of one fixed text (``--reply``), then stops."""
+
+    reply_ids: list[int]
+
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None) -> tuple[Any, WorkerConfig]:
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--reply", required=True)
+        own, rest = parser.parse_known_args(argv)
+        engine, config = await SampleLLMEngine.from_args(rest)
+        engine.__class__ = cls
+        engine.reply = own.reply
+        return engine, config
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        from tokenizers import Tokenizer
+
+        config = await super().start(worker_id)
+        tokenizer = Tokenizer.from_file(str(self.tokenizer_dir / "tokenizer.json"))
+        self.reply_ids = tokenizer.encode(self.reply).ids
+        return config
+
+    async def generate(
+        self, request: GenerateRequest, context: Context
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        prompt = len(request.get("token_ids") or [])
+        for i, token in enumerate(self.reply_ids):
+            await asyncio.sleep(0)
+            chunk: GenerateChunk = {"token_ids": [token], "index": 0}
+            if i == len(self.reply_ids) - 1:
+                chunk["finish_reason"] = "stop"
+                chunk["completion_usage"] = {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": i + 1,
+                    "total_tokens": prompt + i + 1,
+                }
+            yield chunk
