@@ -261,7 +261,12 @@ class MediaService:
         if terminal is None or is_progress(terminal):
             self._fail(job.id, "engine_error", "the engine ended without a video")
             return
-        await self._store_result(job, run, terminal)
+        try:
+            await self._store_result(job, run, terminal)
+        except Exception as exc:
+            # Whatever the store raises, the job must end failed, never stay in progress.
+            logger.exception("could not store the video of job %s", job.id)
+            self._fail(job.id, "storage_error", f"could not store the video: {exc}")
 
     def _record_progress(self, job: VideoJob, run: _Run, chunk: dict[str, Any]) -> None:
         try:

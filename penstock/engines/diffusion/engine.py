@@ -373,8 +373,12 @@ class DiffusersEngine(DiffusionEngine):
                 reference = decode_image(data)
             except UndecodableImage as exc:
                 raise ValueError(f"input_reference: {exc}") from exc
-        strength = knobs.get("strength", DEFAULT_REFERENCE_STRENGTH)
-        if not isinstance(strength, int | float) or not 0.0 < strength <= 1.0:
+        try:
+            # Multipart forms carry passthrough values as text.
+            strength = float(knobs.get("strength", DEFAULT_REFERENCE_STRENGTH))
+        except (TypeError, ValueError):
+            strength = -1.0
+        if not 0.0 < strength <= 1.0:
             raise ValueError("strength: must be a number in (0, 1]")
         guidance_2 = nvext.get("guidance_scale_2")
         if guidance_2 is not None and not self.pipeline.has_second_transformer:
@@ -393,7 +397,7 @@ class DiffusersEngine(DiffusionEngine):
             "guidance_scale_2": guidance_2,
             "seed": int(seed) if seed is not None else secrets.randbits(63),
             "reference": reference,
-            "reference_strength": float(strength),
+            "reference_strength": strength,
         }
 
     def _video_job(self, request: RawRequest, knobs: dict[str, Any]) -> tuple[Generation, int]:
