@@ -39,16 +39,20 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path: Path) 
             "stream": True,
         }
         frames: list[str] = []
+        streaming = threading.Event()
 
         def stream() -> None:
             with httpx.stream(
                 "POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=30
             ) as response:
-                frames.extend(line for line in response.iter_lines() if line)
+                for line in response.iter_lines():
+                    if line:
+                        frames.append(line)
+                        streaming.set()
 
         reader = threading.Thread(target=stream)
         reader.start()
-        time.sleep(0.3)
+        assert streaming.wait(timeout=30)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         refused = httpx.get(f"{server.base_url}/v1/models")
