@@ -163,10 +163,7 @@ async def _complete(
                 if choice.logprobs is not None
                 else None,
                 "finish_reason": choice.finish_reason,
-                "weight_versions": [
-                    {"weight_version": version, "start_token": start}
-                    for version, start in choice.versions
-                ],
+                "weight_versions": choice.weight_version_segments(),
             }
             if body.return_token_ids:
                 item["prompt_token_ids"] = generation.request["token_ids"]

@@ -83,6 +83,12 @@ class ChoiceState:
     def text(self) -> str:
         return "".join(self.text_parts)
 
+    def weight_version_segments(self) -> list[dict[str, Any]]:
+        """Which weights produced which tokens: ``[{"weight_version", "start_token"}]``."""
+        return [
+            {"weight_version": version, "start_token": start} for version, start in self.versions
+        ]
+
     def consume(
         self, chunk: dict[str, Any], version: str | None
     ) -> tuple[str, list[int], list[LogprobEntry] | None, str | None]:
@@ -275,10 +281,7 @@ class Generation:
                 "prompt_token_ids": self.request["token_ids"],
                 "token_ids": choice.token_ids,
                 "finish_reason": choice.finish_reason,
-                "weight_versions": [
-                    {"weight_version": version, "start_token": start}
-                    for version, start in choice.versions
-                ],
+                "weight_versions": choice.weight_version_segments(),
             }
             if choice.logprobs is not None:
                 record["logprobs"] = [logprob for _, logprob, _ in choice.logprobs]
