@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_TAGS = ("kv_cache", "weights")
-STATE_NAMES = ("serving", "paused", "sleeping", "updating", "draining")
 
 # Controls that only read state or end individual requests: no need to queue them behind
 # a long operation (a trainer may abort stragglers while a wait-mode pause drains).
