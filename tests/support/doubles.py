@@ -177,3 +177,29 @@ class ReplyEngine(SampleLLMEngine):
                     "total_tokens": prompt + i + 1,
                 }
             yield chunk
+
+
+class CapableEngine(SampleLLMEngine):
+    """Advertises image input and response_format; replies with what it was handed."""
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        from tokenizers import Tokenizer
+
+        config = await super().start(worker_id)
+        config.runtime_data = {"supports_image_input": True, "supports_response_format": True}
+        self.tokenizer = Tokenizer.from_file(str(self.tokenizer_dir / "tokenizer.json"))
+        return config
+
+    async def generate(
+        self, request: GenerateRequest, context: Context
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        import json
+
+        seen = {
+            "image_urls": [
+                item["url"] for item in (request.get("multi_modal_data") or {}).get("image_url", [])
+            ],
+            "response_format": request.get("response_format"),
+        }
+        ids = self.tokenizer.encode(json.dumps(seen)).ids
+        yield {"token_ids": ids, "index": 0, "finish_reason": "stop"}

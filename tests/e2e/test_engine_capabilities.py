@@ -1,0 +1,30 @@
+"""Image parts and response_format reach engines that advertise them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+
+from tests.support.server import running_server
+
+
+def test_image_parts_and_response_format_are_passed_on(tmp_path: Path) -> None:
+    with running_server(["--engine", "tests.support.doubles:CapableEngine"], tmp_path) as server:
+        content = [
+            {"type": "text", "text": "What is in these?"},
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        ]
+        schema = {"name": "answer", "schema": {"type": "object"}}
+        body = {
+            "model": "sample-model",
+            "messages": [{"role": "user", "content": content}],
+            "response_format": {"type": "json_schema", "json_schema": schema},
+        }
+        response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        seen = json.loads(response.json()["choices"][0]["message"]["content"])
+        assert seen["image_urls"] == ["https://example.com/a.png", "data:image/png;base64,AAAA"]
+        assert seen["response_format"]["json_schema"]["schema"] == {"type": "object"}
