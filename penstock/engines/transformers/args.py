@@ -33,6 +33,7 @@ class EngineArgs:
     seed: int
     model_cache_dir: Path
     health_check_payload: str | None
+    cpu_threads: int | None = None
 
 
 def _positive_int(text: str) -> int:
@@ -86,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         "~/.cache/penstock/models)",
     )
     parser.add_argument(
+        "--cpu-threads",
+        type=_positive_int,
+        help="torch intra-op threads on cpu (default: torch's choice); 1 avoids spin-waiting "
+        "on cores other processes keep busy",
+    )
+    parser.add_argument(
         "--health-check-payload", help="canary request JSON or @file (replaces the default)"
     )
     return parser
@@ -105,4 +112,5 @@ def parse_args(argv: list[str]) -> EngineArgs:
         seed=namespace.seed,
         model_cache_dir=(namespace.model_cache_dir or default_model_cache_dir()).expanduser(),
         health_check_payload=namespace.health_check_payload,
+        cpu_threads=namespace.cpu_threads,
     )

@@ -170,6 +170,8 @@ class TransformersEngine(LLMEngine):
         except Exception as exc:
             raise CheckpointError(f"cannot read the config of {self.model_path}: {exc}") from exc
         self.device = _resolve_device(self.args.device)
+        if self.args.cpu_threads is not None:
+            torch.set_num_threads(self.args.cpu_threads)
         self.dtype = _resolve_dtype(self.args.dtype, self.device, config)
         self.model = await asyncio.to_thread(
             load_model, self.model_path, dtype=self.dtype, device=self.device

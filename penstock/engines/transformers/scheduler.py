@@ -366,9 +366,13 @@ class BatchScheduler:
                 decode_rows = list(self._running)
                 if decode_rows:
                     self._decode(decode_rows, outbox)
+                    self._send(outbox)
                 joined: list[tuple[Sequence, list[tuple[torch.Tensor, torch.Tensor]]]] = []
                 for submission in admitted:
                     joined += self._prefill(submission, outbox)
+                    # Each first token leaves as soon as it exists: TTFT does not wait
+                    # for the other prefills of this step.
+                    self._send(outbox)
                 self._rebuild_batch(joined)
         except Exception as exc:
             logger.exception("forward pass failed")
@@ -570,6 +574,7 @@ class BatchScheduler:
     def _send(self, outbox: dict[Submission, list[Any]]) -> None:
         for submission, items in outbox.items():
             submission.deliver(items)
+        outbox.clear()
 
     # -- metrics -------------------------------------------------------------------------
 
