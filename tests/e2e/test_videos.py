@@ -72,7 +72,8 @@ def http(server: MediaServer) -> Iterator[httpx.Client]:
 
 
 def create(http: httpx.Client, **fields: Any) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": "a paper boat", "size": "64x64", "nvext": FAST, **fields}
+    nvext = {"num_frames": 5, **FAST}
+    body = {"model": MODEL, "prompt": "a paper boat", "size": "64x64", "nvext": nvext, **fields}
     response = http.post("/v1/videos", json=body)
     assert response.status_code == 200, response.text
     return response.json()
@@ -171,7 +172,9 @@ def test_delete_cancels_a_running_job_between_steps(http: httpx.Client) -> None:
 
 
 def test_jobs_beyond_the_pool_queue_with_positions_and_all_complete(http: httpx.Client) -> None:
-    jobs = [create(http, nvext={"num_inference_steps": 3, "seed": i}) for i in range(4)]
+    jobs = [
+        create(http, nvext={"num_inference_steps": 3, "num_frames": 5, "seed": i}) for i in range(4)
+    ]
     positions = [job.get("queue_position") for job in jobs if job["status"] == "queued"]
     assert len(positions) >= 3 and positions == sorted(positions)
     assert positions[-1] >= 3

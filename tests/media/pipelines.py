@@ -60,7 +60,7 @@ def save_tiny_stable_diffusion(folder: Path) -> Path:
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         unet=unet,
-        scheduler=DDIMScheduler(clip_sample=False),
+        scheduler=DDIMScheduler(clip_sample=False, steps_offset=1),
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
