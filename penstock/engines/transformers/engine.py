@@ -489,24 +489,29 @@ class TransformersEngine(LLMEngine):
 
     def _restore_weights(self) -> None:
         scheduler = self._require_scheduler()
-        assert self.device is not None and self.dtype is not None
+        device, dtype = self._placement()
         if self.model is None:
-            model = load_model(self.model_path, dtype=self.dtype, device=self.device)
+            model = load_model(self.model_path, dtype=dtype, device=device)
             if self._weights_source is not None:
                 apply_weight_update(
                     plan_weight_update(model, read_safetensors(self._weights_source))
                 )
             self.model = model
         else:
-            self.model.to(self.device)
+            self.model.to(device)
         with scheduler.step_lock:
             scheduler.model = self.model
 
     def _restore_kv(self) -> None:
         scheduler = self._require_scheduler()
-        assert self.device is not None
+        device, _ = self._placement()
         with scheduler.step_lock:
-            scheduler.move_kv(self.device)
+            scheduler.move_kv(device)
+
+    def _placement(self) -> tuple[torch.device, torch.dtype]:
+        if self.device is None or self.dtype is None:
+            raise RuntimeError("the transformers engine is not started")
+        return self.device, self.dtype
 
     async def _wake_up(self, body: Body) -> Body:
         tags = body.get("tags")

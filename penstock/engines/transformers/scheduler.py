@@ -262,10 +262,6 @@ class BatchScheduler:
     def paused(self) -> bool:
         return self._paused
 
-    def num_in_flight(self) -> int:
-        with self._cond:
-            return len(self._admitted)
-
     def usage(self) -> KvUsage:
         with self._cond:
             return self._usage_locked()
