@@ -28,3 +28,25 @@ async def test_the_kit_catches_an_ignored_cancel() -> None:
 
 def test_builtin_engines_resolve() -> None:
     assert load_engine_class("sample") is SampleLLMEngine
+
+
+async def test_sample_diffusion_engine_conforms() -> None:
+    await run_conformance(load_engine_class("sample-diffusion"), ["--delay", "0.01"])
+
+
+async def test_diffusion_engine_conforms() -> None:
+    image = {
+        "prompt": "a red ball",
+        "size": "64x64",
+        "response_format": "b64_json",
+        "nvext": {"num_inference_steps": 2, "seed": 1},
+        "extra_args": {"endpoint_type": "images"},
+    }
+    video = {
+        "prompt": "a red ball rolling",
+        "size": "64x64",
+        "seconds": 4,
+        "nvext": {"num_inference_steps": 20, "fps": 8, "seed": 1},
+        "extra_args": {"endpoint_type": "videos"},
+    }
+    await run_conformance(load_engine_class("diffusion"), [], request=image, long_request=video)
