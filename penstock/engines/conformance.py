@@ -42,6 +42,14 @@ def default_request(raw: bool, max_tokens: int) -> dict[str, Any]:
     }
 
 
+def _longest_allowed(config: Any) -> int:
+    """A request long enough to still be running when it is cancelled, within the context."""
+    context_length = getattr(getattr(config, "llm", None), "context_length", None)
+    if not context_length:
+        return 100_000
+    return max(1, context_length - len(default_request(False, 1)["token_ids"]))
+
+
 async def _collect(stream: AsyncIterator[dict[str, Any]], raw: bool) -> list[dict[str, Any]]:
     chunks = [chunk async for chunk in stream]
     if not chunks:
@@ -120,7 +128,9 @@ async def run_conformance(
         if failures:
             raise ConformanceError(f"ConcurrentGenerateFailed: {failures[0]!r}")
 
-        await _check_cancel(engine, dict(long_request or default_request(raw, 100_000)), raw)
+        if long_request is None:
+            long_request = default_request(raw, _longest_allowed(config))
+        await _check_cancel(engine, dict(long_request), raw)
     finally:
         try:
             await engine.cleanup()
