@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support.openai_spec import spec_errors
 from tests.support.server import ServerProcess, running_server
 
 MODEL = "sample-model"
@@ -38,6 +39,7 @@ def chat(client: httpx.Client, **fields: Any) -> httpx.Response:
 
 def assert_error(response: httpx.Response, status: int, param: str | None, *words: str) -> None:
     assert response.status_code == status, response.text
+    assert spec_errors("ErrorResponse", response.json()) == []
     error = response.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"}
     assert isinstance(error["code"], str)
@@ -256,4 +258,4 @@ def test_generated_bodies_never_500_and_never_hang(
     )
     assert response.status_code < 500, response.text
     if response.status_code >= 400:
-        assert set(response.json()["error"]) >= {"message", "type", "param", "code"}
+        assert spec_errors("ErrorResponse", response.json()) == []
