@@ -3,6 +3,10 @@
 Forward passes run on the scheduler's thread (see :mod:`.scheduler`); ``generate`` only
 validates, submits, and relays the chunks the thread hands over through the event loop,
 so the HTTP server keeps serving while the model computes.
+
+LoRA adapters (``load_lora`` / ``unload_lora``) are injected with peft (see :mod:`.lora`);
+a request whose ``model`` names a loaded adapter runs with it, in the same batch as
+requests for the base model and for other adapters.
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ from penstock.engines.contract import (
 from penstock.engines.health import build_health_check_payload, parse_health_check_payload_cli
 from penstock.engines.transformers.args import EngineArgs, parse_args
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from penstock.engines.transformers.lora import (
+    BASE_ROW,
+    AdapterSet,
+    LoraAdapter,
+    LoraError,
+    read_adapter,
+)
 from penstock.engines.transformers.sampling import parse_sampling_params
 from penstock.engines.transformers.scheduler import (
     KV_BLOCK_SIZE,
@@ -54,7 +65,9 @@ PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 RECENT_FORWARD_PASSES = 256
 # Operations that move or replace weights or KV run one at a time.
-_MEMORY_OPERATIONS = frozenset({"sleep", "wake_up", "update_weights_from_disk"})
+_MEMORY_OPERATIONS = frozenset(
+    {"sleep", "wake_up", "update_weights_from_disk", "load_lora", "unload_lora"}
+)
 
 Body = dict[str, Any]
 
@@ -136,6 +149,9 @@ class TransformersEngine(LLMEngine):
         self._paused_by_sleep = False
         self._memory_lock = asyncio.Lock()
         self._bos_or_eos = 0
+        self.lora = AdapterSet()
+        # Adapters being unloaded: already refused to new requests.
+        self._unloading: set[str] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -235,6 +251,7 @@ class TransformersEngine(LLMEngine):
         if scheduler is not None:
             await asyncio.to_thread(scheduler.stop)
         self.model = None
+        self.lora = AdapterSet()
         gc.collect()
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -253,6 +270,7 @@ class TransformersEngine(LLMEngine):
         self, request: GenerateRequest, context: Context
     ) -> AsyncGenerator[GenerateChunk, None]:
         scheduler = self._require_scheduler()
+        adapter = self._adapter_for(request.get("model"))
         prompt = _token_ids(request.get("token_ids"), self.vocab_size)
         params = parse_sampling_params(
             dict(request),
@@ -270,7 +288,7 @@ class TransformersEngine(LLMEngine):
             except RuntimeError:
                 logger.debug("request %s: event loop closed before delivery", context.id())
 
-        submission = Submission(context.id(), context, prompt, params, deliver)
+        submission = Submission(context.id(), context, prompt, params, deliver, adapter)
         scheduler.submit(submission)
         remaining = params.n
         try:
@@ -284,6 +302,18 @@ class TransformersEngine(LLMEngine):
         finally:
             if remaining:
                 scheduler.cancel(submission)
+
+    def _adapter_for(self, model: Any) -> str | None:
+        """peft's key of the adapter ``model`` names; None for the base model."""
+        if model is None or model == self.served_model_name:
+            return None
+        if isinstance(model, str) and model in self.lora and model not in self._unloading:
+            return self.lora.adapters[model].key
+        loaded = ", ".join(sorted(set(self.lora.adapters) - self._unloading)) or "none"
+        raise ValueError(
+            f"model: {model!r} is neither the served model {self.served_model_name!r} "
+            f"nor a loaded LoRA adapter (loaded: {loaded})"
+        )
 
     async def abort(self, context: Context) -> None:
         if self.scheduler is not None:
@@ -369,6 +399,8 @@ class TransformersEngine(LLMEngine):
             "update_weights_from_disk": self._update_weights_from_disk,
             "update_weight_version": self._update_weight_version,
             "set_weight_version": self._set_weight_version,
+            "load_lora": self._load_lora,
+            "unload_lora": self._unload_lora,
         }
 
     async def engine_control(self, control: str, body: Body) -> Body:
@@ -482,6 +514,7 @@ class TransformersEngine(LLMEngine):
                 self.model.to("cpu")
             elif level == 2:
                 self.model = None
+                self.lora.forget_model()
                 scheduler.model = None
         gc.collect()
         if self.device is not None and self.device.type == "cuda":
@@ -496,11 +529,17 @@ class TransformersEngine(LLMEngine):
                 apply_weight_update(
                     plan_weight_update(model, read_safetensors(self._weights_source))
                 )
+            self.lora.reattach(model)
             self.model = model
         else:
             self.model.to(device)
         with scheduler.step_lock:
-            scheduler.model = self.model
+            self._install_forward_module(scheduler)
+
+    def _install_forward_module(self, scheduler: BatchScheduler) -> None:
+        """Point the scheduler at the module to call (call with ``step_lock`` held)."""
+        scheduler.model = self.lora.forward_module(self.model)
+        scheduler.adapters_loaded = bool(self.lora)
 
     def _restore_kv(self) -> None:
         scheduler = self._require_scheduler()
@@ -620,3 +659,74 @@ class TransformersEngine(LLMEngine):
             return _error("Missing 'weight_version' in body")
         self.weight_version = version
         return {"status": "ok", "version": version}
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+
+    async def _load_lora(self, body: Body) -> Body:
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            return _error("missing non-empty `lora_name` string")
+        path = body.get("lora_path")
+        if not isinstance(path, str) or not path:
+            return _error("missing non-empty `lora_path` string")
+        if name in (self.served_model_name, BASE_ROW):
+            return _error(f"`lora_name` {name!r} is reserved for the base model")
+        if name in self.lora:
+            loaded_from = self.lora.adapters[name].path
+            return _error(
+                f"LoRA adapter '{name}' is already loaded from {loaded_from}; unload it first"
+            )
+        if self.model is None:
+            return _error("the weights are asleep: call wake_up before loading a LoRA adapter")
+        try:
+            adapter = await asyncio.to_thread(read_adapter, name, self.lora.next_key(), Path(path))
+            await asyncio.to_thread(self._attach, adapter)
+        except LoraError as exc:
+            return _error(f"LoRA adapter '{name}' not loaded: {exc}")
+        logger.info("LoRA adapter %r loaded from %s", name, path)
+        return {
+            "status": "ok",
+            "message": f"LoRA adapter '{name}' loaded",
+            "lora_name": name,
+            "lora_path": path,
+        }
+
+    def _attach(self, adapter: LoraAdapter) -> None:
+        scheduler = self._require_scheduler()
+        with scheduler.step_lock:
+            self.lora.attach(self.model, adapter)
+            self._install_forward_module(scheduler)
+
+    async def _unload_lora(self, body: Body) -> Body:
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            return _error("missing non-empty `lora_name` string")
+        if name not in self.lora or name in self._unloading:
+            loaded = ", ".join(sorted(self.lora.adapters)) or "none"
+            return _error(f"LoRA adapter '{name}' is not loaded (loaded: {loaded})")
+        scheduler = self._require_scheduler()
+        key = self.lora.adapters[name].key
+        self._unloading.add(name)
+        try:
+            in_flight = scheduler.unfinished_with_adapter(key)
+            # Requests that can't move while generation is paused or asleep would hold the
+            # unload forever; cancelled ones end at the next scheduler pass regardless.
+            stuck = [s for s in in_flight if not s.should_stop()]
+            if stuck and (scheduler.paused or self._sleeping):
+                return _error(
+                    f"LoRA adapter '{name}' has {len(stuck)} request(s) in flight while "
+                    "generation is paused; resume generation or abort them, then unload it"
+                )
+            # Requests already running with the adapter finish with it.
+            await asyncio.to_thread(scheduler.wait_until_done, in_flight)
+            await asyncio.to_thread(self._detach, name)
+        finally:
+            self._unloading.discard(name)
+        logger.info("LoRA adapter %r unloaded", name)
+        return {"status": "ok", "message": f"LoRA adapter '{name}' unloaded", "lora_name": name}
+
+    def _detach(self, name: str) -> None:
+        scheduler = self._require_scheduler()
+        with scheduler.step_lock:
+            self.lora.detach(name)
+            self._install_forward_module(scheduler)

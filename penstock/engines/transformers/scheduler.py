@@ -14,6 +14,9 @@ depend on its neighbours), then its KV is merged into the batch; a finished or c
 sequence's row is dropped, and padding columns no row needs any more are trimmed, so its
 KV is released at once.
 
+With LoRA adapters loaded, each row names its adapter (or none) in the forward pass, so
+requests for different adapters and for the base model share one batch.
+
 Admission reserves ``n * (prompt + max_tokens)`` tokens of the KV budget; a request that
 fits waits in FIFO order, so a running long request never blocks a short one from
 starting, and no running sequence is ever preempted.
@@ -26,7 +29,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +37,7 @@ import torch
 from transformers import DynamicCache
 
 from penstock.engines.context import Context
+from penstock.engines.transformers.lora import BASE_ROW
 from penstock.engines.transformers.sampling import (
     PenaltyState,
     RowSampling,
@@ -71,6 +75,8 @@ class Submission:
     prompt_ids: list[int]
     params: SamplingParams
     deliver: Deliver
+    # peft's name of the LoRA adapter the request runs with; None runs the base model.
+    adapter: str | None = None
     cancelled: bool = False
     # Arrived before a pause in "wait" mode: still runs, the pause waits for it.
     drain: bool = False
@@ -125,6 +131,9 @@ class BatchScheduler:
         worker_id: str = "",
     ) -> None:
         self.model = model
+        # True while ``model`` is a peft wrapper: every forward pass then names each
+        # row's adapter (set together with ``model``, under ``step_lock``).
+        self.adapters_loaded = False
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -237,6 +246,15 @@ class BatchScheduler:
             with self.step_lock:
                 pass
         return in_flight
+
+    def unfinished_with_adapter(self, adapter: str) -> list[Submission]:
+        """The submitted requests that run with ``adapter`` and have not ended yet."""
+        with self._cond:
+            return [
+                s
+                for s in list(self._waiting) + self._admitted
+                if s.adapter == adapter and not s.done
+            ]
 
     def wait_until_done(self, submissions: list[Submission]) -> None:
         """Block until every one of ``submissions`` has ended."""
@@ -388,6 +406,7 @@ class BatchScheduler:
             position_ids=lengths.unsqueeze(1),
             cache=self._cache,
             use_cache=True,
+            **self._adapter_names(seq.submission for seq in rows),
         )
         self._cache = output.cache
         self._width = width + 1
@@ -411,7 +430,11 @@ class BatchScheduler:
             return []
         prompt = torch.tensor([submission.prompt_ids], device=self.device)
         output = self.model(
-            input_ids=prompt, cache=DynamicCache(), use_cache=True, logits_to_keep=1
+            input_ids=prompt,
+            cache=DynamicCache(),
+            use_cache=True,
+            logits_to_keep=1,
+            **self._adapter_names([submission]),
         )
         layers = [(layer.keys, layer.values) for layer in output.cache.layers]
         logits = output.logits[:, -1, :].expand(params.n, -1)
@@ -425,6 +448,11 @@ class BatchScheduler:
             if not seq.finished:
                 joined.append((seq, layers))
         return joined
+
+    def _adapter_names(self, submissions: Iterable[Submission]) -> dict[str, Any]:
+        if not self.adapters_loaded:
+            return {}
+        return {"adapter_names": [s.adapter or BASE_ROW for s in submissions]}
 
     def _new_sequence(self, submission: Submission, index: int) -> Sequence:
         params = submission.params

@@ -79,11 +79,35 @@ def _describe(names: list[str]) -> str:
     return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
+def checkpoint_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under the names its checkpoint uses.
+
+    A LoRA layer injected by peft holds the original layer as ``base_layer`` next to the
+    adapters' own tensors; a base checkpoint names only the original tensors.
+    """
+    live = model.state_dict()
+    if not any(".base_layer." in name for name in live):
+        return live
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    tuners = [
+        name + "." for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)
+    ]
+    named: dict[str, torch.Tensor] = {}
+    for name, tensor in live.items():
+        prefix = next((p for p in tuners if name.startswith(p)), None)
+        if prefix is None:
+            named[name] = tensor
+        elif name.startswith(prefix + "base_layer."):
+            named[prefix + name.removeprefix(prefix + "base_layer.")] = tensor
+    return named
+
+
 def plan_weight_update(
     model: torch.nn.Module, tensors: dict[str, torch.Tensor]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Pair each live tensor with its replacement, or raise ``CheckpointError``."""
-    live = model.state_dict()
+    live = checkpoint_state_dict(model)
     unknown = sorted(set(tensors) - set(live))
     if unknown:
         raise CheckpointError(f"checkpoint tensors not in the model: {_describe(unknown)}")

@@ -6,8 +6,10 @@ import json
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from penstock.engines.transformers import TransformersEngine
 from tests.support.tiny_llm import build_tiny_llama
@@ -61,3 +63,60 @@ async def engine(tiny_model_dir: Path) -> AsyncIterator[TransformersEngine]:
     started = await start_engine(tiny_model_dir)
     yield started
     await started.cleanup()
+
+
+def save_tiny_lora(model_dir: Path, folder: Path, *, seed: int, **config: Any) -> Path:
+    """A random LoRA adapter for the checkpoint in ``model_dir``, saved by peft.
+
+    ``init_lora_weights=False`` makes both LoRA matrices random, so the adapter changes
+    the model's output (peft's default starts B at zero: no change at all).
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    options = {"r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False}
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    get_peft_model(base, LoraConfig(**{**options, **config})).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    return save_tiny_lora(tiny_model_dir, tmp_path_factory.mktemp("tiny-lora"), seed=11)
+
+
+@pytest.fixture(scope="session")
+def second_tiny_lora_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    """Another adapter for the same model, on other modules and with other weights."""
+    return save_tiny_lora(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("tiny-lora-second"),
+        seed=12,
+        target_modules=["k_proj", "o_proj", "up_proj"],
+    )
+
+
+@pytest.fixture(scope="session")
+def wider_tiny_lora_dir(
+    tmp_path_factory: pytest.TempPathFactory, wider_tiny_model_dir: Path
+) -> Path:
+    """An adapter whose tensor names fit ``tiny_model_dir`` but whose shapes don't."""
+    return save_tiny_lora(wider_tiny_model_dir, tmp_path_factory.mktemp("tiny-lora-wider"), seed=13)
+
+
+@pytest.fixture(scope="session")
+def gpt2_tiny_lora_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An adapter for another architecture (GPT-2's fused ``c_attn``), absent from Llama."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model_dir = tmp_path_factory.mktemp("tiny-gpt2")
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(model_dir)
+    return save_tiny_lora(
+        model_dir,
+        tmp_path_factory.mktemp("tiny-lora-gpt2"),
+        seed=14,
+        target_modules=["c_attn"],
+        fan_in_fan_out=True,
+    )
