@@ -9,6 +9,7 @@ from types import ModuleType
 
 from fastapi import Depends, FastAPI
 
+from penstock import __version__
 from penstock.app.gateway import Gateway
 from penstock.app.handlers import install_error_handlers
 from penstock.app.middleware import GatewayMiddleware
@@ -74,7 +75,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     app = FastAPI(
         title="Penstock",
-        version="0.1.0",
+        version=__version__,
         lifespan=lifespan,
         dependencies=[Depends(require_inference_key)],
     )

@@ -7,6 +7,8 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from penstock import __version__ as penstock_version
+
 router = APIRouter(tags=["health"])
 
 _STARTED = time.time()
@@ -16,6 +18,11 @@ _STARTED = time.time()
 async def live() -> dict[str, object]:
     """200 while the process runs, whatever the engine is doing."""
     return {"status": "live", "message": "Service is live", "uptime": time.time() - _STARTED}
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": penstock_version}
 
 
 @router.get("/health")

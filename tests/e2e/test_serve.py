@@ -166,3 +166,10 @@ def test_unknown_fields_can_be_allowed_by_the_operator(tmp_path: Path) -> None:
     with running_server(args, tmp_path) as server:
         body = {"model": "sample-model", "prompt": "x", "max_tokens": 2, "vendor_knob": 3}
         assert httpx.post(f"{server.base_url}/v1/completions", json=body).status_code == 200
+
+
+def test_version_is_served_without_a_key(tmp_path: Path) -> None:
+    with running_server(["--engine", "sample", "--api-key", "k"], tmp_path) as server:
+        response = httpx.get(f"{server.base_url}/version")
+        assert response.status_code == 200
+        assert response.json() == {"version": "0.1.0"}
