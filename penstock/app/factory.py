@@ -24,6 +24,7 @@ from penstock.routers import (
     metrics,
     models,
     sglang_compat,
+    tokenize,
     videos,
     vllm_compat,
 )
@@ -38,6 +39,7 @@ ROUTER_MODULES: list[ModuleType] = [
     models,
     chat,
     completions,
+    tokenize,
     admin,
     lora,
     sglang_compat,
