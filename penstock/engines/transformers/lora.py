@@ -134,10 +134,14 @@ class AdapterSet:
         created = self._peft_model is None
         try:
             if created:
-                peft_model = PeftModel(base_model, config, adapter_name=adapter.key).eval()
+                # Adapters compute in the base model's dtype, not upcast (peft's default,
+                # meant for training).
+                peft_model = PeftModel(
+                    base_model, config, adapter_name=adapter.key, autocast_adapter_dtype=False
+                ).eval()
             else:
                 peft_model = self._peft_model
-                peft_model.add_adapter(adapter.key, config)
+                peft_model.add_adapter(adapter.key, config, autocast_adapter_dtype=False)
         except Exception as exc:
             raise LoraError(f"LoRA adapter {adapter.path} does not fit the model: {exc}") from exc
         try:

@@ -81,6 +81,21 @@ def save_tiny_lora(model_dir: Path, folder: Path, *, seed: int, **config: Any) -
     return folder
 
 
+def peft_greedy(model_dir: Path, lora_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of an adapter run by peft's own ``PeftModel``, one full pass per token."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    model = PeftModel.from_pretrained(base, str(lora_dir)).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            next_id = model(input_ids=ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
 @pytest.fixture(scope="session")
 def tiny_lora_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     return save_tiny_lora(tiny_model_dir, tmp_path_factory.mktemp("tiny-lora"), seed=11)

@@ -12,25 +12,10 @@ import torch
 
 from penstock.engines.context import Context
 from penstock.engines.transformers import TransformersEngine
-from tests.engines.transformers.conftest import start_engine
+from tests.engines.transformers.conftest import peft_greedy, start_engine
 from tests.engines.transformers.helpers import PROMPT, greedy, tokens
 
 MAX_TOKENS = 16
-
-
-def peft_greedy(model_dir: Path, lora_dir: Path, max_tokens: int = MAX_TOKENS) -> list[int]:
-    """Greedy tokens of the adapter run by peft's own ``PeftModel``, one full pass per token."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-    model = PeftModel.from_pretrained(base, str(lora_dir)).eval()
-    ids = torch.tensor([PROMPT])
-    with torch.inference_mode():
-        for _ in range(max_tokens):
-            next_id = model(input_ids=ids).logits[0, -1].argmax()
-            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return ids[0, len(PROMPT) :].tolist()
 
 
 def as_model(name: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
@@ -58,7 +43,7 @@ async def test_adapter_output_is_peft_output_and_base_is_untouched(
     assert reply["lora_name"] == "tiny-lora"
 
     adapted = await tokens(engine, as_model("tiny-lora"))
-    assert adapted == peft_greedy(tiny_model_dir, tiny_lora_dir)
+    assert adapted == peft_greedy(tiny_model_dir, tiny_lora_dir, PROMPT, MAX_TOKENS)
     assert adapted != base
     assert await tokens(engine, greedy(max_tokens=MAX_TOKENS)) == base
     assert await tokens(engine, as_model(engine.served_model_name)) == base
@@ -207,7 +192,7 @@ async def test_adapters_stay_loaded_on_new_base_weights(
         assert reply["status"] == "ok", reply
         await engine.engine_control("resume_generation", {})
         after = await tokens(engine, as_model("tiny-lora"))
-        assert after == peft_greedy(other_tiny_model_dir, tiny_lora_dir)
+        assert after == peft_greedy(other_tiny_model_dir, tiny_lora_dir, PROMPT, MAX_TOKENS)
         assert after != before
     finally:
         await engine.cleanup()
@@ -228,3 +213,17 @@ async def test_adapters_survive_sleep_and_wake_up(
     await engine.engine_control("wake_up", {})
     assert await tokens(engine, as_model("tiny-lora")) == adapted
     assert await tokens(engine, greedy(max_tokens=MAX_TOKENS)) == base
+
+
+async def test_adapters_compute_in_the_model_dtype(
+    tiny_model_dir: Path, tiny_lora_dir: Path, second_tiny_lora_dir: Path
+) -> None:
+    engine = await start_engine(tiny_model_dir, "--dtype", "bfloat16")
+    try:
+        await load(engine, "a", tiny_lora_dir)
+        await load(engine, "b", second_tiny_lora_dir)
+        dtypes = {t.dtype for name, t in engine.model.state_dict().items() if ".lora_" in name}
+        assert dtypes == {torch.bfloat16}
+        assert len(await tokens(engine, as_model("b"))) == MAX_TOKENS
+    finally:
+        await engine.cleanup()
