@@ -150,8 +150,10 @@ class TransformersEngine(LLMEngine):
         self._memory_lock = asyncio.Lock()
         self._bos_or_eos = 0
         self.lora = AdapterSet()
-        # Adapters being unloaded: already refused to new requests.
+        # Adapters being unloaded, and unloaded ones: their names are refused, never served
+        # by the base model in their place.
         self._unloading: set[str] = set()
+        self._retired: set[str] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -307,13 +309,16 @@ class TransformersEngine(LLMEngine):
         """peft's key of the adapter ``model`` names; None for the base model."""
         if model is None or model == self.served_model_name:
             return None
-        if isinstance(model, str) and model in self.lora and model not in self._unloading:
+        if not isinstance(model, str):
+            raise ValueError(f"model: must be a string, got {type(model).__name__}")
+        if model in self.lora and model not in self._unloading:
             return self.lora.adapters[model].key
-        loaded = ", ".join(sorted(set(self.lora.adapters) - self._unloading)) or "none"
-        raise ValueError(
-            f"model: {model!r} is neither the served model {self.served_model_name!r} "
-            f"nor a loaded LoRA adapter (loaded: {loaded})"
-        )
+        if model in self._unloading or model in self._retired:
+            loaded = ", ".join(sorted(set(self.lora.adapters) - self._unloading)) or "none"
+            raise ValueError(f"model: LoRA adapter {model!r} is not loaded (loaded: {loaded})")
+        # The gateway has resolved every other name to the base model: it may serve the base
+        # under names of its own (--served-model-name, aliases), and 404s unknown names.
+        return None
 
     async def abort(self, context: Context) -> None:
         if self.scheduler is not None:
@@ -683,6 +688,7 @@ class TransformersEngine(LLMEngine):
             await asyncio.to_thread(self._attach, adapter)
         except LoraError as exc:
             return _error(f"LoRA adapter '{name}' not loaded: {exc}")
+        self._retired.discard(name)
         logger.info("LoRA adapter %r loaded from %s", name, path)
         return {
             "status": "ok",
@@ -720,6 +726,7 @@ class TransformersEngine(LLMEngine):
             # Requests already running with the adapter finish with it.
             await asyncio.to_thread(scheduler.wait_until_done, in_flight)
             await asyncio.to_thread(self._detach, name)
+            self._retired.add(name)
         finally:
             self._unloading.discard(name)
         logger.info("LoRA adapter %r unloaded", name)

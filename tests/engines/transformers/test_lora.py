@@ -81,7 +81,7 @@ async def test_unload_refuses_the_name_and_restores_the_plain_model(
     assert engine.scheduler is not None and engine.scheduler.model is plain
     assert "lora" not in " ".join(plain.state_dict())
 
-    with pytest.raises(ValueError, match="model: 'tiny-lora' is neither"):
+    with pytest.raises(ValueError, match=r"^model: LoRA adapter 'tiny-lora' is not loaded"):
         await tokens(engine, as_model("tiny-lora"))
     assert await tokens(engine, greedy(max_tokens=MAX_TOKENS)) == base
     again = await engine.engine_update("unload_lora", {"lora_name": "tiny-lora"})
@@ -92,9 +92,15 @@ async def test_unload_refuses_the_name_and_restores_the_plain_model(
     assert (await load(engine, "tiny-lora", tiny_lora_dir))["status"] == "ok"
 
 
-async def test_unknown_model_is_refused_naming_the_field(engine: TransformersEngine) -> None:
-    with pytest.raises(ValueError, match=r"^model: 'other' is neither the served model"):
-        await tokens(engine, as_model("other"))
+async def test_other_names_run_the_base_model_and_bad_ones_are_refused(
+    engine: TransformersEngine, tiny_lora_dir: Path
+) -> None:
+    # The gateway may serve the base model under a name of its own (--served-model-name).
+    base = await tokens(engine, greedy(max_tokens=MAX_TOKENS))
+    await load(engine, "tiny-lora", tiny_lora_dir)
+    assert await tokens(engine, as_model("renamed-by-the-gateway")) == base
+    with pytest.raises(ValueError, match=r"^model: must be a string"):
+        await tokens(engine, {**greedy(), "model": 7})
 
 
 @pytest.mark.parametrize(
@@ -140,11 +146,13 @@ async def test_bad_loads_are_refused_and_the_engine_serves_on(
     assert await tokens(engine, as_model("good")) == adapted
 
 
+@pytest.mark.parametrize("bad", ["wrong shapes", "other architecture"])
 async def test_a_failed_first_load_leaves_the_plain_model(
-    engine: TransformersEngine, wider_tiny_lora_dir: Path
+    engine: TransformersEngine, wider_tiny_lora_dir: Path, gpt2_tiny_lora_dir: Path, bad: str
 ) -> None:
     plain = engine.model
-    reply = await load(engine, "wide", wider_tiny_lora_dir)
+    path = wider_tiny_lora_dir if bad == "wrong shapes" else gpt2_tiny_lora_dir
+    reply = await load(engine, "bad", path)
     assert reply["status"] == "error"
     assert engine.scheduler is not None and engine.scheduler.model is plain
     assert "lora" not in " ".join(plain.state_dict())
@@ -157,8 +165,11 @@ async def test_unload_lets_running_requests_of_the_adapter_finish(
     expected = await tokens(engine, as_model("tiny-lora", 60))
     running = asyncio.create_task(tokens(engine, as_model("tiny-lora", 60)))
     await asyncio.sleep(0.05)
-    reply = await engine.engine_update("unload_lora", {"lora_name": "tiny-lora"})
-    assert reply["status"] == "ok"
+    unloading = asyncio.create_task(engine.engine_update("unload_lora", {"lora_name": "tiny-lora"}))
+    await asyncio.sleep(0)
+    with pytest.raises(ValueError, match="is not loaded"):
+        await tokens(engine, as_model("tiny-lora"))
+    assert (await unloading)["status"] == "ok"
     assert running.done()
     assert await running == expected
 
