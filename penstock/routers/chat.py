@@ -98,6 +98,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     want_logprobs = body.logprobs
     engine_request = generate_request(
         body,
+        model,
         token_ids,
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if want_logprobs else None,

@@ -90,7 +90,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         Generation(
             gateway,
             model,
-            generate_request(body, ids, max_tokens=body.max_tokens, logprobs=body.logprobs),
+            generate_request(body, model, ids, max_tokens=body.max_tokens, logprobs=body.logprobs),
             Context(
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
                 {"x-request-id": request_id},

@@ -111,6 +111,7 @@ def _stop_conditions(body: SamplingFields, max_tokens: int | None) -> dict[str, 
 
 def generate_request(
     body: SamplingFields,
+    model: ServedModel,
     token_ids: list[int],
     *,
     max_tokens: int | None,
@@ -119,7 +120,8 @@ def generate_request(
 ) -> dict[str, Any]:
     request: dict[str, Any] = {
         "token_ids": token_ids,
-        "model": body.model,
+        # The canonical name (aliases resolved): a LoRA engine picks the adapter by it.
+        "model": model.name,
         "sampling_options": _sampling_options(body),
         "stop_conditions": _stop_conditions(body, max_tokens),
         "output_options": {"logprobs": logprobs} if logprobs is not None else {},

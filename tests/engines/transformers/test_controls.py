@@ -31,6 +31,8 @@ def test_advertised_names(engine: TransformersEngine) -> None:
         "update_weights_from_disk",
         "update_weight_version",
         "set_weight_version",
+        "load_lora",
+        "unload_lora",
     }
 
 
