@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-import pytest
 import safetensors.numpy
 
 from penstock.app.gateway import Gateway
 from penstock.app.server import build_gateway
 from penstock.app.settings import Settings
 from penstock.engines.sample import SAMPLE_TOKENIZER_DIR, SampleLLMEngine, WorkerConfig
-from tests.rl.conftest import asgi_client, start_gateway
+from tests.support.inprocess import asgi_client
 
 MODEL = "sample-model"
 
@@ -27,19 +25,6 @@ def write_adapter(folder: Path, shift: int) -> Path:
     tensors = {"token_shift": np.array([shift], dtype=np.int64)}
     safetensors.numpy.save_file(tensors, folder / "adapter_model.safetensors")
     return folder
-
-
-@pytest.fixture
-async def gateway() -> AsyncIterator[Gateway]:
-    started = await start_gateway()
-    yield started
-    await started.host.cleanup()
-
-
-@pytest.fixture
-async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
-    async for http in asgi_client(gateway):
-        yield http
 
 
 async def completion_tokens(client: httpx.AsyncClient, model: str) -> list[int]:

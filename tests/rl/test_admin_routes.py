@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from penstock.engines.sample import write_sample_weights
-from tests.rl.conftest import asgi_client, start_gateway
+from tests.support.inprocess import asgi_client, start_gateway
 
 
 async def test_capabilities_lists_controls_updates_routes_state_and_version(

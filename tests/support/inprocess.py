@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import httpx
-import pytest
 
 from penstock.app.factory import create_app
 from penstock.app.gateway import Gateway
@@ -28,16 +27,3 @@ async def asgi_client(
         transport = httpx.ASGITransport(app=app, client=client)
         async with httpx.AsyncClient(transport=transport, base_url="http://penstock") as http:
             yield http
-
-
-@pytest.fixture
-async def gateway() -> AsyncIterator[Gateway]:
-    started = await start_gateway()
-    yield started
-    await started.host.cleanup()
-
-
-@pytest.fixture
-async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
-    async for http in asgi_client(gateway):
-        yield http
