@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from penstock.app.gateway import Gateway
+from penstock.gateway import Gateway
 from tests.support.inprocess import asgi_client, start_gateway
 
 

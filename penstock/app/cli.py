@@ -10,9 +10,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from penstock.app.settings import Settings
 from penstock.engines.loading import BUILTIN_ENGINES, EngineLoadError
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
+from penstock.settings import Settings
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -10,10 +10,9 @@ from types import ModuleType
 from fastapi import Depends, FastAPI
 
 from penstock import __version__
-from penstock.app.gateway import Gateway
 from penstock.app.handlers import install_error_handlers
 from penstock.app.middleware import GatewayMiddleware
-from penstock.app.security import require_inference_key
+from penstock.gateway import Gateway
 from penstock.routers import (
     admin,
     chat,
@@ -28,6 +27,7 @@ from penstock.routers import (
     videos,
     vllm_compat,
 )
+from penstock.routers.security import require_inference_key
 
 logger = logging.getLogger(__name__)
 

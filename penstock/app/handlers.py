@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from penstock.app.errors import (
+from penstock.errors import (
     InternalServerError,
     InvalidRequestError,
     NotFoundError,

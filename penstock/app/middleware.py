@@ -9,10 +9,10 @@ import orjson
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from penstock.app.errors import PayloadTooLargeError, PenstockError, ServiceUnavailableError
+from penstock.errors import PayloadTooLargeError, PenstockError, ServiceUnavailableError
 
 if TYPE_CHECKING:
-    from penstock.app.gateway import Gateway
+    from penstock.gateway import Gateway
 
 REQUEST_ID_HEADER = b"x-request-id"
 _MAX_REQUEST_ID_LEN = 256

@@ -14,16 +14,16 @@ from typing import Any
 
 import uvicorn
 
-from penstock.app.admission import AdmissionGate
 from penstock.app.factory import create_app
-from penstock.app.gateway import Gateway, ServedModel
-from penstock.app.settings import Settings
+from penstock.engines.admission import AdmissionGate
 from penstock.engines.contract import parse_endpoint_types
 from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
 from penstock.engines.host import EngineHost
 from penstock.engines.loading import load_engine_class
+from penstock.gateway import Gateway, ServedModel
 from penstock.metrics.engine_bridge import SnapshotPublisher
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
+from penstock.settings import Settings
 
 logger = logging.getLogger(__name__)
 

@@ -25,11 +25,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from penstock.app.admission import AdmissionGate
-from penstock.app.errors import EngineError, InvalidRequestError, PenstockError
+from penstock.engines.admission import AdmissionGate
 from penstock.engines.context import Context
 from penstock.engines.contract import BaseEngine, EngineConfig, RawEngine
 from penstock.engines.health import HEALTH_CHECK_KEY, EngineHealthMonitorConfig, is_probe
+from penstock.errors import EngineError, InvalidRequestError, PenstockError
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from penstock.engines.health import (
     is_probe,
     parse_health_check_payload_cli,
 )
-from penstock.media.encoding import encode_image
+from penstock.multimodal.encoding import encode_image
 
 MAX_IMAGES = 10
 _PIXEL_PNG_B64 = base64.b64encode(

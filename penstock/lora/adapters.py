@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from penstock.app.errors import ConflictError, InvalidRequestError, NotFoundError
-from penstock.app.gateway import ServedModel
+from penstock.errors import ConflictError, InvalidRequestError, NotFoundError
+from penstock.gateway import ServedModel
 from penstock.lora.manager import LoRAInfo, LoRAManager
 
 if TYPE_CHECKING:
-    from penstock.app.gateway import Gateway
+    from penstock.gateway import Gateway
     from penstock.rl.state import AdminStateMachine
 
 

@@ -1,9 +1,9 @@
 """Media generation plumbing shared by the video and image routes and engines.
 
-* :mod:`~penstock.media.limits` - what a request may ask of a model (sizes, frame counts)
+* :mod:`~penstock.multimodal.limits` - what a request may ask of a model (sizes, frame counts)
   and how defaults are resolved; the engine advertises its limits, the gateway enforces
   them before a job is accepted;
-* :mod:`~penstock.media.encoding` - frames to H.264 MP4 (PyAV), images to PNG/WEBP/JPEG
+* :mod:`~penstock.multimodal.encoding` - frames to H.264 MP4 (PyAV), images to PNG/WEBP/JPEG
   (Pillow), reference images in;
 * :mod:`~penstock.media.jobs` - the video job records (stdlib ``sqlite3``);
 * :mod:`~penstock.media.artifacts` - generated files (a folder or any fsspec URL);

@@ -19,9 +19,14 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
 
-from penstock.app.errors import InvalidRequestError, PenstockError, UnsupportedMediaTypeError
-from penstock.app.gateway import Gateway, ServedModel
-from penstock.media.encoding import UndecodableImage, data_url_bytes, decode_image, image_data_url
+from penstock.errors import InvalidRequestError, PenstockError, UnsupportedMediaTypeError
+from penstock.gateway import Gateway, ServedModel
+from penstock.multimodal.encoding import (
+    UndecodableImage,
+    data_url_bytes,
+    decode_image,
+    image_data_url,
+)
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")

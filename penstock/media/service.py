@@ -27,16 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from penstock.app.errors import EngineError, PenstockError
 from penstock.engines.context import Context
+from penstock.errors import EngineError, PenstockError
 from penstock.media.artifacts import ArtifactStore
-from penstock.media.encoding import VIDEO_CONTENT_TYPES, data_url_bytes
 from penstock.media.jobs import COMPLETED, FAILED, IN_PROGRESS, QUEUED, JobStore, VideoJob
 from penstock.media.pool import WorkerPool
+from penstock.multimodal.encoding import VIDEO_CONTENT_TYPES, data_url_bytes
 
 if TYPE_CHECKING:
-    from penstock.app.gateway import Gateway, ServedModel
-    from penstock.app.settings import Settings
+    from penstock.gateway import Gateway, ServedModel
+    from penstock.settings import Settings
 
 logger = logging.getLogger(__name__)
 

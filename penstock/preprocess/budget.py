@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from penstock.app.errors import InvalidRequestError
+from penstock.errors import InvalidRequestError
 
 _WHAT_THE_PROMPT_IS = {"messages": "the messages", "prompt": "the prompt"}
 

@@ -18,7 +18,7 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from penstock.app.errors import InvalidRequestError
+from penstock.errors import InvalidRequestError
 from penstock.preprocess.tokenizer_files import DEFAULT_TEMPLATE_NAME
 
 TOOL_USE_TEMPLATE_NAME = "tool_use"

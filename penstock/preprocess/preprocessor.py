@@ -8,7 +8,7 @@ from typing import Any
 
 import jinja2
 
-from penstock.app.errors import InvalidRequestError
+from penstock.errors import InvalidRequestError
 from penstock.preprocess.chat_template import (
     compile_template,
     render_template,

@@ -14,7 +14,7 @@ from penstock.rl.routes import RLRoutes
 from penstock.rl.state import AdminStateMachine
 
 if TYPE_CHECKING:
-    from penstock.app.gateway import Gateway
+    from penstock.gateway import Gateway
 
 EXTENSION_KEY = "admin_plane"
 

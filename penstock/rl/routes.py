@@ -1,7 +1,7 @@
 """The RL admin routes (``/engine/<name>``): bodies and responses in the RL clients' shapes.
 
 Each handler takes the JSON body (already checked to be an object) and returns the
-response object, or raises a :class:`penstock.app.errors.PenstockError` (400 bad field,
+response object, or raises a :class:`penstock.errors.PenstockError` (400 bad field,
 409 invalid state, ...). Every success carries ``"status": "ok"`` (``"success"`` for the
 LoRA routes) and ``"state"``, the admin state after the call.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from penstock.app.errors import InvalidRequestError
+from penstock.errors import InvalidRequestError
 from penstock.rl.admin import (
     RLAdminValidationError,
     RLRouteHandler,

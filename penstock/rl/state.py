@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from penstock.app.errors import (
+from penstock.errors import (
     ConflictError,
     InternalServerError,
     InvalidRequestError,

@@ -53,9 +53,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from penstock.app.errors import NotFoundError
-from penstock.app.gateway import Gateway
-from penstock.app.security import ADMIN_TAG, require_admin_key
+from penstock.errors import NotFoundError
+from penstock.gateway import Gateway
 from penstock.rl.fields import (
     bool_field,
     int_field,
@@ -67,6 +66,7 @@ from penstock.rl.fields import (
 )
 from penstock.rl.plane import AdminPlane, admin_plane, install_admin_plane
 from penstock.rl.state import WEIGHT_UPDATES_PREFIX
+from penstock.routers.security import ADMIN_TAG, require_admin_key
 
 router = APIRouter(tags=[ADMIN_TAG], dependencies=[Depends(require_admin_key)])
 

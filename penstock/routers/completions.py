@@ -14,27 +14,27 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from penstock.app.errors import InvalidRequestError
-from penstock.app.gateway import ServedModel
-from penstock.app.sse import DONE_FRAME, EventStreamResponse
 from penstock.engines.context import Context
+from penstock.errors import InvalidRequestError
+from penstock.gateway import ServedModel
 from penstock.metadata_upload import MetadataUploader
-from penstock.routers.openai_output import Generation, LogprobEntry, merge
-from penstock.routers.openai_requests import (
-    check_budget,
-    check_common_limits,
-    completion_prompts,
-    generate_request,
-    metadata_uploader,
-)
-from penstock.routers.streaming import (
+from penstock.schemas.openai import CompletionRequest
+from penstock.serving.framing import (
     ChunkEncoder,
     ClientDisconnected,
     json_response,
     unless_disconnected,
     with_error_frame,
 )
-from penstock.schemas.openai import CompletionRequest
+from penstock.serving.generation import Generation, LogprobEntry, merge
+from penstock.serving.requests import (
+    check_budget,
+    check_common_limits,
+    completion_prompts,
+    generate_request,
+    metadata_uploader,
+)
+from penstock.serving.sse import DONE_FRAME, EventStreamResponse
 
 router = APIRouter(tags=["openai"])
 

@@ -17,11 +17,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from penstock.app.errors import EngineError, InvalidRequestError, NotFoundError
-from penstock.app.gateway import Gateway
 from penstock.engines.context import Context
-from penstock.media.encoding import IMAGE_CONTENT_TYPES, data_url_bytes
-from penstock.media.limits import MediaParamError, VideoLimits, parse_size
+from penstock.errors import EngineError, InvalidRequestError, NotFoundError
+from penstock.gateway import Gateway
 from penstock.media.requests import (
     fill_default_model,
     read_media_body,
@@ -31,6 +29,8 @@ from penstock.media.requests import (
     validate_body,
 )
 from penstock.media.service import MediaService
+from penstock.multimodal.encoding import IMAGE_CONTENT_TYPES, data_url_bytes
+from penstock.multimodal.limits import MediaParamError, VideoLimits, parse_size
 from penstock.schemas.images import ImageData, NvCreateImageRequest, NvImagesResponse
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, MediaPassthroughRejected
 

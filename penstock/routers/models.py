@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from penstock.app.gateway import ServedModel
+from penstock.gateway import ServedModel
 
 router = APIRouter(tags=["models"])
 

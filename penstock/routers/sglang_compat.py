@@ -38,7 +38,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
-from penstock.app.security import ADMIN_TAG, require_admin_key
 from penstock.rl.fields import (
     bool_field,
     invalid,
@@ -48,6 +47,7 @@ from penstock.rl.fields import (
     tags_field,
 )
 from penstock.rl.plane import AdminPlane, admin_plane
+from penstock.routers.security import ADMIN_TAG, require_admin_key
 
 router = APIRouter(tags=[ADMIN_TAG], dependencies=[Depends(require_admin_key)])
 

@@ -11,11 +11,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from penstock.app.errors import InvalidRequestError
-from penstock.app.gateway import ServedModel
+from penstock.errors import InvalidRequestError
+from penstock.gateway import ServedModel
 from penstock.preprocess import Preprocessor
-from penstock.routers.openai_requests import check_token_ids
 from penstock.schemas.openai import ChatMessage, NonNegativeInt
+from penstock.serving.requests import check_token_ids
 
 router = APIRouter(tags=["tokenize"])
 

@@ -36,17 +36,14 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse
 from starlette.responses import Response, StreamingResponse
 
-from penstock.app.errors import (
+from penstock.errors import (
     EngineError,
     InvalidRequestError,
     NotFoundError,
     PenstockError,
 )
-from penstock.app.gateway import Gateway
-from penstock.app.sse import DONE_FRAME, EventStreamResponse, data_frame
-from penstock.media.encoding import VIDEO_CONTENT_TYPES
+from penstock.gateway import Gateway
 from penstock.media.jobs import COMPLETED, FAILED, QUEUED, VideoJob
-from penstock.media.limits import MediaParamError, VideoLimits, plan_video
 from penstock.media.requests import (
     fill_default_model,
     read_media_body,
@@ -56,8 +53,11 @@ from penstock.media.requests import (
     validate_body,
 )
 from penstock.media.service import JobEvent, MediaService
+from penstock.multimodal.encoding import VIDEO_CONTENT_TYPES
+from penstock.multimodal.limits import MediaParamError, VideoLimits, plan_video
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, MediaPassthroughRejected
 from penstock.schemas.video import NvCreateVideoRequest, NvVideosResponse, VideoData
+from penstock.serving.sse import DONE_FRAME, EventStreamResponse, data_frame
 
 router = APIRouter(tags=["videos"])
 

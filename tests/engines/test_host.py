@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from penstock.app.errors import EngineError, InvalidRequestError
 from penstock.engines.context import Context
 from penstock.engines.contract import WorkerConfig
 from penstock.engines.health import HEALTH_CHECK_KEY, EngineHealthMonitorConfig
 from penstock.engines.host import EngineHost, EngineState
+from penstock.errors import EngineError, InvalidRequestError
 from tests.support.doubles import ScriptedEngine
 
 

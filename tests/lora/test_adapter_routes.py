@@ -10,10 +10,10 @@ import httpx
 import numpy as np
 import safetensors.numpy
 
-from penstock.app.gateway import Gateway
 from penstock.app.server import build_gateway
-from penstock.app.settings import Settings
 from penstock.engines.sample import SAMPLE_TOKENIZER_DIR, SampleLLMEngine, WorkerConfig
+from penstock.gateway import Gateway
+from penstock.settings import Settings
 from tests.support.inprocess import asgi_client
 
 MODEL = "sample-model"

@@ -16,7 +16,7 @@ from PIL import Image
 from penstock.engines.context import Context
 from penstock.engines.diffusion import DiffusersEngine
 from penstock.engines.sample_diffusion import SampleDiffusionEngine
-from penstock.media.encoding import image_data_url
+from penstock.multimodal.encoding import image_data_url
 from tests.media.pipelines import save_tiny_stable_diffusion, save_tiny_wan
 
 VIDEO = {

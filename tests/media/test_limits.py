@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from penstock.media.limits import MediaParamError, VideoLimits, parse_size, plan_video
+from penstock.multimodal.limits import MediaParamError, VideoLimits, parse_size, plan_video
 
 WAN = VideoLimits(
     default_size="128x128",

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from penstock.app.errors import InvalidRequestError
+from penstock.errors import InvalidRequestError
 from penstock.preprocess import check_token_budget
 
 

@@ -6,7 +6,7 @@ from datetime import datetime
 
 import pytest
 
-from penstock.app.errors import InvalidRequestError
+from penstock.errors import InvalidRequestError
 from penstock.preprocess import Preprocessor
 
 WithTemplate = Callable[[str], Preprocessor]

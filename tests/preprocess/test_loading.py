@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from penstock.app.errors import InvalidRequestError
+from penstock.errors import InvalidRequestError
 from penstock.preprocess import Preprocessor, PreprocessorLoadError
 from tests.preprocess.conftest import ModelFolderFactory
 from tests.support.tiny import build_tokenizer

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from penstock.app.errors import ConflictError, InvalidRequestError, ServiceUnavailableError
 from penstock.engines.context import Context
 from penstock.engines.sample import SAMPLE_TOKENIZER_DIR, SampleLLMEngine, write_sample_weights
+from penstock.errors import ConflictError, InvalidRequestError, ServiceUnavailableError
 from penstock.rl.state import AdminStateMachine
 
 

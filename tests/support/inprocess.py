@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 import httpx
 
 from penstock.app.factory import create_app
-from penstock.app.gateway import Gateway
 from penstock.app.server import build_gateway
-from penstock.app.settings import Settings
+from penstock.gateway import Gateway
+from penstock.settings import Settings
 
 LOOPBACK_CLIENT = ("127.0.0.1", 40001)
 

@@ -14,7 +14,7 @@ keeps serving meanwhile, and progress comes back through ``call_soon_threadsafe`
 stopped context ends the run at the next step boundary.
 
 Defaults and limits are advertised in ``EngineConfig.runtime_data`` (see
-:class:`penstock.media.limits.VideoLimits`) so the gateway can reject what this pipeline
+:class:`penstock.multimodal.limits.VideoLimits`) so the gateway can reject what this pipeline
 can't make before a job is queued.
 """
 
@@ -57,7 +57,7 @@ from penstock.engines.health import (
     build_raw_health_check_payload,
     parse_health_check_payload_cli,
 )
-from penstock.media.encoding import (
+from penstock.multimodal.encoding import (
     UndecodableImage,
     data_url_bytes,
     decode_image,
@@ -65,7 +65,7 @@ from penstock.media.encoding import (
     encode_mp4,
     to_uint8,
 )
-from penstock.media.limits import VideoLimits, parse_size, plan_video
+from penstock.multimodal.limits import VideoLimits, parse_size, plan_video
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, sanitize_media_passthrough
 
 logger = logging.getLogger(__name__)

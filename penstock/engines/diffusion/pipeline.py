@@ -19,7 +19,7 @@ import torch
 from diffusers import DiffusionPipeline, WanPipeline, WanVideoToVideoPipeline
 from PIL import Image
 
-from penstock.media.limits import VideoLimits
+from penstock.multimodal.limits import VideoLimits
 
 StepCallback = Callable[[int, int], None]
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from penstock.app.errors import InvalidRequestError
 from penstock.engines.context import Context
 from penstock.engines.host import EngineHost
 from penstock.engines.transformers import TransformersEngine
+from penstock.errors import InvalidRequestError
 from tests.engines.transformers.conftest import copy_with_eos, start_engine
 from tests.engines.transformers.helpers import PROMPT, greedy, run, tokens
 

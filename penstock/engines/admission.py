@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from penstock.app.errors import OverloadedError
+from penstock.errors import OverloadedError
 
 RETRY_AFTER_S = 1
 

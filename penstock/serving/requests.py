@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from penstock.app.errors import InvalidRequestError
-from penstock.app.gateway import ServedModel
-from penstock.app.settings import Settings
+from penstock.errors import InvalidRequestError
+from penstock.gateway import ServedModel
 from penstock.metadata_upload import MetadataUploader
 from penstock.schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from penstock.settings import Settings
 
 # Fields an engine's runtime_data may advertise to accept requests the gateway would
 # otherwise refuse rather than let the engine ignore silently.

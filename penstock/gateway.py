@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from penstock.app.errors import ModelNotFoundError
-from penstock.app.settings import Settings
 from penstock.engines.host import EngineHost
+from penstock.errors import ModelNotFoundError
 from penstock.metrics.engine_bridge import EngineMetrics
 from penstock.metrics.frontend import FrontendMetrics
+from penstock.settings import Settings
 
 if TYPE_CHECKING:
     from penstock.preprocess import Preprocessor

@@ -11,13 +11,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from penstock.app.errors import EngineError, OverloadedError, PenstockError
 from penstock.engines.context import Context
+from penstock.errors import EngineError, OverloadedError, PenstockError
 from penstock.metadata_upload import MetadataUploader
 from penstock.preprocess.tool_calls import ParsedToolCall, ToolCallStream
 
 if TYPE_CHECKING:
-    from penstock.app.gateway import Gateway, ServedModel
+    from penstock.gateway import Gateway, ServedModel
     from penstock.preprocess import Preprocessor
 
 # Engines say "cancelled"; clients of vLLM/SGLang (RL trainers among them) know "abort".

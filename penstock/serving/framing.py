@@ -12,8 +12,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from penstock.app.errors import InternalServerError, PenstockError
-from penstock.app.sse import DONE_FRAME
+from penstock.errors import InternalServerError, PenstockError
+from penstock.serving.sse import DONE_FRAME
 
 logger = logging.getLogger(__name__)
 

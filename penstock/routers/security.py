@@ -6,7 +6,7 @@ import hmac
 
 from fastapi import Request
 
-from penstock.app.errors import AuthenticationError, PermissionDeniedError
+from penstock.errors import AuthenticationError, PermissionDeniedError
 
 ADMIN_TAG = "admin"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from penstock.app.admission import AdmissionGate
-from penstock.app.errors import OverloadedError
+from penstock.engines.admission import AdmissionGate
+from penstock.errors import OverloadedError
 from tests.support.server import running_server
 
 
