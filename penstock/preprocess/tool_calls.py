@@ -13,7 +13,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _HERMES_START = "<tool_call>"
@@ -37,7 +37,14 @@ class ParsedToolCall:
         return call
 
 
-def parse_hermes(text: str) -> tuple[str, list[ParsedToolCall]] | None:
+class ToolCallSplit(NamedTuple):
+    """Text split into what is shown as content and the calls it held."""
+
+    content: str
+    calls: list[ParsedToolCall]
+
+
+def parse_hermes(text: str) -> ToolCallSplit | None:
     """Split ``text`` into content and calls; None when it holds no well-formed call."""
     start = text.find(_HERMES_START)
     if start < 0:
@@ -57,7 +64,7 @@ def parse_hermes(text: str) -> tuple[str, list[ParsedToolCall]] | None:
     rest = _HERMES_BLOCK.sub("", text[start:]).strip()
     if not calls or rest:
         return None
-    return text[:start], calls
+    return ToolCallSplit(text[:start], calls)
 
 
 class ToolCallStream:
@@ -83,14 +90,14 @@ class ToolCallStream:
         self._held = combined[len(combined) - keep :] if keep else ""
         return combined[: len(combined) - keep]
 
-    def finish(self) -> tuple[str, list[ParsedToolCall]]:
-        """At the end of the choice: (text still to emit, parsed calls)."""
+    def finish(self) -> ToolCallSplit:
+        """At the end of the choice: the text still to emit and the parsed calls."""
         held, self._held = self._held, ""
         if not self._in_call:
-            return held, []
+            return ToolCallSplit(held, [])
         parsed = parse_hermes(held)
         if parsed is None:
-            return held, []
+            return ToolCallSplit(held, [])
         return parsed
 
 
