@@ -119,3 +119,11 @@ class EngineError(PenstockError):
     status_code = 500
     error_type = "internal_server_error"
     default_code = "engine_error"
+
+
+class ClientClosedRequest(PenstockError):
+    """The client went away before the answer (nginx's 499); nobody reads this response."""
+
+    status_code = 499
+    error_type = "request_cancelled"
+    default_code = "request_cancelled"

@@ -8,9 +8,7 @@ encodings validate against the same schema.
 
 from __future__ import annotations
 
-import asyncio
 import re
-from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import orjson
@@ -19,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
 
-from penstock.errors import InvalidRequestError, PenstockError, UnsupportedMediaTypeError
+from penstock.errors import InvalidRequestError, UnsupportedMediaTypeError
 from penstock.gateway import Gateway, ServedModel
 from penstock.multimodal.encoding import (
     UndecodableImage,
@@ -29,18 +27,6 @@ from penstock.multimodal.encoding import (
 )
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
-T = TypeVar("T")
-
-DISCONNECT_POLL_S = 0.5
-
-
-class ClientClosedRequest(PenstockError):
-    """The client went away before the answer; nobody reads this response."""
-
-    status_code = 499
-    error_type = "request_cancelled"
-    default_code = "request_cancelled"
-
 
 _BRACKETS = re.compile(r"\[([^\]]*)\]")
 
@@ -165,19 +151,3 @@ def reference_data_url(value: Any) -> str:
         return image_data_url(decode_image(data))
     except UndecodableImage as exc:
         raise UnsupportedMediaTypeError(f"input_reference: {exc}", param="input_reference") from exc
-
-
-async def unless_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable``; cancel it if the client goes away meanwhile."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise ClientClosedRequest("Request cancelled")
-    finally:
-        if not task.done():
-            task.cancel()

@@ -25,7 +25,6 @@ from penstock.media.requests import (
     read_media_body,
     reference_data_url,
     served_for,
-    unless_disconnected,
     validate_body,
 )
 from penstock.media.service import MediaService
@@ -33,6 +32,7 @@ from penstock.multimodal.encoding import IMAGE_CONTENT_TYPES, data_url_bytes
 from penstock.multimodal.limits import MediaParamError, VideoLimits, parse_size
 from penstock.schemas.images import ImageData, NvCreateImageRequest, NvImagesResponse
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, MediaPassthroughRejected
+from penstock.serving.framing import unless_disconnected
 
 router = APIRouter(tags=["images"])
 

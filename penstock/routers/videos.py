@@ -49,7 +49,6 @@ from penstock.media.requests import (
     read_media_body,
     reference_data_url,
     served_for,
-    unless_disconnected,
     validate_body,
 )
 from penstock.media.service import JobEvent, MediaService
@@ -57,6 +56,7 @@ from penstock.multimodal.encoding import VIDEO_CONTENT_TYPES
 from penstock.multimodal.limits import MediaParamError, VideoLimits, plan_video
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, MediaPassthroughRejected
 from penstock.schemas.video import NvCreateVideoRequest, NvVideosResponse, VideoData
+from penstock.serving.framing import unless_disconnected
 from penstock.serving.sse import DONE_FRAME, EventStreamResponse, data_frame
 
 router = APIRouter(tags=["videos"])

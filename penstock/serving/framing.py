@@ -1,4 +1,4 @@
-"""Helpers shared by the streaming OpenAI routes: chunk encoding, error frames, disconnects."""
+"""Bytes on the wire for the serving routes: chunk encoding, error frames, disconnects."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from penstock.errors import InternalServerError, PenstockError
+from penstock.errors import ClientClosedRequest, InternalServerError, PenstockError
 from penstock.serving.sse import DONE_FRAME
 
 logger = logging.getLogger(__name__)
@@ -74,12 +74,12 @@ def json_response(content: dict[str, Any]) -> Response:
     return Response(orjson.dumps(content), media_type="application/json")
 
 
-class ClientDisconnected(Exception):
-    pass
-
-
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client goes away first, cancel it (which aborts the engine)."""
+    """Await ``work``; if the client goes away first, cancel it (which aborts the engine).
+
+    Raises :class:`ClientClosedRequest` (499) once the cancelled work has wound down, so
+    every non-streaming route answers a disconnect the same way.
+    """
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -98,5 +98,5 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     if task.cancelled() or not task.done():
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
-        raise ClientDisconnected
+        raise ClientClosedRequest("The client closed the request")
     return task.result()

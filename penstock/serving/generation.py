@@ -1,6 +1,7 @@
-"""Engine chunks to per-choice OpenAI output: text, stops, logprobs, usage, weight versions.
+"""One engine request: drives ``host.generate``, feeds each choice, records metrics and usage.
 
-This is the streaming hot path: plain data, no models, one pass per chunk.
+Completions with several prompts run one :class:`Generation` per prompt and interleave
+their deltas with :func:`merge`; chat runs one.
 """
 
 from __future__ import annotations
@@ -8,138 +9,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from penstock.engines.context import Context
+from penstock.engines.contract import GenerateRequest
 from penstock.errors import EngineError, OverloadedError, PenstockError
 from penstock.metadata_upload import MetadataUploader
-from penstock.preprocess.tool_calls import ParsedToolCall, ToolCallStream
+from penstock.serving.choice import ChoiceState, Delta
 
 if TYPE_CHECKING:
     from penstock.gateway import Gateway, ServedModel
-    from penstock.preprocess import Preprocessor
 
-# Engines say "cancelled"; clients of vLLM/SGLang (RL trainers among them) know "abort".
-_FINISH_REASONS = {
-    "stop": "stop",
-    "eos": "stop",
-    "length": "length",
-    "cancelled": "abort",
-    "abort": "abort",
-    "tool_calls": "tool_calls",
-    "content_filter": "content_filter",
-}
-
-# (token_id, logprob, [(token_id, logprob), ...])
-LogprobEntry = tuple[int, float, list[tuple[int, float]]]
-
-
-class ChoiceState:
-    """Everything one choice has produced so far."""
-
-    __slots__ = (
-        "detokenizer",
-        "finish_reason",
-        "index",
-        "keep_text",
-        "logprobs",
-        "stop",
-        "text_parts",
-        "token_ids",
-        "tool_calls",
-        "tool_stream",
-        "versions",
-    )
-
-    def __init__(
-        self,
-        index: int,
-        preprocessor: Preprocessor | None,
-        stops: list[str],
-        *,
-        keep_text: bool,
-        want_logprobs: bool,
-        parse_tool_calls: bool = False,
-    ) -> None:
-        self.index = index
-        self.tool_stream = ToolCallStream() if parse_tool_calls else None
-        self.tool_calls: list[ParsedToolCall] = []
-        self.detokenizer = preprocessor.new_detokenizer() if preprocessor is not None else None
-        if stops:
-            from penstock.preprocess import StopStringMatcher
-
-            self.stop: Any = StopStringMatcher(stops)
-        else:
-            self.stop = None
-        self.keep_text = keep_text
-        self.text_parts: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[LogprobEntry] | None = [] if want_logprobs else None
-        self.finish_reason: str | None = None
-        self.versions: list[tuple[str | None, int]] = []
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
-
-    def weight_version_segments(self) -> list[dict[str, Any]]:
-        """Which weights produced which tokens: ``[{"weight_version", "start_token"}]``."""
-        return [
-            {"weight_version": version, "start_token": start} for version, start in self.versions
-        ]
-
-    def consume(
-        self, chunk: dict[str, Any], version: str | None
-    ) -> tuple[str, list[int], list[LogprobEntry] | None, str | None]:
-        """Fold one engine chunk in; return (new text, new token ids, logprobs, finish)."""
-        token_ids: list[int] = chunk.get("token_ids") or []
-        if not self.versions or self.versions[-1][0] != version:
-            self.versions.append((version, len(self.token_ids)))
-        self.token_ids.extend(token_ids)
-        text = ""
-        if self.detokenizer is not None:
-            step = self.detokenizer.step
-            for token in token_ids:
-                text += step(token)
-        reason = chunk.get("finish_reason")
-        if reason and self.detokenizer is not None:
-            text += self.detokenizer.flush()
-        if self.stop is not None:
-            text, matched = self.stop.feed(text)
-            if matched:
-                reason = "stop"
-            elif reason:
-                text += self.stop.flush()
-        if self.tool_stream is not None:
-            text = self.tool_stream.feed(text)
-            if reason:
-                tail, self.tool_calls = self.tool_stream.finish()
-                text += tail
-                if self.tool_calls:
-                    reason = "tool_calls"
-        entries = None
-        if self.logprobs is not None and "log_probs" in chunk:
-            entries = _logprob_entries(token_ids, chunk)
-            self.logprobs.extend(entries)
-        if reason:
-            self.finish_reason = _FINISH_REASONS.get(reason, reason)
-        if self.keep_text and text:
-            self.text_parts.append(text)
-        return text, token_ids, entries, self.finish_reason
-
-
-def _logprob_entries(token_ids: list[int], chunk: dict[str, Any]) -> list[LogprobEntry]:
-    values = chunk.get("log_probs") or []
-    tops = chunk.get("top_logprobs") or []
-    entries: list[LogprobEntry] = []
-    for position, token in enumerate(token_ids):
-        logprob = values[position] if position < len(values) else float("-inf")
-        alternatives = tops[position] if position < len(tops) else []
-        entries.append(
-            (token, logprob, [(alt["token_id"], alt["logprob"]) for alt in alternatives or []])
-        )
-    return entries
+T = TypeVar("T")
 
 
 class Generation:
@@ -149,7 +31,7 @@ class Generation:
         self,
         gateway: Gateway,
         model: ServedModel,
-        request: dict[str, Any],
+        request: GenerateRequest,
         context: Context,
         *,
         stops: list[str],
@@ -172,6 +54,7 @@ class Generation:
                 index_offset + i,
                 model.preprocessor,
                 stops,
+                prompt_token_ids=request["token_ids"],
                 keep_text=keep_text,
                 want_logprobs=want_logprobs,
                 parse_tool_calls=parse_tool_calls,
@@ -186,22 +69,8 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(len(choice.token_ids) for choice in self.choices)
 
-    def usage(self) -> dict[str, Any]:
-        usage: dict[str, Any] = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-        if self.cached_tokens is not None:
-            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
-        return usage
-
-    async def deltas(
-        self,
-    ) -> AsyncIterator[
-        tuple[ChoiceState, str, list[int], list[LogprobEntry] | None, str | None, str | None]
-    ]:
-        """Yield ``(choice, text, token_ids, logprobs, finish_reason, weight_version)``.
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Yield what each engine chunk added to its choice.
 
         Ends once every choice has finished. A stop string ends its choice at the gateway;
         when all choices are done that way the engine request is cancelled.
@@ -226,7 +95,8 @@ class Generation:
                     self.weight_version = engine_data["weight_version"]
                 if chunk.get("finish_reason") == "error":
                     raise EngineError(chunk.get("error") or "the engine reported an error")
-                text, token_ids, logprobs, finish = choice.consume(chunk, self.weight_version)
+                delta = choice.consume(chunk, self.weight_version)
+                token_ids = delta.token_ids
                 if token_ids:
                     now = time.perf_counter()
                     if first_token:
@@ -238,10 +108,10 @@ class Generation:
                         metrics.itl.observe((now - last) / len(token_ids))
                     last = now
                     metrics.output_tokens_total.inc(len(token_ids))
-                if finish is not None:
+                if delta.finish_reason is not None:
                     pending -= 1
                     self._record_usage(chunk)
-                yield choice, text, token_ids, logprobs, finish, self.weight_version
+                yield delta
                 if pending == 0:
                     status, error_type = "success", ""
                     return
@@ -284,7 +154,7 @@ class Generation:
                 "weight_versions": choice.weight_version_segments(),
             }
             if choice.logprobs is not None:
-                record["logprobs"] = [logprob for _, logprob, _ in choice.logprobs]
+                record["logprobs"] = [entry.logprob for entry in choice.logprobs]
             try:
                 await uploader.upload_choice(choice.index, record)
             except Exception as exc:
@@ -300,9 +170,22 @@ class Generation:
             self.cached_tokens = cached
 
 
-async def merge(
-    streams: list[AsyncIterator[Any]],
-) -> AsyncIterator[Any]:
+def usage(generations: Sequence[Generation]) -> dict[str, Any]:
+    """OpenAI ``usage`` over the engine requests that make one response."""
+    prompt = sum(generation.prompt_tokens for generation in generations)
+    completion = sum(generation.completion_tokens for generation in generations)
+    total: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    cached = [g.cached_tokens for g in generations if g.cached_tokens is not None]
+    if cached:
+        total["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
+    return total
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
     """Interleave several async iterators as items arrive (batched completion prompts)."""
     if len(streams) == 1:
         async for item in streams[0]:

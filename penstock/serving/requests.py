@@ -6,10 +6,14 @@ context length, what the engine can honour) live here, so the routes stay thin.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+from starlette.requests import Request
+
+from penstock.engines.context import Context
+from penstock.engines.contract import GenerateRequest
 from penstock.errors import InvalidRequestError
-from penstock.gateway import ServedModel
+from penstock.gateway import Gateway, ServedModel
 from penstock.metadata_upload import MetadataUploader
 from penstock.schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from penstock.settings import Settings
@@ -18,6 +22,51 @@ from penstock.settings import Settings
 # otherwise refuse rather than let the engine ignore silently.
 SUPPORTS_RESPONSE_FORMAT = "supports_response_format"
 SUPPORTS_IMAGE_INPUT = "supports_image_input"
+
+
+class PassthroughRequest(GenerateRequest, total=False):
+    """The contract's request plus what the gateway passes on outside its groups."""
+
+    # Vendor extensions, as the client sent them.
+    nvext: dict[str, Any]
+    # Structured output, only for engines that advertise SUPPORTS_RESPONSE_FORMAT.
+    response_format: dict[str, Any]
+
+
+class ChatPrompt(NamedTuple):
+    """A rendered conversation: its token ids and the inputs that travel beside them."""
+
+    token_ids: list[int]
+    multi_modal_data: dict[str, Any] | None
+    response_format: dict[str, Any] | None
+
+
+def engine_context(request: Request, prompt_index: int | None = None) -> Context:
+    """The engine's view of an HTTP request: its id (one per prompt of a batch) and trace.
+
+    ``prompt_index`` tells the prompts of a batch apart; ``x-request-id`` stays the
+    client's id so every part of the batch can be traced back to it.
+    """
+    request_id = request.state.request_id
+    return Context(
+        request_id if prompt_index is None else f"{request_id}-{prompt_index}",
+        {"x-request-id": request_id},
+        traceparent=request.headers.get("traceparent"),
+        tracestate=request.headers.get("tracestate"),
+    )
+
+
+def served_model(
+    gateway: Gateway, body: SamplingFields, endpoint_type: str, serves: str
+) -> ServedModel:
+    """The model ``body`` names, once it is known to serve ``endpoint_type`` within limits."""
+    model = gateway.resolve(body.model)
+    if endpoint_type not in model.endpoint_types:
+        raise InvalidRequestError(
+            f"The model '{body.model}' does not serve {serves}", param="model"
+        )
+    check_common_limits(body, gateway.settings, model)
+    return model
 
 
 def check_common_limits(body: SamplingFields, settings: Settings, model: ServedModel) -> None:
@@ -116,20 +165,23 @@ def generate_request(
     *,
     max_tokens: int | None,
     logprobs: int | None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    request: dict[str, Any] = {
-        "token_ids": token_ids,
+    multi_modal_data: dict[str, Any] | None = None,
+    response_format: dict[str, Any] | None = None,
+) -> GenerateRequest:
+    request = PassthroughRequest(
+        token_ids=token_ids,
         # The canonical name (aliases resolved): a LoRA engine picks the adapter by it.
-        "model": model.name,
-        "sampling_options": _sampling_options(body),
-        "stop_conditions": _stop_conditions(body, max_tokens),
-        "output_options": {"logprobs": logprobs} if logprobs is not None else {},
-    }
+        model=model.name,
+        sampling_options=_sampling_options(body),
+        stop_conditions=_stop_conditions(body, max_tokens),
+        output_options={"logprobs": logprobs} if logprobs is not None else {},
+    )
     if body.nvext:
         request["nvext"] = body.nvext
-    if extra:
-        request.update(extra)
+    if multi_modal_data is not None:
+        request["multi_modal_data"] = multi_modal_data
+    if response_format is not None:
+        request["response_format"] = response_format
     return request
 
 
@@ -139,10 +191,8 @@ def _flatten_content(content: Any) -> str:
     return "\n".join(part.text for part in content if part.type == "text")
 
 
-def chat_prompt(
-    body: ChatCompletionRequest, model: ServedModel
-) -> tuple[list[int], dict[str, Any]]:
-    """Render and tokenize the conversation; return token ids and extra request keys."""
+def chat_prompt(body: ChatCompletionRequest, model: ServedModel) -> ChatPrompt:
+    """Render and tokenize the conversation, checking what the engine can take."""
     if model.preprocessor is None:
         raise InvalidRequestError(
             f"The model '{body.model}' has no tokenizer or chat template configured; "
@@ -161,7 +211,7 @@ def chat_prompt(
         rendered = message.model_dump(exclude_none=True)
         rendered["content"] = _flatten_content(message.content)
         messages.append(rendered)
-    extra: dict[str, Any] = {}
+    multi_modal_data: dict[str, Any] | None = None
     if images:
         if not engine_capability(model, SUPPORTS_IMAGE_INPUT):
             raise InvalidRequestError(
@@ -169,7 +219,8 @@ def chat_prompt(
                 param="messages",
                 code="unsupported_content",
             )
-        extra["multi_modal_data"] = {"image_url": images}
+        multi_modal_data = {"image_url": images}
+    response_format: dict[str, Any] | None = None
     if body.response_format is not None and body.response_format.type != "text":
         if not engine_capability(model, SUPPORTS_RESPONSE_FORMAT):
             raise InvalidRequestError(
@@ -178,7 +229,7 @@ def chat_prompt(
                 param="response_format",
                 code="unsupported_parameter",
             )
-        extra["response_format"] = body.response_format.model_dump(by_alias=True)
+        response_format = body.response_format.model_dump(by_alias=True)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     token_ids = model.preprocessor.tokenize_chat(
         messages,
@@ -186,7 +237,7 @@ def chat_prompt(
         tools=tools,
         chat_template_kwargs=body.chat_template_kwargs,
     )
-    return token_ids, extra
+    return ChatPrompt(token_ids, multi_modal_data, response_format)
 
 
 def completion_prompts(body: CompletionRequest, model: ServedModel) -> list[list[int]]:

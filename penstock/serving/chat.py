@@ -1,0 +1,160 @@
+"""Chat completions: the conversation as one engine request, and the chat response format.
+
+The stream opens with one ``{"role": "assistant"}`` chunk per choice; deltas carry
+``content`` (and, on the last one, ``tool_calls`` when a parser found calls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from penstock.errors import InvalidRequestError
+from penstock.gateway import Gateway, ServedModel
+from penstock.schemas.openai import ChatCompletionRequest
+from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
+from penstock.serving.generation import Generation
+from penstock.serving.requests import (
+    chat_prompt,
+    check_budget,
+    engine_context,
+    generate_request,
+    metadata_uploader,
+    served_model,
+)
+from penstock.serving.stream import ResponsePlan, respond, shows_anything
+
+
+def chat_logprobs(model: ServedModel, entries: list[LogprobEntry]) -> dict[str, Any]:
+    pre = model.preprocessor
+
+    def token(token_id: int) -> tuple[str, list[int]]:
+        if pre is None:
+            return f"token_id:{token_id}", []
+        return pre.token_text(token_id), pre.token_bytes(token_id)
+
+    content = []
+    for entry in entries:
+        text, raw = token(entry.token_id)
+        top = []
+        for alternative in entry.top:
+            alt_text, alt_raw = token(alternative.token_id)
+            top.append({"token": alt_text, "logprob": alternative.logprob, "bytes": alt_raw})
+        content.append({"token": text, "logprob": entry.logprob, "bytes": raw, "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+class ChatFormat:
+    """Chat's choices: a ``delta``/``message`` per choice, token ids of the prompt on top."""
+
+    __slots__ = ("model", "return_token_ids")
+
+    id_prefix = "chatcmpl-"
+    chunk_object = "chat.completion.chunk"
+    response_object = "chat.completion"
+
+    def __init__(self, model: ServedModel, *, return_token_ids: bool) -> None:
+        self.model = model
+        self.return_token_ids = return_token_ids
+
+    def prelude(self, generations: Sequence[Generation]) -> list[dict[str, Any]]:
+        (generation,) = generations
+        roles = []
+        for choice in generation.choices:
+            role: dict[str, Any] = {
+                "index": choice.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            if self.return_token_ids and choice.index == 0:
+                role["prompt_token_ids"] = generation.request["token_ids"]
+            roles.append(role)
+        return roles
+
+    def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
+        text = delta.text
+        if not shows_anything(text, delta, self.return_token_ids):
+            return None
+        message: dict[str, Any] = {"content": text} if text else {}
+        if delta.tool_calls:
+            message["tool_calls"] = [call.as_openai(i) for i, call in enumerate(delta.tool_calls)]
+        item: dict[str, Any] = {
+            "index": delta.choice.index,
+            "delta": message,
+            "logprobs": chat_logprobs(self.model, delta.logprobs) if delta.logprobs else None,
+            "finish_reason": delta.finish_reason,
+        }
+        if self.return_token_ids:
+            item["token_ids"] = delta.token_ids
+        return item
+
+    def response_choice(self, generation: Generation, choice: ChoiceState) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+        if choice.tool_calls:
+            message["content"] = choice.text or None
+            message["tool_calls"] = [call.as_openai() for call in choice.tool_calls]
+        item: dict[str, Any] = {
+            "index": choice.index,
+            "message": message,
+            "logprobs": chat_logprobs(self.model, choice.logprobs)
+            if choice.logprobs is not None
+            else None,
+            "finish_reason": choice.finish_reason,
+            "weight_versions": choice.weight_version_segments(),
+        }
+        if self.return_token_ids:
+            item["token_ids"] = choice.token_ids
+        return item
+
+    def response_fields(self, generations: Sequence[Generation]) -> dict[str, Any]:
+        if not self.return_token_ids:
+            return {}
+        return {"prompt_token_ids": generations[0].request["token_ids"]}
+
+
+def _parse_tool_calls(body: ChatCompletionRequest, model: ServedModel) -> bool:
+    """Tools reach the chat template; calls are parsed only with a configured parser."""
+    choice = body.tool_choice
+    if choice is not None and choice not in ("auto", "none"):
+        raise InvalidRequestError(
+            "only tool_choice 'auto' and 'none' are supported: this server can't force a call",
+            param="tool_choice",
+        )
+    return bool(body.tools) and choice != "none" and model.tool_call_parser is not None
+
+
+async def create_chat_completion(
+    gateway: Gateway, body: ChatCompletionRequest, request: Request
+) -> Response:
+    model = served_model(gateway, body, "chat", "chat completions")
+    uploader = metadata_uploader(body)
+    prompt = chat_prompt(body, model)
+    max_tokens = body.max_new_tokens
+    check_budget(len(prompt.token_ids), max_tokens, model, "messages")
+    engine_request = generate_request(
+        body,
+        model,
+        prompt.token_ids,
+        max_tokens=max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        multi_modal_data=prompt.multi_modal_data,
+        response_format=prompt.response_format,
+    )
+    generation = Generation(
+        gateway,
+        model,
+        engine_request,
+        engine_context(request),
+        stops=body.stop_list,
+        keep_text=not body.stream,
+        want_logprobs=body.logprobs,
+        endpoint="chat_completions",
+        streaming=body.stream,
+        parse_tool_calls=_parse_tool_calls(body, model),
+    )
+    chat_format = ChatFormat(model, return_token_ids=body.return_token_ids)
+    return await respond(request, ResponsePlan(chat_format, [generation], body, uploader))

@@ -1,0 +1,165 @@
+"""One choice's output as engine chunks arrive: text, stop strings, tool calls, logprobs.
+
+This is the streaming hot path: plain data, no models, one pass per chunk. Each chunk
+folds into the choice's :class:`ChoiceState` and comes out as a :class:`Delta`, what the
+chunk added.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from penstock.preprocess.stop_strings import StopStringMatcher
+from penstock.preprocess.tool_calls import ParsedToolCall, ToolCallStream
+
+if TYPE_CHECKING:
+    from penstock.preprocess import IncrementalDetokenizer, Preprocessor
+
+# Engines say "cancelled"; clients of vLLM/SGLang (RL trainers among them) know "abort".
+FINISH_REASONS = {
+    "stop": "stop",
+    "eos": "stop",
+    "length": "length",
+    "cancelled": "abort",
+    "abort": "abort",
+    "tool_calls": "tool_calls",
+    "content_filter": "content_filter",
+}
+
+
+class TokenLogprob(NamedTuple):
+    token_id: int
+    logprob: float
+
+
+class LogprobEntry(NamedTuple):
+    """One generated token's logprob and the alternatives the engine reported with it."""
+
+    token_id: int
+    logprob: float
+    top: list[TokenLogprob]
+
+
+class WeightVersionSegment(NamedTuple):
+    """From ``start_token`` on, the choice's tokens came from ``weight_version``."""
+
+    weight_version: str | None
+    start_token: int
+
+
+class Delta(NamedTuple):
+    """What one engine chunk added to one choice."""
+
+    choice: ChoiceState
+    text: str
+    token_ids: list[int]
+    # None when the choice wants no logprobs or the chunk carried none.
+    logprobs: list[LogprobEntry] | None
+    finish_reason: str | None
+    weight_version: str | None
+    # Only on the delta that finishes a choice whose text held tool calls.
+    tool_calls: tuple[ParsedToolCall, ...]
+
+
+class ChoiceState:
+    """Everything one choice has produced so far."""
+
+    __slots__ = (
+        "detokenizer",
+        "finish_reason",
+        "index",
+        "keep_text",
+        "logprobs",
+        "stop",
+        "text_parts",
+        "token_ids",
+        "tool_calls",
+        "tool_stream",
+        "versions",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        preprocessor: Preprocessor | None,
+        stops: list[str],
+        *,
+        prompt_token_ids: list[int],
+        keep_text: bool,
+        want_logprobs: bool,
+        parse_tool_calls: bool = False,
+    ) -> None:
+        self.index = index
+        self.tool_stream = ToolCallStream() if parse_tool_calls else None
+        self.tool_calls: tuple[ParsedToolCall, ...] = ()
+        # Primed with the prompt so a decoder that treats the first token specially (a
+        # SentencePiece leading space) decodes the completion as it continues the prompt.
+        self.detokenizer: IncrementalDetokenizer | None = (
+            preprocessor.new_detokenizer(prompt_token_ids) if preprocessor is not None else None
+        )
+        self.stop = StopStringMatcher(stops) if stops else None
+        self.keep_text = keep_text
+        self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[LogprobEntry] | None = [] if want_logprobs else None
+        self.finish_reason: str | None = None
+        self.versions: list[WeightVersionSegment] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def weight_version_segments(self) -> list[dict[str, Any]]:
+        """Which weights produced which tokens: ``[{"weight_version", "start_token"}]``."""
+        return [segment._asdict() for segment in self.versions]
+
+    def consume(self, chunk: dict[str, Any], version: str | None) -> Delta:
+        """Fold one engine chunk in; return what it added."""
+        token_ids: list[int] = chunk.get("token_ids") or []
+        if not self.versions or self.versions[-1].weight_version != version:
+            self.versions.append(WeightVersionSegment(version, len(self.token_ids)))
+        self.token_ids.extend(token_ids)
+        text = ""
+        if self.detokenizer is not None:
+            step = self.detokenizer.step
+            for token in token_ids:
+                text += step(token)
+        reason = chunk.get("finish_reason")
+        if reason and self.detokenizer is not None:
+            text += self.detokenizer.flush()
+        if self.stop is not None:
+            text, matched = self.stop.feed(text)
+            if matched:
+                reason = "stop"
+            elif reason:
+                text += self.stop.flush()
+        tool_calls: tuple[ParsedToolCall, ...] = ()
+        if self.tool_stream is not None:
+            text = self.tool_stream.feed(text)
+            if reason:
+                split = self.tool_stream.finish()
+                text += split.content
+                if split.calls:
+                    tool_calls = self.tool_calls = tuple(split.calls)
+                    reason = "tool_calls"
+        entries = None
+        if self.logprobs is not None and "log_probs" in chunk:
+            entries = _logprob_entries(token_ids, chunk)
+            self.logprobs.extend(entries)
+        if reason:
+            self.finish_reason = FINISH_REASONS.get(reason, reason)
+        if self.keep_text and text:
+            self.text_parts.append(text)
+        return Delta(self, text, token_ids, entries, self.finish_reason, version, tool_calls)
+
+
+def _logprob_entries(token_ids: list[int], chunk: dict[str, Any]) -> list[LogprobEntry]:
+    values = chunk.get("log_probs") or []
+    tops = chunk.get("top_logprobs") or []
+    entries: list[LogprobEntry] = []
+    for position, token in enumerate(token_ids):
+        logprob = values[position] if position < len(values) else float("-inf")
+        alternatives = tops[position] if position < len(tops) else []
+        top = [TokenLogprob(alt["token_id"], alt["logprob"]) for alt in alternatives or []]
+        entries.append(LogprobEntry(token, logprob, top))
+    return entries

@@ -1,0 +1,171 @@
+"""Completions: one engine request per prompt, and the completions response format.
+
+Choice ``index`` is ``prompt_index * n + choice``. With ``echo`` the prompt's text opens
+each choice: in the stream it is prepended to the choice's first delta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from penstock.errors import InvalidRequestError
+from penstock.gateway import Gateway, ServedModel
+from penstock.schemas.openai import CompletionRequest
+from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
+from penstock.serving.generation import Generation
+from penstock.serving.requests import (
+    check_budget,
+    completion_prompts,
+    engine_context,
+    generate_request,
+    metadata_uploader,
+    served_model,
+)
+from penstock.serving.stream import ResponsePlan, respond, shows_anything
+
+
+def completion_logprobs(
+    model: ServedModel, entries: list[LogprobEntry], text_offset: int
+) -> dict[str, Any]:
+    pre = model.preprocessor
+
+    def text_of(token_id: int) -> str:
+        return pre.token_text(token_id) if pre is not None else f"token_id:{token_id}"
+
+    tokens, values, tops, offsets = [], [], [], []
+    offset = text_offset
+    for entry in entries:
+        text = text_of(entry.token_id)
+        tokens.append(text)
+        values.append(entry.logprob)
+        tops.append({text_of(alt.token_id): alt.logprob for alt in entry.top} or None)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+class CompletionFormat:
+    """Completions' choices: ``text`` per choice, the prompt's token ids on each choice."""
+
+    __slots__ = ("_echoes", "_text_offsets", "_unsent_echoes", "model", "return_token_ids")
+
+    id_prefix = "cmpl-"
+    chunk_object = "text_completion"
+    response_object = "text_completion"
+
+    def __init__(
+        self, model: ServedModel, echoes: dict[int, str], *, return_token_ids: bool
+    ) -> None:
+        """``echoes``: the prompt text each choice (by index) opens with."""
+        self.model = model
+        self.return_token_ids = return_token_ids
+        self._echoes = echoes
+        self._unsent_echoes = dict(echoes)
+        # Where each choice's next text starts within the whole choice text, echo included.
+        self._text_offsets = {index: len(echo) for index, echo in echoes.items()}
+
+    def prelude(self, generations: Sequence[Generation]) -> list[dict[str, Any]]:
+        return []
+
+    def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
+        index = delta.choice.index
+        text = delta.text
+        if self._unsent_echoes:
+            text = self._unsent_echoes.pop(index, "") + text
+        if not shows_anything(text, delta, self.return_token_ids):
+            return None
+        item: dict[str, Any] = {
+            "index": index,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": delta.finish_reason,
+        }
+        if delta.logprobs:
+            start = self._text_offsets.get(index, 0)
+            item["logprobs"] = completion_logprobs(self.model, delta.logprobs, start)
+            self._text_offsets[index] = start + len(delta.text)
+        if self.return_token_ids:
+            item["token_ids"] = delta.token_ids
+        return item
+
+    def response_choice(self, generation: Generation, choice: ChoiceState) -> dict[str, Any]:
+        echo = self._echoes.get(choice.index, "")
+        item: dict[str, Any] = {
+            "index": choice.index,
+            "text": echo + choice.text,
+            "logprobs": completion_logprobs(self.model, choice.logprobs, len(echo))
+            if choice.logprobs is not None
+            else None,
+            "finish_reason": choice.finish_reason,
+            "weight_versions": choice.weight_version_segments(),
+        }
+        if self.return_token_ids:
+            item["prompt_token_ids"] = generation.request["token_ids"]
+            item["token_ids"] = choice.token_ids
+        return item
+
+    def response_fields(self, generations: Sequence[Generation]) -> dict[str, Any]:
+        return {}
+
+
+def _check_unsupported(body: CompletionRequest) -> None:
+    if body.suffix is not None:
+        raise InvalidRequestError("suffix is not supported by this server", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidRequestError("best_of must be equal to n when given", param="best_of")
+
+
+def _echoes(
+    body: CompletionRequest, model: ServedModel, generations: list[Generation]
+) -> dict[int, str]:
+    """Each choice's prompt text, decoded as a whole (special tokens shown)."""
+    if not body.echo:
+        return {}
+    if model.preprocessor is None:
+        raise InvalidRequestError(
+            "echo needs a tokenizer to render the prompt; none is configured", param="echo"
+        )
+    echoes = {}
+    for generation in generations:
+        text = model.preprocessor.decode(generation.request["token_ids"], skip_special_tokens=False)
+        echoes.update((choice.index, text) for choice in generation.choices)
+    return echoes
+
+
+async def create_completion(
+    gateway: Gateway, body: CompletionRequest, request: Request
+) -> Response:
+    model = served_model(gateway, body, "completions", "completions")
+    _check_unsupported(body)
+    uploader = metadata_uploader(body)
+    prompts = completion_prompts(body, model)
+    for ids in prompts:
+        check_budget(len(ids), body.max_tokens, model, "prompt")
+    generations = [
+        Generation(
+            gateway,
+            model,
+            generate_request(body, model, ids, max_tokens=body.max_tokens, logprobs=body.logprobs),
+            engine_context(request, i if len(prompts) > 1 else None),
+            stops=body.stop_list,
+            keep_text=not body.stream,
+            want_logprobs=body.logprobs is not None,
+            endpoint="completions",
+            streaming=body.stream,
+            index_offset=i * body.n,
+        )
+        for i, ids in enumerate(prompts)
+    ]
+    completion_format = CompletionFormat(
+        model, _echoes(body, model, generations), return_token_ids=body.return_token_ids
+    )
+    return await respond(request, ResponsePlan(completion_format, generations, body, uploader))

@@ -1,0 +1,143 @@
+"""The one response path of chat and completions: the stream loop and the non-stream fold.
+
+A response is made of one or more :class:`Generation` (chat: one; completions: one per
+prompt) whose deltas are interleaved. The endpoints differ only in their
+:class:`ResponseFormat`: how a delta becomes a stream choice, how a finished choice becomes
+a response choice, the object names and what precedes the first delta.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from penstock.metadata_upload import MetadataUploader
+from penstock.schemas.openai import SamplingFields
+from penstock.serving.choice import ChoiceState, Delta
+from penstock.serving.framing import (
+    ChunkEncoder,
+    json_response,
+    unless_disconnected,
+    with_error_frame,
+)
+from penstock.serving.generation import Generation, merge, usage
+from penstock.serving.sse import DONE_FRAME, EventStreamResponse
+
+
+class ResponseFormat(Protocol):
+    """What sets one endpoint's responses apart from the other's."""
+
+    id_prefix: str
+    chunk_object: str
+    response_object: str
+
+    def prelude(self, generations: Sequence[Generation]) -> list[dict[str, Any]]:
+        """Stream choices sent before the first delta, each in its own chunk."""
+        ...
+
+    def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
+        """The delta as a stream choice; None when it shows the client nothing."""
+        ...
+
+    def response_choice(self, generation: Generation, choice: ChoiceState) -> dict[str, Any]:
+        """A finished choice as a choice of the non-stream response."""
+        ...
+
+    def response_fields(self, generations: Sequence[Generation]) -> dict[str, Any]:
+        """Top-level fields the non-stream response adds after the common ones."""
+        ...
+
+
+def shows_anything(text: str, delta: Delta, with_token_ids: bool) -> bool:
+    """Whether a stream choice for ``delta`` tells the client something new."""
+    return bool(text) or delta.finish_reason is not None or (with_token_ids and delta.token_ids)
+
+
+@dataclass(slots=True)
+class ResponsePlan:
+    """One chat or completions response, ready to run."""
+
+    format: ResponseFormat
+    generations: list[Generation]
+    body: SamplingFields
+    uploader: MetadataUploader | None
+    created: int = field(default_factory=lambda: int(time.time()))
+    response_id: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.response_id = self.format.id_prefix + uuid.uuid4().hex
+
+
+async def respond(request: Request, plan: ResponsePlan) -> Response:
+    """Run the plan: a stream of chunks, or one JSON response once every choice is done."""
+    if plan.body.stream:
+        return await _stream(plan)
+    return json_response(await unless_disconnected(request, _fold(plan)))
+
+
+async def _stream(plan: ResponsePlan) -> Response:
+    fmt = plan.format
+    generations = plan.generations
+    encoder = ChunkEncoder(plan.response_id, fmt.chunk_object, plan.created, plan.body.model)
+    options = plan.body.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous_usage = bool(options and options.continuous_usage_stats)
+    deltas = merge([generation.deltas() for generation in generations])
+    # Wait for the engine's first output before committing to 200, so errors the engine
+    # raises at once (bad parameters) still get their real status.
+    first = await anext(deltas, None)
+
+    async def frames() -> AsyncIterator[bytes]:
+        for item in fmt.prelude(generations):
+            yield encoder.frame([item], generations[-1].weight_version)
+        delta = first
+        while delta is not None:
+            item = fmt.chunk_choice(delta)
+            if item is not None:
+                running = usage(generations) if continuous_usage else None
+                yield encoder.frame([item], delta.weight_version, running)
+            delta = await anext(deltas, None)
+        await _upload_metadata(plan)
+        if include_usage:
+            yield encoder.frame([], generations[-1].weight_version, usage(generations))
+        yield DONE_FRAME
+
+    return EventStreamResponse(
+        with_error_frame(frames()),
+        keepalive_s=generations[0].gateway.settings.sse_keepalive_s,
+    )
+
+
+async def _fold(plan: ResponsePlan) -> dict[str, Any]:
+    generations = plan.generations
+    async for _ in merge([generation.deltas() for generation in generations]):
+        pass
+    await _upload_metadata(plan)
+    fmt = plan.format
+    response: dict[str, Any] = {
+        "id": plan.response_id,
+        "object": fmt.response_object,
+        "created": plan.created,
+        # As the client named it: an alias stays an alias.
+        "model": plan.body.model,
+        "choices": [
+            fmt.response_choice(generation, choice)
+            for generation in generations
+            for choice in generation.choices
+        ],
+        "usage": usage(generations),
+        "weight_version": generations[-1].weight_version,
+    }
+    response.update(fmt.response_fields(generations))
+    return response
+
+
+async def _upload_metadata(plan: ResponsePlan) -> None:
+    for generation in plan.generations:
+        await generation.upload_metadata(plan.uploader)
