@@ -52,3 +52,34 @@ def build_tokenizer(folder: Path, vocab_size: int = 2000) -> Path:
         json.dumps({"eos_token": "<|im_end|>", "pad_token": "<pad>"}, indent=2)
     )
     return folder
+
+
+SENTENCEPIECE_WORDS = ["hello", "world", "the", "quick", "brown", "fox"]
+
+
+def build_sentencepiece_tokenizer(folder: Path) -> Path:
+    """A SentencePiece-style tokenizer (Unigram, Metaspace ``▁`` pre-tokenizer and decoder).
+
+    Whole words come first in the vocabulary, so the sample engine, which emits ordinary
+    ids in id order, generates ``▁hello ▁world ▁the ...``: tokens whose leading space only
+    shows when they follow other text.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    pieces = [("<unk>", 0.0), ("</s>", 0.0)]
+    pieces += [(f"\u2581{word}", -1.0) for word in SENTENCEPIECE_WORDS]
+    pieces += [(char, -5.0) for char in "\u2581abcdefghijklmnopqrstuvwxyz"]
+    tokenizer = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="always"
+    )
+    tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tokenizer.add_special_tokens(["<unk>", "</s>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "model_max_length": 2048,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
