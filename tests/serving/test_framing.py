@@ -1,0 +1,131 @@
+"""Stream bytes: encoded chunks, the error frame that ends a failed stream, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+from starlette.requests import Request
+from starlette.types import Message
+
+from penstock.errors import ClientClosedRequest, InvalidRequestError
+from penstock.serving.framing import ChunkEncoder, unless_disconnected, with_error_frame
+from penstock.serving.sse import DONE_FRAME
+
+HEAD = {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "m"}
+
+
+def parse(frame: bytes) -> Any:
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    return orjson.loads(frame[len(b"data: ") : -2])
+
+
+def encoder() -> ChunkEncoder:
+    return ChunkEncoder(HEAD["id"], HEAD["object"], HEAD["created"], HEAD["model"])
+
+
+def test_a_chunk_is_the_constant_head_then_choices_and_weight_version() -> None:
+    choices = [{"index": 0, "text": 'say "hi"\n', "logprobs": None, "finish_reason": None}]
+    assert parse(encoder().frame(choices, "v1")) == {
+        **HEAD,
+        "choices": choices,
+        "weight_version": "v1",
+    }
+
+
+def test_each_chunk_carries_its_own_weight_version_and_usage_when_given() -> None:
+    chunks = encoder()
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    frames = [
+        chunks.frame([], None),
+        chunks.frame([], "v2"),
+        chunks.frame([], None, usage),
+        chunks.frame([], "v2"),
+    ]
+    parsed = [parse(frame) for frame in frames]
+    assert [chunk["weight_version"] for chunk in parsed] == [None, "v2", None, "v2"]
+    assert [chunk.get("usage") for chunk in parsed] == [None, None, usage, None]
+    assert all({k: chunk[k] for k in HEAD} == HEAD for chunk in parsed)
+
+
+async def collect(frames: AsyncIterator[bytes]) -> list[bytes]:
+    return [frame async for frame in frames]
+
+
+async def failing_after_one_frame(error: Exception) -> AsyncIterator[bytes]:
+    yield b"data: {}\n\n"
+    raise error
+
+
+async def test_a_client_visible_error_ends_the_stream_with_its_envelope_then_done() -> None:
+    error = InvalidRequestError("max_tokens is too large", param="max_tokens")
+    frames = await collect(with_error_frame(failing_after_one_frame(error)))
+    assert frames[0] == b"data: {}\n\n"
+    assert parse(frames[1]) == error.envelope()
+    assert frames[2:] == [DONE_FRAME]
+
+
+async def test_an_unexpected_error_ends_the_stream_without_leaking_its_message() -> None:
+    frames = await collect(
+        with_error_frame(failing_after_one_frame(RuntimeError("/secret/path leaked")))
+    )
+    assert frames[2:] == [DONE_FRAME]
+    error = parse(frames[1])["error"]
+    assert error["type"] == "internal_server_error"
+    assert "secret" not in frames[1].decode()
+
+
+async def test_a_stream_that_ends_normally_passes_through_unchanged() -> None:
+    async def frames() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        yield DONE_FRAME
+
+    assert await collect(with_error_frame(frames())) == [b"data: 1\n\n", DONE_FRAME]
+
+
+def request_with(messages: list[Message]) -> Request:
+    """A request whose client sends ``messages``, then stays connected."""
+    forever = asyncio.Event()
+
+    async def receive() -> Message:
+        if messages:
+            return messages.pop(0)
+        await forever.wait()
+        raise AssertionError("unreachable")
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": []}, receive)
+
+
+async def test_work_that_finishes_returns_its_result() -> None:
+    async def work() -> str:
+        return "done"
+
+    assert await unless_disconnected(request_with([]), work()) == "done"
+
+
+async def test_work_that_fails_raises_its_own_error() -> None:
+    async def work() -> str:
+        raise InvalidRequestError("bad")
+
+    with pytest.raises(InvalidRequestError):
+        await unless_disconnected(request_with([]), work())
+
+
+async def test_a_disconnect_cancels_the_work_and_answers_499() -> None:
+    cancelled = asyncio.Event()
+
+    async def work() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    request = request_with([{"type": "http.request", "body": b""}, {"type": "http.disconnect"}])
+    with pytest.raises(ClientClosedRequest) as raised:
+        await unless_disconnected(request, work())
+    assert raised.value.status_code == 499
+    assert cancelled.is_set()
