@@ -39,24 +39,20 @@ class ResponseFormat(Protocol):
 
     def prelude(self, generations: Sequence[Generation]) -> list[dict[str, Any]]:
         """Stream choices sent before the first delta, each in its own chunk."""
-        ...
 
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
         """The delta as a stream choice; None when it shows the client nothing."""
-        ...
 
     def response_choice(self, generation: Generation, choice: ChoiceState) -> dict[str, Any]:
         """A finished choice as a choice of the non-stream response."""
-        ...
 
     def response_fields(self, generations: Sequence[Generation]) -> dict[str, Any]:
         """Top-level fields the non-stream response adds after the common ones."""
-        ...
 
 
 def shows_anything(text: str, delta: Delta, with_token_ids: bool) -> bool:
     """Whether a stream choice for ``delta`` tells the client something new."""
-    return bool(text) or delta.finish_reason is not None or (with_token_ids and delta.token_ids)
+    return bool(text or delta.finish_reason is not None or (with_token_ids and delta.token_ids))
 
 
 @dataclass(slots=True)

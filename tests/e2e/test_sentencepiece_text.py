@@ -38,6 +38,10 @@ async def client(tokenizer_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
         await gateway.host.cleanup()
 
 
+def _body(**options: Any) -> dict[str, Any]:
+    return {"model": "sample-model", "prompt": PROMPT, "max_tokens": 3, **options}
+
+
 def _expected_text(tokenizer_dir: Path, completion_ids: list[int]) -> str:
     preprocessor = Preprocessor.from_folder(tokenizer_dir)
     return preprocessor.decode(preprocessor.encode(PROMPT) + completion_ids)
@@ -56,21 +60,14 @@ async def _stream(client: httpx.AsyncClient, body: dict[str, Any]) -> list[dict[
 async def test_completion_text_keeps_the_space_before_its_first_word(
     client: httpx.AsyncClient,
 ) -> None:
-    body = {"model": "sample-model", "prompt": PROMPT, "max_tokens": 3}
-    answer = (await client.post("/v1/completions", json=body)).json()
+    answer = (await client.post("/v1/completions", json=_body())).json()
     assert answer["choices"][0]["text"] == " hello world the"
 
 
 async def test_echo_reads_as_prompt_and_completion_decoded_together(
     client: httpx.AsyncClient, tokenizer_dir: Path
 ) -> None:
-    body = {
-        "model": "sample-model",
-        "prompt": PROMPT,
-        "max_tokens": 3,
-        "echo": True,
-        "return_token_ids": True,
-    }
+    body = _body(echo=True, return_token_ids=True)
     choice = (await client.post("/v1/completions", json=body)).json()["choices"][0]
     assert choice["text"] == _expected_text(tokenizer_dir, choice["token_ids"])
     assert choice["text"] == "the quick brown fox hello world the"
@@ -79,16 +76,21 @@ async def test_echo_reads_as_prompt_and_completion_decoded_together(
 async def test_streamed_echo_reads_as_prompt_and_completion_decoded_together(
     client: httpx.AsyncClient, tokenizer_dir: Path
 ) -> None:
-    body = {
-        "model": "sample-model",
-        "prompt": PROMPT,
-        "max_tokens": 3,
-        "echo": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
-    chunks = await _stream(client, body)
+    chunks = await _stream(client, _body(echo=True, stream=True, return_token_ids=True))
     text = "".join(chunk["choices"][0]["text"] for chunk in chunks)
     token_ids = [t for chunk in chunks for t in chunk["choices"][0]["token_ids"]]
     assert text == _expected_text(tokenizer_dir, token_ids)
     assert chunks[0]["choices"][0]["text"] == "the quick brown fox hello"
+
+
+async def test_logprob_offsets_start_after_the_echo_streamed_or_not(
+    client: httpx.AsyncClient,
+) -> None:
+    whole = (await client.post("/v1/completions", json=_body(echo=True, logprobs=0))).json()
+    chunks = await _stream(client, _body(echo=True, logprobs=0, stream=True))
+    streamed = [
+        offset
+        for chunk in chunks
+        for offset in (chunk["choices"][0]["logprobs"] or {}).get("text_offset", [])
+    ]
+    assert streamed[0] == whole["choices"][0]["logprobs"]["text_offset"][0] == len(PROMPT)
