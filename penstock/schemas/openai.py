@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveInt = Annotated[int, Field(ge=1)]
 
+MAX_STOP_LENGTH = 1024
+"""Characters per stop string. Real stop strings are a few dozen characters at most; the
+limit keeps the stop matcher's memory, which grows with their total length, small."""
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -135,6 +139,12 @@ class SamplingFields(BaseModel):
         items = [value] if isinstance(value, str) else (value or [])
         if any(not item for item in items):
             raise ValueError("stop sequences must be non-empty strings")
+        longest = max(map(len, items), default=0)
+        if longest > MAX_STOP_LENGTH:
+            raise ValueError(
+                f"each stop sequence may be at most {MAX_STOP_LENGTH} characters long; "
+                f"got one of {longest}"
+            )
         return value
 
     @model_validator(mode="after")
