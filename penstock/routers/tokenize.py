@@ -9,18 +9,19 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from penstock.errors import InvalidRequestError
 from penstock.gateway import ServedModel
 from penstock.preprocess import Preprocessor
 from penstock.schemas.openai import ChatMessage, NonNegativeInt
+from penstock.schemas.unicode import RequestModel
 from penstock.serving.requests import check_token_ids
 
 router = APIRouter(tags=["tokenize"])
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
@@ -36,7 +37,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str

@@ -12,11 +12,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from penstock.schemas.media_passthrough import nest_passthrough
+from penstock.schemas.unicode import JSONValue, RequestModel
 
 _GATEWAY_ONLY_ALIAS = "\x00extra_args"
 
 
-class ImageNvExt(BaseModel):
+class ImageNvExt(RequestModel):
     """Generation knobs beyond the OpenAI request."""
 
     model_config = ConfigDict(extra="forbid")
@@ -28,10 +29,11 @@ class ImageNvExt(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
 
 
-class NvCreateImageRequest(BaseModel):
+class NvCreateImageRequest(RequestModel):
     """An image generation request (``size`` is ``WxH``)."""
 
     model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
     extra_args: dict[str, Any] | None = Field(default=None, validation_alias=_GATEWAY_ONLY_ALIAS)
     prompt: str

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+from penstock.schemas.unicode import JSONValue, RequestModel
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveInt = Annotated[int, Field(ge=1)]
 
+MAX_STOP_LENGTH = 1024
+"""Characters per stop string. Real stop strings are a few dozen characters at most; the
+limit keeps the stop matcher's memory, which grows with their total length, small."""
 
-class _Strict(BaseModel):
+
+class _Strict(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -37,6 +43,19 @@ class ImagePart(_Strict):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+def _list_or_str(value: Any) -> str:
+    return "list" if isinstance(value, list) else "str"
+
+
+# Only the member that fits the value's JSON type is tried: otherwise pydantic reports both
+# members' errors, and the first ("Input should be a valid string") hides the real problem
+# inside a content part.
+MessageContent = Annotated[
+    Annotated[str, Tag("str")] | Annotated[list[ContentPart], Tag("list")],
+    Discriminator(_list_or_str),
+]
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str
@@ -50,7 +69,7 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: MessageContent | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -103,10 +122,11 @@ class Tool(_Strict):
     function: FunctionDefinition
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestModel):
     """Fields shared by chat and completions."""
 
     model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
     model: str
     n: PositiveInt = 1
@@ -135,6 +155,12 @@ class SamplingFields(BaseModel):
         items = [value] if isinstance(value, str) else (value or [])
         if any(not item for item in items):
             raise ValueError("stop sequences must be non-empty strings")
+        longest = max(map(len, items), default=0)
+        if longest > MAX_STOP_LENGTH:
+            raise ValueError(
+                f"each stop sequence may be at most {MAX_STOP_LENGTH} characters long; "
+                f"got one of {longest}"
+            )
         return value
 
     @model_validator(mode="after")

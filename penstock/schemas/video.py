@@ -15,12 +15,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from penstock.schemas.media_passthrough import nest_passthrough
+from penstock.schemas.unicode import JSONValue, RequestModel
 
 # A name no JSON client sends, so ``extra_args`` is never read from a request body.
 _GATEWAY_ONLY_ALIAS = "\x00extra_args"
 
 
-class VideoNvExt(BaseModel):
+class VideoNvExt(RequestModel):
     """Generation knobs beyond the OpenAI request."""
 
     model_config = ConfigDict(extra="forbid")
@@ -36,11 +37,12 @@ class VideoNvExt(BaseModel):
     guidance_scale_2: float | None = None
 
 
-class NvCreateVideoRequest(BaseModel):
+class NvCreateVideoRequest(RequestModel):
     """A video generation request (``size`` is ``WxH``; ``nvext.num_frames`` beats
     ``seconds`` x ``nvext.fps``)."""
 
     model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
     extra_args: dict[str, Any] | None = Field(default=None, validation_alias=_GATEWAY_ONLY_ALIAS)
     prompt: str
