@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from penstock.errors import EngineLoadError
+
 BUILTIN_ENGINES: dict[str, str] = {
     "transformers": "penstock.engines.transformers:TransformersEngine",
     "sample": "penstock.engines.sample:SampleLLMEngine",
@@ -13,10 +15,6 @@ BUILTIN_ENGINES: dict[str, str] = {
 }
 
 _CONTRACT_METHODS = ("from_args", "start", "generate", "cleanup")
-
-
-class EngineLoadError(Exception):
-    """The engine named on the command line can't be used; the message says why."""
 
 
 def load_engine_class(spec: str) -> type[Any]:

@@ -12,6 +12,8 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
+from penstock.errors import RLAdminValidationError
+
 TRUE_ENV_VALUES = frozenset({"1", "true", "yes", "on"})
 
 RLRouteHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any] | None]]
@@ -25,10 +27,6 @@ def env_bool(name: str, default: bool = False) -> bool:
     if raw is None:
         return default
     return raw.strip().lower() in TRUE_ENV_VALUES
-
-
-class RLAdminValidationError(ValueError):
-    """Validation error whose message can be returned directly to RL clients."""
 
 
 async def first_endpoint_response(gen_fn: Callable[[Any], Any], body: Any) -> dict[str, Any]:
