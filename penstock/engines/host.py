@@ -114,16 +114,11 @@ class EngineHost:
         # Keyed weakly by the context: ``cancel`` may come before, during or after
         # ``generate``, so the marks live exactly as long as the request's context.
         self._marks: weakref.WeakKeyDictionary[Context, _RequestMarks] = weakref.WeakKeyDictionary()
-        self.contract_violations = 0
         self.admission: AdmissionGate | None = None
 
     @property
     def is_raw(self) -> bool:
         return self.model_input is ModelInput.Text
-
-    @property
-    def inflight(self) -> int:
-        return self._inflight
 
     @property
     def served_model_name(self) -> str:
@@ -289,7 +284,6 @@ class EngineHost:
                 self._schedule_abort(context)
 
     def _contract_violation(self, context: Context, what: str) -> None:
-        self.contract_violations += 1
         logger.error("engine contract violation (request %s): %s", context.id(), what)
 
     async def _drain_after_terminal(

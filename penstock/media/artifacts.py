@@ -36,7 +36,6 @@ class ArtifactStore:
     """Bytes under keys like ``videos/<id>.mp4``, relative to ``location``."""
 
     def __init__(self, location: str) -> None:
-        self.location = location
         self.fs, self.root = fsspec.core.url_to_fs(location)
         self.fs.makedirs(self.root, exist_ok=True)
 
