@@ -3,6 +3,10 @@
 The registry is what a trainer discovers: the names of the admin routes this process
 serves (as ``/engine/<name>``). Its request-plane ``dispatch`` only ever describes the
 routes; executing them is the HTTP admin plane's job (``penstock.routers.admin``).
+
+Seed parity: ``env_bool``, ``TRUE_ENV_VALUES``, ``first_endpoint_response`` and
+``RLRouteRegistry.dispatch`` / ``dispatch_stream`` are the ``dynamo.common.rl`` API for code
+written against Dynamo; the gateway does not call them itself.
 """
 
 from __future__ import annotations
