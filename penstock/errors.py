@@ -127,3 +127,46 @@ class ClientClosedRequest(PenstockError):
     status_code = 499
     error_type = "request_cancelled"
     default_code = "request_cancelled"
+
+
+class MediaParamError(InvalidRequestError, ValueError):
+    """A media request value the model can't honour; ``param`` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}", param=param)
+
+
+class MediaPassthroughRejected(InvalidRequestError, ValueError):
+    """Some passthrough keys may not be set by clients; ``keys`` lists them, sorted."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = sorted(keys)
+        super().__init__(
+            "These fields are not accepted on media requests: " + ", ".join(self.keys),
+            param=self.keys[0],
+            code="unsupported_field",
+        )
+
+
+class RLAdminValidationError(InvalidRequestError, ValueError):
+    """Validation error whose message can be returned directly to RL clients.
+
+    A ``ValueError`` too, as in ``dynamo.common.rl``, so callers written for Dynamo catch it.
+    """
+
+    default_code = "invalid_value"
+
+
+class StartupError(PenstockError):
+    """The gateway can't start as configured; the message tells the operator what to fix."""
+
+    error_type = "startup_error"
+    default_code = "startup_error"
+
+
+class EngineLoadError(StartupError):
+    """The engine named on the command line can't be used; the message says why."""
+
+
+class PreprocessorLoadError(StartupError):
+    """A tokenizer folder is missing, incomplete or unreadable; the message names the file."""

@@ -64,7 +64,6 @@ class Gateway:
         self.http_inflight = 0
         self.admin: AdminStateView | None = None
         self.weight_version: str | None = None
-        self.extensions: dict[str, Any] = {}
         self.metrics = FrontendMetrics()
         self.engine_metrics = EngineMetrics()
 

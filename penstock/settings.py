@@ -61,6 +61,8 @@ class Settings(BaseSettings):
 
     cache_dir: Path = DEFAULT_CACHE_DIR
     media_store: str | None = None
+    # The video job database; unset: next to the media store when it is a local folder.
+    media_db: str | None = None
     media_workers: int = 1
     media_max_width: int = 1920
     media_max_height: int = 1920

@@ -10,7 +10,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from penstock.engines.loading import BUILTIN_ENGINES, EngineLoadError
+from penstock.engines.loading import BUILTIN_ENGINES
+from penstock.errors import EngineLoadError
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import Settings
 

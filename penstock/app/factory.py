@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import AsyncIterator
-from types import ModuleType
+from pathlib import Path
 
 from fastapi import Depends, FastAPI
 
@@ -13,6 +12,9 @@ from penstock import __version__
 from penstock.app.handlers import install_error_handlers
 from penstock.app.middleware import GatewayMiddleware
 from penstock.gateway import Gateway
+from penstock.media.artifacts import local_folder
+from penstock.media.service import MediaService
+from penstock.rl.plane import install_admin_plane
 from penstock.routers import (
     admin,
     chat,
@@ -28,52 +30,53 @@ from penstock.routers import (
     vllm_compat,
 )
 from penstock.routers.security import require_inference_key
-
-logger = logging.getLogger(__name__)
-
-# Each module exposes ``router`` and may define ``async on_startup(gateway)`` /
-# ``async on_shutdown(gateway)``; they run in this order (shutdown in reverse).
-ROUTER_MODULES: list[ModuleType] = [
-    health,
-    metrics,
-    models,
-    chat,
-    completions,
-    tokenize,
-    admin,
-    lora,
-    sglang_compat,
-    vllm_compat,
-    videos,
-    images,
-]
+from penstock.settings import Settings
 
 ALWAYS_OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})
 
 
+def media_store_location(settings: Settings) -> str:
+    return settings.media_store or str(Path(settings.cache_dir) / "media")
+
+
+def job_db_path(settings: Settings, store: str) -> Path:
+    """Next to the media files when they are local (a store folder is then
+    self-contained); in the cache folder otherwise; ``media_db`` overrides both."""
+    override = (settings.media_db or "").strip()
+    if override:
+        return Path(override)
+    folder = local_folder(store)
+    if folder is not None:
+        return folder / "jobs.sqlite3"
+    return Path(settings.cache_dir) / "media-jobs.sqlite3"
+
+
 def create_app(gateway: Gateway) -> FastAPI:
-    """The HTTP surface of ``gateway``; the engine must already be started."""
+    """The HTTP surface of ``gateway``; the engine must already be started.
+
+    Every router, every service and every startup and shutdown step is here, in order.
+    Routes reach the services through :mod:`penstock.routers.deps`.
+    """
+    settings = gateway.settings
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        started: list[ModuleType] = []
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.admin_plane = await install_admin_plane(gateway)
+        store = media_store_location(settings)
+        media = MediaService(
+            gateway,
+            store=store,
+            db_path=job_db_path(settings, store),
+            workers=settings.media_workers,
+        )
+        app.state.media = media
         try:
-            for module in ROUTER_MODULES:
-                hook = getattr(module, "on_startup", None)
-                if hook is not None:
-                    await hook(gateway)
-                started.append(module)
+            media.start()
             gateway.host.start_monitor()
             yield
         finally:
             await gateway.host.stop_monitor()
-            for module in reversed(started):
-                hook = getattr(module, "on_shutdown", None)
-                if hook is not None:
-                    try:
-                        await hook(gateway)
-                    except Exception:
-                        logger.exception("shutdown hook of %s failed", module.__name__)
+            await media.stop()
 
     app = FastAPI(
         title="Penstock",
@@ -83,7 +86,17 @@ def create_app(gateway: Gateway) -> FastAPI:
     )
     app.state.gateway = gateway
     install_error_handlers(app)
-    for module in ROUTER_MODULES:
-        app.include_router(module.router)
+    app.include_router(health.router)
+    app.include_router(metrics.router)
+    app.include_router(models.router)
+    app.include_router(chat.router)
+    app.include_router(completions.router)
+    app.include_router(tokenize.router)
+    app.include_router(admin.router)
+    app.include_router(lora.router)
+    app.include_router(sglang_compat.router)
+    app.include_router(vllm_compat.router)
+    app.include_router(videos.router)
+    app.include_router(images.router)
     app.add_middleware(GatewayMiddleware, gateway=gateway, always_open_paths=ALWAYS_OPEN_PATHS)
     return app

@@ -22,6 +22,7 @@ from penstock.engines.host import EngineHost
 from penstock.engines.loading import load_engine_class
 from penstock.gateway import Gateway, ServedModel
 from penstock.metrics.engine_bridge import SnapshotPublisher
+from penstock.preprocess import Preprocessor
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import Settings
 
@@ -95,8 +96,6 @@ async def build_gateway(
         preprocessor = None
         folder = _tokenizer_folder(settings, worker_config)
         if folder is not None and not host.is_raw:
-            from penstock.preprocess import Preprocessor
-
             preprocessor = Preprocessor.from_folder(folder)
         config = host.engine_config
         assert config is not None
@@ -146,6 +145,7 @@ class _DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.gateway = gateway
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Held so the running drain task is not garbage-collected.
         self._drain_task: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: Any = None) -> None:

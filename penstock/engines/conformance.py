@@ -18,18 +18,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from penstock.engines.constants import ModelInput
 from penstock.engines.context import Context
-from penstock.engines.contract import RawEngine
+from penstock.engines.contract import model_input_of
 
 CANCEL_DEADLINE_S = 2.0
 
 
 class ConformanceError(AssertionError):
     """An engine broke the contract; the message names the check."""
-
-
-def _is_raw(engine: Any) -> bool:
-    return isinstance(engine, RawEngine) or not hasattr(engine, "kv_event_sources")
 
 
 def default_request(raw: bool, max_tokens: int) -> dict[str, Any]:
@@ -113,7 +110,7 @@ async def run_conformance(
     try:
         if not getattr(config, "model", None):
             raise ConformanceError("EmptyModelInConfig: EngineConfig.model is empty")
-        raw = _is_raw(engine)
+        raw = model_input_of(engine) is ModelInput.Text
         short = request or default_request(raw, max_tokens=4)
         await _collect(engine.generate(dict(short), Context("conformance-one")), raw)
 

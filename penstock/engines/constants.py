@@ -1,4 +1,8 @@
-"""Serving-role enums shared by engines and the gateway."""
+"""Serving-role enums shared by engines and the gateway.
+
+Seed parity: ``EmbeddingTransferMode`` is the ``dynamo.common.constants`` enum for engines
+written against Dynamo; the gateway does not use it itself.
+"""
 
 from enum import Enum
 

@@ -1,78 +1,19 @@
-"""Per-request context handed to an engine: identity, cancellation, metadata and tracing."""
+"""Per-request context handed to an engine: identity, cancellation, metadata and the W3C
+trace context it propagates (``traceparent`` / ``tracestate``)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import secrets
-import threading
 import uuid
 from collections.abc import Mapping
-from types import TracebackType
-from typing import Any
-
-logger = logging.getLogger(__name__)
 
 _TRACEPARENT_VERSION = "00"
-_noop_span_warned = False
-_noop_span_warned_lock = threading.Lock()
 
 
 def tracing_enabled() -> bool:
     return os.environ.get("OTEL_EXPORT_ENABLED", "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-class SpanProxy:
-    """A span handle usable as a context manager.
-
-    Without an OpenTelemetry exporter configured (``OTEL_EXPORT_ENABLED``) every method is a
-    silent no-op; the first no-op span of the process logs one warning so operators learn
-    why no traces arrive.
-    """
-
-    def __init__(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
-        self.name = name
-        self.attributes: dict[str, Any] = dict(attributes or {})
-        self.events: list[tuple[str, dict[str, Any]]] = []
-        self.status: tuple[str, str | None] | None = None
-        self.closed = False
-        global _noop_span_warned
-        if not tracing_enabled():
-            with _noop_span_warned_lock:
-                if not _noop_span_warned:
-                    _noop_span_warned = True
-                    logger.warning("tracing is off (OTEL_EXPORT_ENABLED unset): spans are no-ops")
-
-    def set_attribute(self, key: str, value: Any) -> None:
-        if tracing_enabled():
-            self.attributes[key] = value
-
-    def add_event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
-        if tracing_enabled():
-            self.events.append((name, dict(attributes or {})))
-
-    def set_status(self, status: str, description: str | None = None) -> None:
-        if status not in {"ok", "error"}:
-            raise ValueError("span status must be 'ok' or 'error'")
-        if tracing_enabled():
-            self.status = (status, description)
-
-    def close(self) -> None:
-        self.closed = True
-
-    def __enter__(self) -> SpanProxy:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is not None:
-            self.set_status("error", str(exc))
-        self.close()
 
 
 def _parse_traceparent(value: str | None) -> tuple[str, str, str] | None:
@@ -129,7 +70,6 @@ class Context:
             self.parent_span_id = None
             self._trace_flags = "00"
             self.span_id = None
-        self._current_span: SpanProxy | None = None
 
     def id(self) -> str:
         return self._id
@@ -213,11 +153,3 @@ class Context:
             headers["x-request-id"] = request_id
             headers["request-id"] = request_id
         return headers
-
-    def current_span(self) -> SpanProxy:
-        if self._current_span is None:
-            self._current_span = SpanProxy("engine.generate")
-        return self._current_span
-
-    def start_span(self, name: str, attrs: Mapping[str, Any] | None = None) -> SpanProxy:
-        return SpanProxy(name, attrs)

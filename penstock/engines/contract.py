@@ -12,6 +12,9 @@ Lifecycle, driven by :class:`penstock.engines.host.EngineHost`:
    or the client went away, never on natural completion.
 5. ``cleanup()`` runs once on shutdown after ``start`` (also after a failed ``start``, on
    partial state), never if ``start`` was not called, never concurrently with ``start``.
+
+An engine derives from :class:`LLMEngine` (token ids in, token ids out) or :class:`RawEngine`
+(the request body in, response objects out); :func:`model_input_of` tells which.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, TypedDict
 from penstock.engines.constants import DisaggregationMode, ModelInput
 from penstock.engines.context import Context
 from penstock.engines.health import parse_health_check_payload_cli
+from penstock.errors import EngineLoadError
 
 
 class GenerateRequest(TypedDict, total=False):
@@ -335,3 +339,38 @@ class RawEngine(BaseEngine):
 
 class DiffusionEngine(RawEngine):
     """A :class:`RawEngine` for diffusion-family image and video generation."""
+
+
+# Dynamo's ``dynamo.common.backend`` bases, by class name: an engine written for Dynamo
+# derives from these, and the gateway must serve it without importing Dynamo.
+_DYNAMO_BACKEND_MODULE = "dynamo.common.backend"
+_DYNAMO_BASES: dict[str, ModelInput] = {
+    "LLMEngine": ModelInput.Tokens,
+    "RawEngine": ModelInput.Text,
+}
+
+
+def model_input_of(engine: object) -> ModelInput:
+    """What the gateway hands ``engine`` (an instance or a class), decided by its base class.
+
+    :class:`LLMEngine` subclasses get ``ModelInput.Tokens``: the gateway renders the chat
+    template and tokenizes, and checks one terminal per choice. :class:`RawEngine`
+    subclasses (:class:`DiffusionEngine` included) get ``ModelInput.Text``: the request body
+    as it came, and every object the engine yields goes back. The same holds for Dynamo's
+    own ``LLMEngine`` / ``RawEngine`` from ``dynamo.common.backend``, matched by module and
+    name in the class's MRO. The nearest such base wins.
+
+    Raises :class:`~penstock.errors.EngineLoadError` when the engine derives from neither.
+    """
+    cls = engine if isinstance(engine, type) else type(engine)
+    for base in cls.__mro__:
+        if base is LLMEngine:
+            return ModelInput.Tokens
+        if base is RawEngine:
+            return ModelInput.Text
+        if base.__module__.startswith(_DYNAMO_BACKEND_MODULE) and base.__name__ in _DYNAMO_BASES:
+            return _DYNAMO_BASES[base.__name__]
+    raise EngineLoadError(
+        f"'{cls.__module__}.{cls.__qualname__}' is not an engine: it must derive from "
+        "LLMEngine or RawEngine (penstock.engines.contract, or dynamo.common.backend)"
+    )

@@ -21,13 +21,15 @@ import enum
 import logging
 import secrets
 import time
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from penstock.engines.admission import AdmissionGate
+from penstock.engines.constants import ModelInput
 from penstock.engines.context import Context
-from penstock.engines.contract import BaseEngine, EngineConfig, RawEngine
+from penstock.engines.contract import BaseEngine, EngineConfig, model_input_of
 from penstock.engines.health import HEALTH_CHECK_KEY, EngineHealthMonitorConfig, is_probe
 from penstock.errors import EngineError, InvalidRequestError, PenstockError
 
@@ -48,6 +50,14 @@ class HealthStatus:
     healthy: bool = True
     reason: str | None = None
     checked_at: float | None = None
+
+
+@dataclass
+class _RequestMarks:
+    """What the host has done for one request, so ``abort`` runs at most once."""
+
+    abort_sent: bool = False
+    finished: bool = False
 
 
 def engine_exception_to_error(exc: BaseException) -> PenstockError:
@@ -85,7 +95,9 @@ class EngineHost:
         monitor: EngineHealthMonitorConfig | None = None,
         health_check_override: dict[str, Any] | None = None,
     ) -> None:
+        """Raises :class:`~penstock.errors.EngineLoadError` if ``engine`` is not an engine."""
         self.engine = engine
+        self.model_input = model_input_of(engine)
         self.worker_config = worker_config
         self.monitor = monitor or EngineHealthMonitorConfig.from_env()
         self.worker_id = secrets.randbits(63)
@@ -99,16 +111,14 @@ class EngineHost:
         self._inflight = 0
         self._last_activity = time.monotonic()
         self._monitor_task: asyncio.Task[None] | None = None
-        self.contract_violations = 0
+        # Keyed weakly by the context: ``cancel`` may come before, during or after
+        # ``generate``, so the marks live exactly as long as the request's context.
+        self._marks: weakref.WeakKeyDictionary[Context, _RequestMarks] = weakref.WeakKeyDictionary()
         self.admission: AdmissionGate | None = None
 
     @property
     def is_raw(self) -> bool:
-        return isinstance(self.engine, RawEngine) or not hasattr(self.engine, "kv_event_sources")
-
-    @property
-    def inflight(self) -> int:
-        return self._inflight
+        return self.model_input is ModelInput.Text
 
     @property
     def served_model_name(self) -> str:
@@ -187,12 +197,17 @@ class EngineHost:
         context.stop_generating()
         self._schedule_abort(context)
 
+    def _marks_of(self, context: Context) -> _RequestMarks:
+        marks = self._marks.get(context)
+        if marks is None:
+            marks = self._marks[context] = _RequestMarks()
+        return marks
+
     def _schedule_abort(self, context: Context) -> None:
-        if getattr(context, "_penstock_abort_sent", False) or getattr(
-            context, "_penstock_finished", False
-        ):
+        marks = self._marks_of(context)
+        if marks.abort_sent or marks.finished:
             return
-        context._penstock_abort_sent = True  # type: ignore[attr-defined]
+        marks.abort_sent = True
         self.spawn(self._abort(context))
 
     async def _abort(self, context: Context) -> None:
@@ -239,7 +254,7 @@ class EngineHost:
                 if chunk.get("finish_reason"):
                     finished.add(index)
                     if len(finished) == expected:
-                        context._penstock_finished = True  # type: ignore[attr-defined]
+                        self._marks_of(context).finished = True
                         completed = True
                         yield chunk
                         self.spawn(self._drain_after_terminal(agen, context))
@@ -248,7 +263,7 @@ class EngineHost:
             if not raw:
                 missing = sorted(set(range(expected)) - finished)
                 raise EngineError(f"engine ended the stream without a terminal for {missing}")
-            context._penstock_finished = True  # type: ignore[attr-defined]
+            self._marks_of(context).finished = True
             completed = True
         except (asyncio.CancelledError, GeneratorExit):
             context.kill()
@@ -269,7 +284,6 @@ class EngineHost:
                 self._schedule_abort(context)
 
     def _contract_violation(self, context: Context, what: str) -> None:
-        self.contract_violations += 1
         logger.error("engine contract violation (request %s): %s", context.id(), what)
 
     async def _drain_after_terminal(

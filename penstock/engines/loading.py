@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from penstock.engines.contract import model_input_of
+from penstock.errors import EngineLoadError
+
 BUILTIN_ENGINES: dict[str, str] = {
     "transformers": "penstock.engines.transformers:TransformersEngine",
     "sample": "penstock.engines.sample:SampleLLMEngine",
@@ -12,15 +15,9 @@ BUILTIN_ENGINES: dict[str, str] = {
     "diffusion": "penstock.engines.diffusion:DiffusersEngine",
 }
 
-_CONTRACT_METHODS = ("from_args", "start", "generate", "cleanup")
-
-
-class EngineLoadError(Exception):
-    """The engine named on the command line can't be used; the message says why."""
-
 
 def load_engine_class(spec: str) -> type[Any]:
-    """Resolve ``spec`` to a class implementing the engine contract (by duck typing)."""
+    """Resolve ``spec`` to a class deriving from an engine base (``LLMEngine`` / ``RawEngine``)."""
     target = BUILTIN_ENGINES.get(spec)
     if target is None:
         if ":" not in spec:
@@ -39,10 +36,7 @@ def load_engine_class(spec: str) -> type[Any]:
         cls = getattr(module, class_name)
     except AttributeError as exc:
         raise EngineLoadError(f"module '{module_name}' has no attribute '{class_name}'") from exc
-    missing = [name for name in _CONTRACT_METHODS if not callable(getattr(cls, name, None))]
-    if not isinstance(cls, type) or missing:
-        raise EngineLoadError(
-            f"'{target}' is not an engine: missing {', '.join(missing) or 'a class'} "
-            "(expected from_args, start, generate, cleanup)"
-        )
+    if not isinstance(cls, type):
+        raise EngineLoadError(f"'{target}' is not an engine: it is not a class")
+    model_input_of(cls)
     return cls

@@ -176,7 +176,6 @@ class SampleLLMEngine(LLMEngine):
         self.ordinary_ids: list[int] = []
         self.bos_token_id = 1
         self.started = False
-        self.cleanups = 0
         self.aborted: list[str] = []
         self.weights = SampleWeights()
         self.weight_version: str | None = None
@@ -555,8 +554,6 @@ class SampleLLMEngine(LLMEngine):
         return build_health_check_payload(self.bos_token_id)
 
     async def cleanup(self) -> None:
-        if self.started:
-            self.cleanups += 1
         self.started = False
 
 

@@ -1,4 +1,9 @@
-"""Which token overflows the gateway may reject before the engine sees a request."""
+"""Which token overflows a frontend may reject before the engine sees a request.
+
+Seed parity: :class:`TokenBudget` is the ``dynamo.common.token_budget`` API, kept for
+engines written against Dynamo; this gateway does not read it: it checks every request
+against the model's context length itself (:mod:`penstock.preprocess.budget`).
+"""
 
 from dataclasses import dataclass
 

@@ -1,4 +1,9 @@
-"""LoRAManager: fetch LoRA adapters by URI into a local cache."""
+"""LoRAManager: fetch LoRA adapters by URI into a local cache.
+
+Seed parity: ``LoRAManager.register_custom_source`` and ``is_cached`` are the
+``dynamo.common.lora`` API for code written against Dynamo; the gateway does not call them
+itself (it only calls ``download_lora``).
+"""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import posixpath
 import re
 import uuid
+from pathlib import Path
 
 import fsspec
 
@@ -20,21 +21,27 @@ def _check_key(key: str) -> str:
     return key
 
 
+def local_folder(location: str) -> Path | None:
+    """The folder ``location`` names on this machine; None for a remote or in-memory store."""
+    fs, root = fsspec.core.url_to_fs(location)
+    return Path(root) if _is_local(fs) else None
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return "file" in protocols
+
+
 class ArtifactStore:
     """Bytes under keys like ``videos/<id>.mp4``, relative to ``location``."""
 
     def __init__(self, location: str) -> None:
-        self.location = location
         self.fs, self.root = fsspec.core.url_to_fs(location)
         self.fs.makedirs(self.root, exist_ok=True)
 
     @property
     def is_local(self) -> bool:
-        return "file" in self._protocols()
-
-    def _protocols(self) -> tuple[str, ...]:
-        protocol = self.fs.protocol
-        return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+        return _is_local(self.fs)
 
     def _path(self, key: str) -> str:
         return posixpath.join(self.root, _check_key(key))

@@ -1,8 +1,8 @@
 """Everything media generation needs in one gateway process.
 
-The video and image routers share one :class:`MediaService` (kept on
-``gateway.extensions["media"]``): one job store, one artifact store and one worker pool,
-so ``media_workers`` bounds all generations on the engine together.
+The video and image routers share one :class:`MediaService`, built and started once by
+:func:`penstock.app.factory.create_app`: one job store, one artifact store and one worker
+pool, so its ``workers`` bound all generations on the engine together.
 
 Video jobs are rows in the job store before they run. On startup, jobs a previous process
 left ``in_progress`` are marked failed with the reason; jobs it left ``queued`` run again
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -36,32 +35,14 @@ from penstock.multimodal.encoding import VIDEO_CONTENT_TYPES, data_url_bytes
 
 if TYPE_CHECKING:
     from penstock.gateway import Gateway, ServedModel
-    from penstock.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-EXTENSION_KEY = "media"
-MEDIA_DB_ENV = "PENSTOCK_MEDIA_DB"
 CANCEL_WAIT_S = 30.0
 INTERRUPTED_REASON = "the server stopped while this job was running; create it again"
 SHUTDOWN_REASON = "the server shut down while this job was running; create it again"
 _PROGRESS_STATUSES = frozenset({QUEUED, IN_PROGRESS})
 _FORMAT_RE = re.compile(r"^[a-z0-9]{1,8}$")
-
-
-def media_store_location(settings: Settings) -> str:
-    return settings.media_store or str(Path(settings.cache_dir) / "media")
-
-
-def job_db_path(settings: Settings, artifacts: ArtifactStore) -> Path:
-    """Next to the artifacts when they are local (a store folder is then self-contained);
-    in the cache folder otherwise; ``PENSTOCK_MEDIA_DB`` overrides both."""
-    override = os.environ.get(MEDIA_DB_ENV, "").strip()
-    if override:
-        return Path(override)
-    if artifacts.is_local:
-        return Path(artifacts.root) / "jobs.sqlite3"
-    return Path(settings.cache_dir) / "media-jobs.sqlite3"
 
 
 def is_progress(chunk: dict[str, Any]) -> bool:
@@ -95,55 +76,33 @@ class JobEvent:
 
 
 class MediaService:
-    def __init__(self, gateway: Gateway) -> None:
-        settings = gateway.settings
+    """Video jobs and one-shot generations on the engines of ``gateway``.
+
+    ``store`` is a folder or fsspec URL for the generated files, ``db_path`` the SQLite file
+    of the job records, ``workers`` how many generations run at once. :meth:`start` once
+    before serving, :meth:`stop` once after.
+    """
+
+    def __init__(self, gateway: Gateway, *, store: str, db_path: Path, workers: int) -> None:
         self.gateway = gateway
-        self.artifacts = ArtifactStore(media_store_location(settings))
-        self.jobs = JobStore(job_db_path(settings, self.artifacts))
-        self.pool = WorkerPool(settings.media_workers)
+        self.artifacts = ArtifactStore(store)
+        self.jobs = JobStore(db_path)
+        self.pool = WorkerPool(workers)
         self._runs: dict[str, _Run] = {}
         self._subscribers: dict[str, list[asyncio.Queue[JobEvent]]] = {}
-        self._users = 0
 
-    # -- lifecycle shared by the routers ----------------------------------------------
-
-    @classmethod
-    async def acquire(cls, gateway: Gateway) -> MediaService:
-        service = gateway.extensions.get(EXTENSION_KEY)
-        if service is None:
-            service = cls(gateway)
-            gateway.extensions[EXTENSION_KEY] = service
-            service._recover()
-            service.pool.start()
-        service._users += 1
-        return service
-
-    @classmethod
-    async def release(cls, gateway: Gateway) -> None:
-        service = gateway.extensions.get(EXTENSION_KEY)
-        if service is None:
-            return
-        service._users -= 1
-        if service._users <= 0:
-            gateway.extensions.pop(EXTENSION_KEY, None)
-            await service._close()
-
-    @classmethod
-    def of(cls, gateway: Gateway) -> MediaService:
-        service = gateway.extensions.get(EXTENSION_KEY)
-        if service is None:
-            raise RuntimeError("media service not started")
-        return service
-
-    def _recover(self) -> None:
+    def start(self) -> None:
+        """Settle the jobs a previous process left unfinished, then start the workers."""
         for job in self.jobs.unfinished():
             if job.status == IN_PROGRESS:
                 logger.warning("video job %s was running when the server stopped", job.id)
                 self._fail(job.id, "interrupted", INTERRUPTED_REASON)
             else:
                 self.pool.submit(job.id, lambda job_id=job.id: self._run_video(job_id))
+        self.pool.start()
 
-    async def _close(self) -> None:
+    async def stop(self) -> None:
+        """Cancel the running jobs (they end failed, with the reason) and close the store."""
         running = list(self._runs)
         await self.pool.stop()
         for job_id in running:

@@ -14,18 +14,11 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from penstock.errors import MediaParamError
+
 RUNTIME_DATA_KEY = "media"
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
-
-
-class MediaParamError(ValueError):
-    """A request value the model can't honour; ``param`` names the field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        self.param = param
-        self.message = f"{param}: {message}"
-        super().__init__(self.message)
 
 
 @dataclass(frozen=True)

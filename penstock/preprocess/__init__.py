@@ -1,11 +1,11 @@
 """The token pipeline: chat template, tokenizer, incremental detokenizer, stop strings,
 token budget."""
 
+from penstock.errors import PreprocessorLoadError
 from penstock.preprocess.budget import check_token_budget
 from penstock.preprocess.detokenizer import IncrementalDetokenizer
 from penstock.preprocess.preprocessor import Preprocessor
 from penstock.preprocess.stop_strings import StopStringMatcher
-from penstock.preprocess.tokenizer_files import PreprocessorLoadError
 
 __all__ = [
     "IncrementalDetokenizer",

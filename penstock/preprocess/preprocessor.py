@@ -8,7 +8,7 @@ from typing import Any
 
 import jinja2
 
-from penstock.errors import InvalidRequestError
+from penstock.errors import InvalidRequestError, PreprocessorLoadError
 from penstock.preprocess.chat_template import (
     compile_template,
     render_template,
@@ -17,7 +17,6 @@ from penstock.preprocess.chat_template import (
 from penstock.preprocess.detokenizer import IncrementalDetokenizer
 from penstock.preprocess.token_bytes import token_bytes_reader
 from penstock.preprocess.tokenizer_files import (
-    PreprocessorLoadError,
     TokenizerFiles,
     read_tokenizer_folder,
 )

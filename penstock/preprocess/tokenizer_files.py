@@ -14,6 +14,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from penstock.errors import PreprocessorLoadError
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
@@ -27,10 +29,6 @@ DEFAULT_TEMPLATE_NAME = "default"
 _UNKNOWN_MODEL_MAX_LENGTH = int(1e30)
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
-
-
-class PreprocessorLoadError(Exception):
-    """A tokenizer folder is missing, incomplete or unreadable; the message names the file."""
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The RL admin plane: route registry and validation helpers, and the admin state machine."""
 
+from penstock.errors import RLAdminValidationError
 from penstock.rl.admin import (
     TRUE_ENV_VALUES,
-    RLAdminValidationError,
     RLRouteHandler,
     RLRouteRegistry,
     env_bool,

@@ -3,6 +3,10 @@
 The registry is what a trainer discovers: the names of the admin routes this process
 serves (as ``/engine/<name>``). Its request-plane ``dispatch`` only ever describes the
 routes; executing them is the HTTP admin plane's job (``penstock.routers.admin``).
+
+Seed parity: ``env_bool``, ``TRUE_ENV_VALUES``, ``first_endpoint_response`` and
+``RLRouteRegistry.dispatch`` / ``dispatch_stream`` are the ``dynamo.common.rl`` API for code
+written against Dynamo; the gateway does not call them itself.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
+
+from penstock.errors import RLAdminValidationError
 
 TRUE_ENV_VALUES = frozenset({"1", "true", "yes", "on"})
 
@@ -25,10 +31,6 @@ def env_bool(name: str, default: bool = False) -> bool:
     if raw is None:
         return default
     return raw.strip().lower() in TRUE_ENV_VALUES
-
-
-class RLAdminValidationError(ValueError):
-    """Validation error whose message can be returned directly to RL clients."""
 
 
 async def first_endpoint_response(gen_fn: Callable[[Any], Any], body: Any) -> dict[str, Any]:

@@ -7,8 +7,7 @@ from typing import Any
 import orjson
 from fastapi import Request
 
-from penstock.errors import InvalidRequestError
-from penstock.rl.admin import RLAdminValidationError
+from penstock.errors import InvalidRequestError, RLAdminValidationError
 from penstock.rl.state import PAUSE_MODES, SLEEP_TAGS
 
 _MISSING = object()

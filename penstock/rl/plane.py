@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fastapi import Request
-
 from penstock.engines.host import EngineState
 from penstock.lora.adapters import LoadedAdapters
 from penstock.rl.admin import RLRouteRegistry
@@ -15,8 +13,6 @@ from penstock.rl.state import AdminStateMachine
 
 if TYPE_CHECKING:
     from penstock.gateway import Gateway
-
-EXTENSION_KEY = "admin_plane"
 
 
 class GatewayRuntime:
@@ -62,9 +58,4 @@ async def install_admin_plane(gateway: Gateway) -> AdminPlane:
     registry.add_routes(routes.handlers())
     plane = AdminPlane(state, adapters, registry)
     gateway.admin = state
-    gateway.extensions[EXTENSION_KEY] = plane
     return plane
-
-
-def admin_plane(request: Request) -> AdminPlane:
-    return request.app.state.gateway.extensions[EXTENSION_KEY]

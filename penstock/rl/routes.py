@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from penstock.errors import InvalidRequestError
+from penstock.errors import InvalidRequestError, RLAdminValidationError
 from penstock.rl.admin import (
-    RLAdminValidationError,
     RLRouteHandler,
     require_lora_load_request,
     require_lora_unload_request,

@@ -54,7 +54,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from penstock.errors import NotFoundError
-from penstock.gateway import Gateway
 from penstock.rl.fields import (
     bool_field,
     int_field,
@@ -64,8 +63,9 @@ from penstock.rl.fields import (
     str_field,
     tags_field,
 )
-from penstock.rl.plane import AdminPlane, admin_plane, install_admin_plane
+from penstock.rl.plane import AdminPlane
 from penstock.rl.state import WEIGHT_UPDATES_PREFIX
+from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
 
 router = APIRouter(tags=[ADMIN_TAG], dependencies=[Depends(require_admin_key)])
@@ -100,10 +100,6 @@ VLLM_ROUTES = (
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
 )
-
-
-async def on_startup(gateway: Gateway) -> None:
-    await install_admin_plane(gateway)
 
 
 def unknown(kind: str, name: str, supported: list[str]) -> NotFoundError:

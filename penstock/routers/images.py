@@ -27,9 +27,9 @@ from penstock.media.requests import (
     served_for,
     validate_body,
 )
-from penstock.media.service import MediaService
 from penstock.multimodal.encoding import IMAGE_CONTENT_TYPES, data_url_bytes
 from penstock.multimodal.limits import MediaParamError, VideoLimits, parse_size
+from penstock.routers.deps import media_service
 from penstock.schemas.images import ImageData, NvCreateImageRequest, NvImagesResponse
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, MediaPassthroughRejected
 from penstock.serving.framing import unless_disconnected
@@ -38,14 +38,6 @@ router = APIRouter(tags=["images"])
 
 ENDPOINT_TYPE = "images"
 _IMAGE_ID_RE = re.compile(r"^img_[0-9a-f]{32}-\d{1,2}$")
-
-
-async def on_startup(gateway: Gateway) -> None:
-    await MediaService.acquire(gateway)
-
-
-async def on_shutdown(gateway: Gateway) -> None:
-    await MediaService.release(gateway)
 
 
 def _engine_request(request: Request, body: dict[str, Any]) -> tuple[Any, dict[str, Any], str]:
@@ -85,7 +77,7 @@ def _engine_request(request: Request, body: dict[str, Any]) -> tuple[Any, dict[s
 async def generate_images(request: Request) -> dict[str, Any]:
     body = await read_media_body(request, file_fields=frozenset({"input_reference"}))
     served, engine_request, response_format = _engine_request(request, body)
-    service = MediaService.of(request.app.state.gateway)
+    service = media_service(request)
     image_id = f"img_{uuid.uuid4().hex}"
     terminal = await unless_disconnected(
         request, service.generate_once(served, engine_request, Context(image_id))
@@ -121,7 +113,7 @@ async def download_image_content(image_id: str, request: Request) -> Response:
     )
     if not _IMAGE_ID_RE.match(image_id):
         raise missing
-    service = MediaService.of(request.app.state.gateway)
+    service = media_service(request)
     for extension, content_type in IMAGE_CONTENT_TYPES.items():
         key = f"images/{image_id}.{extension}"
         if await asyncio.to_thread(service.artifacts.size, key) is not None:

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from penstock.rl.fields import json_object_body, required_str
-from penstock.rl.plane import admin_plane
+from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
 
 router = APIRouter(tags=[ADMIN_TAG], dependencies=[Depends(require_admin_key)])

@@ -46,7 +46,8 @@ from penstock.rl.fields import (
     str_field,
     tags_field,
 )
-from penstock.rl.plane import AdminPlane, admin_plane
+from penstock.rl.plane import AdminPlane
+from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
 
 router = APIRouter(tags=[ADMIN_TAG], dependencies=[Depends(require_admin_key)])

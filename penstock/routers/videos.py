@@ -54,6 +54,7 @@ from penstock.media.requests import (
 from penstock.media.service import JobEvent, MediaService
 from penstock.multimodal.encoding import VIDEO_CONTENT_TYPES
 from penstock.multimodal.limits import MediaParamError, VideoLimits, plan_video
+from penstock.routers.deps import media_service
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, MediaPassthroughRejected
 from penstock.schemas.video import NvCreateVideoRequest, NvVideosResponse, VideoData
 from penstock.serving.framing import unless_disconnected
@@ -65,18 +66,6 @@ ENDPOINT_TYPE = "videos"
 MAX_PAGE = 100
 CONTENT_CHUNK = 1 << 20
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
-
-
-async def on_startup(gateway: Gateway) -> None:
-    await MediaService.acquire(gateway)
-
-
-async def on_shutdown(gateway: Gateway) -> None:
-    await MediaService.release(gateway)
-
-
-def _service(request: Request) -> MediaService:
-    return MediaService.of(request.app.state.gateway)
 
 
 def _job_or_404(service: MediaService, video_id: str) -> VideoJob:
@@ -164,7 +153,7 @@ async def create_video(request: Request) -> dict[str, Any]:
             "POST /v1/videos/generations with stream: true",
             param="stream",
         )
-    service = _service(request)
+    service = media_service(request)
     service.submit_video(job)
     return service.video_object(job)
 
@@ -176,7 +165,7 @@ async def list_videos(
     limit: int = Query(default=20, ge=1, le=MAX_PAGE),
     order: str = Query(default="desc", pattern="^(asc|desc)$"),
 ) -> dict[str, Any]:
-    service = _service(request)
+    service = media_service(request)
     try:
         jobs, has_more = service.jobs.page(limit=limit, after=after, newest_first=order == "desc")
     except KeyError as exc:
@@ -195,13 +184,13 @@ async def list_videos(
 
 @router.get("/v1/videos/{video_id}")
 async def retrieve_video(video_id: str, request: Request) -> dict[str, Any]:
-    service = _service(request)
+    service = media_service(request)
     return service.video_object(_job_or_404(service, video_id))
 
 
 @router.delete("/v1/videos/{video_id}")
 async def delete_video(video_id: str, request: Request) -> dict[str, Any]:
-    service = _service(request)
+    service = media_service(request)
     _job_or_404(service, video_id)
     await service.delete_video(video_id)
     return {"id": video_id, "object": "video.deleted", "deleted": True}
@@ -236,7 +225,7 @@ def _byte_range(header: str | None, size: int) -> tuple[int, int] | None:
 async def download_video_content(
     video_id: str, request: Request, variant: str = "video"
 ) -> Response:
-    service = _service(request)
+    service = media_service(request)
     job = _job_or_404(service, video_id)
     if variant != "video":
         raise InvalidRequestError(
@@ -343,7 +332,7 @@ async def _next_final(queue: asyncio.Queue[JobEvent]) -> JobEvent:
 @router.post("/v1/videos/generations")
 async def generate_video(request: Request) -> Any:
     job, stream, response_format = await _new_job(request)
-    service = _service(request)
+    service = media_service(request)
     gateway: Gateway = request.app.state.gateway
     events = service.subscribe(job.id)
     service.submit_video(job)

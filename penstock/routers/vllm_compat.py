@@ -27,7 +27,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 
 from penstock.rl.fields import json_object_body, mode_field, str_list_field, tags_field
-from penstock.rl.plane import admin_plane
+from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
 
 router = APIRouter(tags=[ADMIN_TAG], dependencies=[Depends(require_admin_key)])

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from penstock.errors import MediaPassthroughRejected
+
 MEDIA_PASSTHROUGH_KEY = "media_passthrough"
 
 _REJECTED_KEYS = frozenset({"extra_args", "guardrails", "frame_interpolation_model_path"})
@@ -28,14 +30,6 @@ _REJECTED_FRAGMENTS = (
     "nsfw",
     "moderation",
 )
-
-
-class MediaPassthroughRejected(ValueError):
-    """Some passthrough keys may not be set by clients; ``keys`` lists them, sorted."""
-
-    def __init__(self, keys: list[str]) -> None:
-        self.keys = sorted(keys)
-        super().__init__("These fields are not accepted on media requests: " + ", ".join(self.keys))
 
 
 def is_rejected_key(key: str) -> bool:

@@ -138,7 +138,4 @@ async def test_context_cancellation_ids_and_trace_headers() -> None:
     headers = traced.trace_headers()
     assert headers is not None and headers["traceparent"].startswith("00-" + "a" * 32)
     assert traced.parent_span_id == "b" * 16
-    with traced.start_span("work", {"k": 1}) as span:
-        span.set_attribute("x", 2)
-    assert span.closed
     assert Context().trace_headers() is None

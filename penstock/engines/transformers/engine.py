@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from penstock.engines.context import Context
 from penstock.engines.contract import (
@@ -145,7 +146,6 @@ class TransformersEngine(LLMEngine):
         self._weights_source: Path | None = None
         self._snapshot_publisher: Any = None
         self._sleeping: set[str] = set()
-        self._sleep_level = 0
         self._paused_by_sleep = False
         self._memory_lock = asyncio.Lock()
         self._bos_or_eos = 0
@@ -181,8 +181,6 @@ class TransformersEngine(LLMEngine):
         return engine, worker
 
     async def start(self, worker_id: int) -> EngineConfig:
-        from transformers import AutoConfig
-
         try:
             config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         except Exception as exc:
@@ -500,7 +498,6 @@ class TransformersEngine(LLMEngine):
         self._paused_by_sleep = not was_paused
         await asyncio.to_thread(scheduler.set_sleeping, True)
         await asyncio.to_thread(self._release_memory, level)
-        self._sleep_level = level
         self._sleeping = set(SLEEP_TAGS)
         return {
             "status": "sleeping",
