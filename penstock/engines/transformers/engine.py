@@ -33,7 +33,7 @@ from penstock.engines.contract import (
 )
 from penstock.engines.health import build_health_check_payload, parse_health_check_payload_cli
 from penstock.engines.transformers.args import EngineArgs, parse_args
-from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from penstock.engines.transformers.generation_config import load_sampling_defaults
 from penstock.engines.transformers.lora import (
     BASE_ROW,
@@ -171,7 +171,7 @@ class TransformersEngine(LLMEngine):
     ) -> tuple[TransformersEngine, WorkerConfig]:
         args = parse_args(sys.argv[1:] if argv is None else list(argv))
         if args.model is None:
-            model_path = await asyncio.to_thread(ensure_default_model, args.model_cache_dir)
+            model_path = await prepare_default_model(args.model_cache_dir)
             default_name = DEFAULT_MODEL_NAME
         else:
             model_path = check_checkpoint_folder(args.model)

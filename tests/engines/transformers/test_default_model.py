@@ -1,17 +1,22 @@
 """The default model's sampling defaults, for folders converted by this and older versions.
 
-The conversion itself (minutes, a real download) is exercised by
+A real conversion (a minute, and a download) is exercised by
 ``tests/e2e/test_default_model_conversion.py``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+import pytest
 
 from penstock.engines.transformers.default_model import (
     DEFAULT_MODEL_NAME,
+    GGUF_FILE,
     SAMPLING_DEFAULTS,
+    DefaultModelError,
     ensure_default_model,
 )
 from penstock.engines.transformers.generation_config import load_sampling_defaults
@@ -44,3 +49,14 @@ def test_sampling_values_already_in_the_folder_are_kept(tmp_path: Path) -> None:
     folder = converted_folder(tmp_path, chosen)
     ensure_default_model(tmp_path)
     assert json.loads((folder / "generation_config.json").read_text()) == chosen
+
+
+def test_a_failed_conversion_says_why_and_leaves_no_partial_model(tmp_path: Path) -> None:
+    # A damaged GGUF where the conversion looks for the extracted one.
+    gguf = tmp_path / "gguf" / GGUF_FILE
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"not a gguf file")
+    cause = re.escape(f"cannot convert the default model from {gguf}")
+    with pytest.raises(DefaultModelError, match=cause):
+        ensure_default_model(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["gguf"]
