@@ -34,6 +34,7 @@ class EngineArgs:
     model_cache_dir: Path
     health_check_payload: str | None
     cpu_threads: int | None = None
+    generation_config: str = "auto"
 
 
 def _positive_int(text: str) -> int:
@@ -93,6 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
         "on cores other processes keep busy",
     )
     parser.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|PATH",
+        help="where the default sampling parameters (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens) of requests that don't set them come from: "
+        "auto = the model folder's generation_config.json; vllm = ignore it and use neutral "
+        "defaults (temperature 1, no top-p/top-k/min-p, no repetition penalty, generate up "
+        "to the context length); PATH = the generation_config.json in folder PATH "
+        "(default: auto)",
+    )
+    parser.add_argument(
         "--health-check-payload", help="canary request JSON or @file (replaces the default)"
     )
     return parser
@@ -113,4 +125,5 @@ def parse_args(argv: list[str]) -> EngineArgs:
         model_cache_dir=(namespace.model_cache_dir or default_model_cache_dir()).expanduser(),
         health_check_payload=namespace.health_check_payload,
         cpu_threads=namespace.cpu_threads,
+        generation_config=namespace.generation_config,
     )

@@ -34,7 +34,8 @@ from penstock.engines.contract import (
 )
 from penstock.engines.health import build_health_check_payload, parse_health_check_payload_cli
 from penstock.engines.transformers.args import EngineArgs, parse_args
-from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
+from penstock.engines.transformers.generation_config import load_sampling_defaults
 from penstock.engines.transformers.lora import (
     BASE_ROW,
     AdapterSet,
@@ -42,7 +43,7 @@ from penstock.engines.transformers.lora import (
     LoraError,
     read_adapter,
 )
-from penstock.engines.transformers.sampling import parse_sampling_params
+from penstock.engines.transformers.sampling import SamplingDefaults, parse_sampling_params
 from penstock.engines.transformers.scheduler import (
     KV_BLOCK_SIZE,
     BatchScheduler,
@@ -128,10 +129,17 @@ def _eos_ids(*sources: Any) -> frozenset[int]:
 class TransformersEngine(LLMEngine):
     """Continuous-batching engine over ``transformers`` models (CPU or CUDA)."""
 
-    def __init__(self, args: EngineArgs, model_path: Path, served_model_name: str) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_path: Path,
+        served_model_name: str,
+        sampling_defaults: SamplingDefaults,
+    ) -> None:
         self.args = args
         self.model_path = model_path
         self.served_model_name = served_model_name
+        self.sampling_defaults = sampling_defaults
         self.model: Any = None
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
@@ -163,13 +171,14 @@ class TransformersEngine(LLMEngine):
     ) -> tuple[TransformersEngine, WorkerConfig]:
         args = parse_args(sys.argv[1:] if argv is None else list(argv))
         if args.model is None:
-            model_path = await asyncio.to_thread(ensure_default_model, args.model_cache_dir)
+            model_path = await prepare_default_model(args.model_cache_dir)
             default_name = DEFAULT_MODEL_NAME
         else:
             model_path = check_checkpoint_folder(args.model)
             default_name = str(args.model)
         served = args.served_model_name or default_name
-        engine = cls(args, model_path, served)
+        defaults = load_sampling_defaults(args.generation_config, model_path)
+        engine = cls(args, model_path, served, defaults)
         worker = WorkerConfig(
             namespace="penstock",
             component="backend",
@@ -278,6 +287,7 @@ class TransformersEngine(LLMEngine):
             context_length=self.context_length,
             vocab_size=self.vocab_size,
             max_num_seqs=self.args.max_num_seqs,
+            defaults=self.sampling_defaults,
         )
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[list[Any]] = asyncio.Queue()

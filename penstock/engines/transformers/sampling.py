@@ -58,6 +58,40 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request gets for the sampling options it leaves out.
+
+    The field defaults are the engine's neutral ones; a model's generation config may
+    replace them (see :mod:`.generation_config`). ``max_tokens`` None means "up to the
+    context length".
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = None
+
+    @classmethod
+    def from_generation_config(cls, values: dict[str, Any]) -> SamplingDefaults:
+        """The defaults a ``generation_config.json`` sets (null or absent keys stay neutral);
+        ``ValueError`` names a value a request could not have sent either."""
+        where = "generation_config"
+        neutral = cls()
+        return cls(
+            temperature=_number(values, "temperature", where, neutral.temperature, 0.0, 100.0),
+            top_p=_number(values, "top_p", where, neutral.top_p, 1e-9, 1.0),
+            top_k=_integer(values, "top_k", where, neutral.top_k, -1),
+            min_p=_number(values, "min_p", where, neutral.min_p, 0.0, 1.0),
+            repetition_penalty=_number(
+                values, "repetition_penalty", where, neutral.repetition_penalty, 1e-6, 100.0
+            ),
+            max_tokens=_integer(values, "max_new_tokens", where, neutral.max_tokens, 1),
+        )
+
+
 def _number(
     group: dict[str, Any], key: str, where: str, default: float, low: float, high: float
 ) -> float:
@@ -98,8 +132,12 @@ def parse_sampling_params(
     context_length: int,
     vocab_size: int,
     max_num_seqs: int,
+    defaults: SamplingDefaults,
 ) -> SamplingParams:
-    """Validate a GenerateRequest's option groups; ``ValueError`` names the offending field."""
+    """Validate a GenerateRequest's option groups; ``ValueError`` names the offending field.
+
+    Sampling options and ``max_tokens`` the request leaves out come from ``defaults``.
+    """
     sampling = _group(request, "sampling_options")
     stop = _group(request, "stop_conditions")
     output = _group(request, "output_options")
@@ -117,15 +155,18 @@ def parse_sampling_params(
     best_of = _integer(sampling, "best_of", "sampling_options", None, 1)
     if best_of is not None and best_of != n:
         raise ValueError("sampling_options.best_of: only best_of == n is supported")
-    top_k = _integer(sampling, "top_k", "sampling_options", 0, -1)
+    top_k = _integer(sampling, "top_k", "sampling_options", defaults.top_k, -1)
     if prompt_len >= context_length:
         raise ValueError(
             f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
             f"the context length of {context_length} tokens"
         )
     room = context_length - prompt_len
-    max_tokens = _integer(stop, "max_tokens", "stop_conditions", room, 1)
-    if max_tokens > room:
+    max_tokens = _integer(stop, "max_tokens", "stop_conditions", None, 1)
+    if max_tokens is None:
+        # A default bounds the answer but must not refuse a prompt that leaves less room.
+        max_tokens = room if defaults.max_tokens is None else min(defaults.max_tokens, room)
+    elif max_tokens > room:
         raise ValueError(
             f"stop_conditions.max_tokens: the prompt ({prompt_len} tokens) plus max_tokens "
             f"({max_tokens}) exceeds the context length of {context_length} tokens"
@@ -152,16 +193,23 @@ def parse_sampling_params(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"sampling_options.seed must be an integer, got {seed!r}")
     return SamplingParams(
-        temperature=_number(sampling, "temperature", "sampling_options", 1.0, 0.0, 100.0),
-        top_p=_number(sampling, "top_p", "sampling_options", 1.0, 1e-9, 1.0),
+        temperature=_number(
+            sampling, "temperature", "sampling_options", defaults.temperature, 0.0, 100.0
+        ),
+        top_p=_number(sampling, "top_p", "sampling_options", defaults.top_p, 1e-9, 1.0),
         top_k=0 if top_k in (-1, 0) else min(top_k, vocab_size),
-        min_p=_number(sampling, "min_p", "sampling_options", 0.0, 0.0, 1.0),
+        min_p=_number(sampling, "min_p", "sampling_options", defaults.min_p, 0.0, 1.0),
         seed=seed,
         n=n,
         presence_penalty=_number(sampling, "presence_penalty", "sampling_options", 0.0, -2, 2),
         frequency_penalty=_number(sampling, "frequency_penalty", "sampling_options", 0.0, -2, 2),
         repetition_penalty=_number(
-            sampling, "repetition_penalty", "sampling_options", 1.0, 1e-6, 100.0
+            sampling,
+            "repetition_penalty",
+            "sampling_options",
+            defaults.repetition_penalty,
+            1e-6,
+            100.0,
         ),
         max_tokens=max_tokens,
         min_tokens=min_tokens,

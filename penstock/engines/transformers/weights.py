@@ -8,6 +8,7 @@ live tensor is written, so a bad checkpoint leaves the old weights serving uncha
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +16,29 @@ import torch
 from safetensors import safe_open
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+# "org/name" as the Hugging Face hub spells repository ids.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, or does not fit the live model."""
 
 
+def _looks_like_hub_id(path: Path) -> bool:
+    return not path.is_absolute() and _HUB_ID.fullmatch(str(path)) is not None
+
+
 def check_checkpoint_folder(path: Path) -> Path:
     """The resolved folder of a loadable checkpoint, or a ``CheckpointError`` saying why not."""
     if not path.exists():
+        if _looks_like_hub_id(path):
+            # Users coming from vLLM expect a hub id to be downloaded; say how to get the
+            # folder instead of leaving them to guess why "not found".
+            raise CheckpointError(
+                f"model checkpoint not found: {path} is not a local folder, and only local "
+                f"folders are loaded (nothing is downloaded); if it is a Hugging Face hub id, "
+                f"download it with 'hf download {path} --local-dir DIR' and pass --model DIR"
+            )
         raise CheckpointError(f"model checkpoint not found: {path}")
     if not path.is_dir():
         raise CheckpointError(f"model checkpoint must be a folder, got a file: {path}")
