@@ -235,8 +235,8 @@ class AdminStateMachine:
         undo: Callable[[], Awaitable[None]] | None = None,
         hint: str = "",
     ) -> dict[str, Any]:
-        """``call_engine`` cancelled at ``deadline``; ``undo`` then puts the engine back in
-        the state the machine reports, which the 409 names."""
+        """``call_engine`` cancelled at ``deadline``; ``undo`` then restores the state from
+        before the call, the engine's included, and the 409 names it."""
         try:
             async with asyncio.timeout_at(deadline):
                 return await self.call_engine(kind, name, body, param=param)
@@ -375,14 +375,18 @@ class AdminStateMachine:
                     "(POST /engine/pause_generation, /pause or /pause_generation)"
                 )
             self.require_support("update", update)
+
+            async def undo() -> None:
+                self.updating = self.update_target = None
+
             self.updating, self.update_target = update, version
             self._touch()
             try:
                 result = await self._bounded_call(
-                    deadline, update, "update", update, body, param=param
+                    deadline, update, "update", update, body, param=param, undo=undo
                 )
                 if version is not None:
-                    await self._sync_engine_version(deadline, version, result)
+                    await self._sync_engine_version(deadline, version, result, undo)
             finally:
                 self.updating = self.update_target = None
                 self._touch()
@@ -393,7 +397,11 @@ class AdminStateMachine:
             return Outcome(True, result)
 
     async def _sync_engine_version(
-        self, deadline: float, version: str, result: dict[str, Any]
+        self,
+        deadline: float,
+        version: str,
+        result: dict[str, Any],
+        undo: Callable[[], Awaitable[None]],
     ) -> None:
         if result.get("weight_version") != version and self.supports(
             "update", "update_weight_version"
@@ -404,6 +412,7 @@ class AdminStateMachine:
                 "update",
                 "update_weight_version",
                 {"new_version": version},
+                undo=undo,
             )
 
     async def set_weight_version(self, version: str) -> Outcome:

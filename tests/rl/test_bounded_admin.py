@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from penstock.engines.context import Context
 from penstock.engines.contract import GenerateChunk
-from penstock.engines.sample import SAMPLE_TOKENIZER_DIR, SampleLLMEngine
+from penstock.engines.sample import SAMPLE_TOKENIZER_DIR, SampleLLMEngine, write_sample_weights
 from penstock.errors import ConflictError
 from penstock.rl.state import AdminStateMachine
 from penstock.settings import DEFAULT_ADMIN_TIMEOUT_S, Settings
@@ -145,6 +146,26 @@ async def test_an_operation_that_cannot_get_the_lock_in_time_is_409_busy(
     assert overran.value.code == "admin_timeout"
     assert (await bounded(machine.pause("abort"))).changed
     assert machine.name == "paused"
+
+
+async def test_a_weight_update_that_overruns_is_409_paused_and_publishes_nothing(
+    engine: SampleLLMEngine, tmp_path: Path
+) -> None:
+    machine = AdminStateMachine(engine, timeout_s=SHORT_TIMEOUT_S)
+
+    async def hanging(update: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await asyncio.get_running_loop().create_future()
+
+    engine.engine_update = hanging  # type: ignore[method-assign]
+    await machine.pause("keep")
+    write_sample_weights(tmp_path, 4)
+    with pytest.raises(ConflictError) as raised:
+        await bounded(
+            machine.update_weights("update_weights_from_disk", {"model_path": str(tmp_path)}, "v2")
+        )
+    assert raised.value.code == "admin_timeout" and raised.value.extra["state"] == "paused"
+    assert machine.name == "paused" and machine.weight_version is None
+    assert engine.weights.token_shift == 0
 
 
 def test_the_admin_timeout_setting_has_a_default_and_reads_the_environment(
