@@ -32,14 +32,15 @@ engine calls of one operation share one deadline, ``--admin-timeout-s``
 ``error.state``: code ``admin_busy`` if another operation kept the lock, ``admin_timeout``
 if the engine overran (e.g. a ``wait``-mode pause or sleep whose in-flight requests did
 not finish). The overrunning call is cancelled and a pause or sleep undone, so the state
-is the one before the call.
+is the one before the call; a cancelled weight update publishes no new version.
 
 Sleeping while paused in mode ``keep`` (SGLang ``retract``/``in_place``): the frozen
-requests are not running, so the sleep's mode decides: ``abort`` (the ``/sleep`` and
-``/engine/control/sleep`` default) ends them with ``finish_reason`` ``"abort"``; ``keep``
-and ``wait`` (``/release_memory_occupation``) leave them frozen, and they continue after
-``wake_up`` then ``resume``. Requests that arrived while paused or asleep are never
-dropped: they run after the resume.
+requests are not running, so the sleep's mode decides, as vLLM's sleep mode does for
+in-flight requests: ``abort`` (the ``/sleep`` and ``/engine/control/sleep`` default) ends
+them with ``finish_reason`` ``"abort"``; ``keep`` and ``wait`` leave them frozen (``wait``
+has nothing running to wait for), and they continue after ``wake_up`` then ``resume``,
+as SGLang's ``/release_memory_occupation`` after a ``retract`` pause lets them. Requests
+that arrived while paused or asleep are never dropped: they run after the resume.
 
 Statuses: success 200 (repeating an operation is a no-op, 200, same state); a body that is
 not a JSON object or a field of the wrong type 400 naming the field; an engine that

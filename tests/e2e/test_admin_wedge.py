@@ -21,7 +21,8 @@ import pytest
 from tests.support.server import ServerProcess, running_server
 
 MODEL = "sample-model"
-MAX_TOKENS = 60
+# At 0.03 s a token, a stream outlasts the few admin calls that freeze it by seconds.
+MAX_TOKENS = 100
 ADMIN_TIMEOUT_S = 5.0
 # Far above the admin timeout: a call that takes this long is hanging.
 CLIENT_TIMEOUT_S = 4 * ADMIN_TIMEOUT_S
@@ -36,7 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         str(ADMIN_TIMEOUT_S),
         "--",
         "--delay",
-        "0.02",
+        "0.03",
     ]
     with running_server(args, tmp_path_factory.mktemp("admin-wedge")) as started:
         yield started
@@ -68,11 +69,13 @@ class Stream:
         )
 
 
-async def run_stream(client: httpx.AsyncClient, stream: Stream, prompt: str) -> Stream:
+async def run_stream(
+    client: httpx.AsyncClient, stream: Stream, prompt: str, max_tokens: int = MAX_TOKENS
+) -> Stream:
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "stream": True,
         "return_token_ids": True,
     }
@@ -118,6 +121,7 @@ async def test_sleep_over_a_keep_pause_answers_and_serves_afterwards(
         await asyncio.wait_for(frozen.started.wait(), CLIENT_TIMEOUT_S)
 
         assert (await client.post("/pause?mode=keep")).status_code == 200
+        assert not frozen_task.done()
         assert (await client.post(sleep_path)).status_code == 200
 
         refused = await client.post("/resume")
@@ -148,6 +152,6 @@ async def test_sleep_over_a_keep_pause_answers_and_serves_afterwards(
         assert_ended(late, "length")
         assert late.tokens == MAX_TOKENS
 
-        after = await run_stream(client, Stream(), "after")
+        after = await run_stream(client, Stream(), "after", max_tokens=3)
         assert_ended(after, "length")
         assert (await client.get("/health")).status_code == 200
