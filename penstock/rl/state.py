@@ -268,7 +268,8 @@ class AdminStateMachine:
     # -- transitions ------------------------------------------------------------------
 
     async def pause(self, mode: str, clear_cache: bool = False) -> Outcome:
-        async with self._exclusive(f"pause (mode {mode})") as deadline:
+        operation = f"pause (mode {mode})"
+        async with self._exclusive(operation) as deadline:
             if self.is_sleeping:
                 raise self.conflict("cannot pause while sleeping: wake_up first")
             if self.pause_mode is not None:
@@ -288,7 +289,7 @@ class AdminStateMachine:
             try:
                 result = await self._bounded_call(
                     deadline,
-                    f"pause (mode {mode})",
+                    operation,
                     "control",
                     "pause_generation",
                     {"mode": mode, "clear_cache": clear_cache},
@@ -316,7 +317,8 @@ class AdminStateMachine:
 
     async def sleep(self, level: int, mode: str, tags: list[str] | None) -> Outcome:
         """Release ``tags`` (default: level 0 the KV cache, else everything)."""
-        async with self._exclusive(f"sleep (mode {mode})") as deadline:
+        operation = f"sleep (mode {mode})"
+        async with self._exclusive(operation) as deadline:
             wanted = frozenset(tags) if tags is not None else default_sleep_tags(level)
             if self.is_sleeping and wanted <= self.sleep_tags:
                 return Outcome(False, {"status": "sleeping", "tags": sorted(self.sleep_tags)})
@@ -331,7 +333,7 @@ class AdminStateMachine:
             body: dict[str, Any] = {"level": level, "mode": engine_mode, "tags": sorted(wanted)}
             result = await self._bounded_call(
                 deadline,
-                f"sleep (mode {mode})",
+                operation,
                 "control",
                 "sleep",
                 body,
