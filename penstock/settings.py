@@ -10,6 +10,7 @@ from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "penstock"
+DEFAULT_ADMIN_TIMEOUT_S = 30.0
 
 
 def _split_csv(value: object) -> object:
@@ -54,6 +55,7 @@ class Settings(BaseSettings):
     sse_keepalive_s: float = 15.0
     graceful_shutdown_s: float = 30.0
     health_check_payload: str | None = None
+    admin_timeout_s: float = Field(DEFAULT_ADMIN_TIMEOUT_S, gt=0)
 
     allow_unknown_fields: bool = False
     max_n: int = 16

@@ -55,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--graceful-shutdown-s", type=float, help="drain budget on SIGTERM")
     serve.add_argument("--health-check-payload", help="canary JSON or @file; replaces the engine's")
     serve.add_argument(
+        "--admin-timeout-s",
+        type=float,
+        help="bound on one admin operation, lock wait included; past it 409 (default 30)",
+    )
+    serve.add_argument(
         "--allow-unknown-fields",
         action="store_const",
         const=True,

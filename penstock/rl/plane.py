@@ -50,6 +50,7 @@ async def install_admin_plane(gateway: Gateway) -> AdminPlane:
         is_draining=lambda: gateway.draining,
         publish_version=publish,
         weight_version=initial,
+        timeout_s=gateway.settings.admin_timeout_s,
     )
     gateway.weight_version = initial
     adapters = LoadedAdapters(gateway, state)

@@ -7,20 +7,33 @@ returns to where it started.
 
 Rules, whatever route or dialect asked:
 
-* state-changing operations are serialized (one lock);
+* state-changing operations are serialized (one lock), and none holds it across an
+  unbounded wait: waiting for the lock and the engine calls of one operation share one
+  deadline, ``--admin-timeout-s`` (``PENSTOCK_ADMIN_TIMEOUT_S``, default 30 s). Past it
+  the caller gets a 409 naming the state: ``admin_busy`` when another operation kept the
+  lock, ``admin_timeout`` when the engine call overran; the overrunning call is cancelled
+  and a pause or sleep is undone (the engine resumed or woken back), so the state is the
+  one before the call and requests held meanwhile run;
 * repeating an operation in the state it leads to is a no-op (``changed=False``);
 * an invalid transition raises :class:`ConflictError` (409) carrying the current state;
 * weight updates need ``paused``: called while serving they get a 409 saying to pause;
 * an operation that fails (the engine refuses or raises) restores the previous state,
-  and the engine keeps its previous weights.
+  and the engine keeps its previous weights;
+* sleeping while paused in mode ``keep``: the requests the pause froze mid-generation
+  are parked, not running, so the sleep's mode decides their fate as it does for running
+  ones in vLLM: ``abort`` ends them (``finish_reason`` ``"abort"``), ``keep`` and ``wait``
+  leave them frozen (``wait`` has nothing running to wait for, and waiting on frozen
+  requests would never end) and they continue after ``wake_up`` and ``resume``. This is
+  SGLang's ``release_memory_occupation`` after a ``retract``/``in_place`` pause too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +44,7 @@ from penstock.errors import (
     PenstockError,
     ServiceUnavailableError,
 )
+from penstock.settings import DEFAULT_ADMIN_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +55,7 @@ SLEEP_TAGS = ("kv_cache", "weights")
 # a long operation (a trainer may abort stragglers while a wait-mode pause drains).
 UNSERIALIZED_CONTROLS = frozenset({"is_paused", "is_sleeping", "get_weight_version"})
 WEIGHT_UPDATES_PREFIX = "update_weights_"
+_WAIT_HINT = ": in-flight requests were still running; use mode abort or keep, or abort them first"
 
 
 @dataclass(frozen=True)
@@ -71,11 +86,15 @@ class AdminStateMachine:
         is_draining: Callable[[], bool] = lambda: False,
         publish_version: Callable[[str | None], None] = lambda version: None,
         weight_version: str | None = None,
+        timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S,
     ) -> None:
         self.engine = engine
+        self.timeout_s = timeout_s
         self._is_draining = is_draining
         self._publish_version = publish_version
         self._lock = asyncio.Lock()
+        # Named in the 409 of an operation that could not get the lock in time.
+        self._holder: str | None = None
         self.pause_mode: str | None = None
         self.sleep_tags: frozenset[str] = frozenset()
         self.sleep_level: int | None = None
@@ -120,10 +139,10 @@ class AdminStateMachine:
             "since": self.since,
         }
 
-    def conflict(self, message: str) -> ConflictError:
+    def conflict(self, message: str, code: str = "invalid_state_transition") -> ConflictError:
         return ConflictError(
             message,
-            code="invalid_state_transition",
+            code=code,
             extra={"state": self.name, "admin": self.describe()},
         )
 
@@ -178,6 +197,66 @@ class AdminStateMachine:
         if self._is_draining():
             raise ServiceUnavailableError("The server is shutting down")
 
+    def _deadline(self) -> float:
+        return asyncio.get_running_loop().time() + self.timeout_s
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, operation: str) -> AsyncIterator[float]:
+        """Hold the admin lock for ``operation``; yields the deadline it must finish by."""
+        deadline = self._deadline()
+        found = self._holder
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._lock.acquire()
+        except TimeoutError:
+            busy = f"'{found}'" if found else "another operation"
+            raise self.conflict(
+                f"{operation}: the admin plane stayed busy with {busy} for "
+                f"{self.timeout_s:g}s (--admin-timeout-s); retry",
+                code="admin_busy",
+            ) from None
+        self._holder = operation
+        try:
+            self._refuse_if_draining()
+            yield deadline
+        finally:
+            self._holder = None
+            self._lock.release()
+
+    async def _bounded_call(
+        self,
+        deadline: float,
+        operation: str,
+        kind: str,
+        name: str,
+        body: dict[str, Any],
+        *,
+        param: str | None = None,
+        undo: Callable[[], Awaitable[None]] | None = None,
+        hint: str = "",
+    ) -> dict[str, Any]:
+        """``call_engine`` cancelled at ``deadline``; ``undo`` then restores the state from
+        before the call, the engine's included, and the 409 names it."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self.call_engine(kind, name, body, param=param)
+        except TimeoutError:
+            if undo is not None:
+                await undo()
+            raise self.conflict(
+                f"{operation} did not finish within {self.timeout_s:g}s (--admin-timeout-s) "
+                f"and was cancelled; the state stays '{self.name}'{hint}",
+                code="admin_timeout",
+            ) from None
+
+    async def _restore(self, control: str, body: dict[str, Any]) -> None:
+        """Undo a cancelled pause or sleep; a failure is logged, the 409 goes out anyway."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.call_engine("control", control, body)
+        except Exception:
+            logger.exception("engine %s after a timed-out admin operation failed", control)
+
     def _set_version(self, version: str | None) -> None:
         self.weight_version = version
         self.version_declared = version is not None
@@ -189,8 +268,8 @@ class AdminStateMachine:
     # -- transitions ------------------------------------------------------------------
 
     async def pause(self, mode: str, clear_cache: bool = False) -> Outcome:
-        async with self._lock:
-            self._refuse_if_draining()
+        operation = f"pause (mode {mode})"
+        async with self._exclusive(operation) as deadline:
             if self.is_sleeping:
                 raise self.conflict("cannot pause while sleeping: wake_up first")
             if self.pause_mode is not None:
@@ -200,11 +279,22 @@ class AdminStateMachine:
                     f"already paused in mode '{self.pause_mode}': resume before pausing "
                     f"in mode '{mode}'"
                 )
+
+            async def undo() -> None:
+                self.pause_mode = None
+                await self._restore("resume_generation", {})
+
             # Paused from the start, so readiness says so while a wait-mode pause drains.
             self.pause_mode = mode
             try:
-                result = await self.call_engine(
-                    "control", "pause_generation", {"mode": mode, "clear_cache": clear_cache}
+                result = await self._bounded_call(
+                    deadline,
+                    operation,
+                    "control",
+                    "pause_generation",
+                    {"mode": mode, "clear_cache": clear_cache},
+                    undo=undo,
+                    hint=_WAIT_HINT if mode == "wait" else "",
                 )
             except BaseException:
                 self.pause_mode = None
@@ -213,26 +303,43 @@ class AdminStateMachine:
             return Outcome(True, result)
 
     async def resume(self) -> Outcome:
-        async with self._lock:
-            self._refuse_if_draining()
+        async with self._exclusive("resume") as deadline:
             if self.is_sleeping:
                 raise self.conflict("the engine is sleeping: wake_up before resuming")
             if self.pause_mode is None:
                 return Outcome(False, {"status": "resumed"})
-            result = await self.call_engine("control", "resume_generation", {})
+            result = await self._bounded_call(
+                deadline, "resume", "control", "resume_generation", {}
+            )
             self.pause_mode = None
             self._touch()
             return Outcome(True, result)
 
     async def sleep(self, level: int, mode: str, tags: list[str] | None) -> Outcome:
         """Release ``tags`` (default: level 0 the KV cache, else everything)."""
-        async with self._lock:
-            self._refuse_if_draining()
+        operation = f"sleep (mode {mode})"
+        async with self._exclusive(operation) as deadline:
             wanted = frozenset(tags) if tags is not None else default_sleep_tags(level)
             if self.is_sleeping and wanted <= self.sleep_tags:
                 return Outcome(False, {"status": "sleeping", "tags": sorted(self.sleep_tags)})
-            body: dict[str, Any] = {"level": level, "mode": mode, "tags": sorted(wanted)}
-            result = await self.call_engine("control", "sleep", body)
+            # Requests frozen by a keep pause are not running: "wait" has nothing to wait
+            # for, and the engine would wait on them forever. They stay frozen.
+            engine_mode = "keep" if mode == "wait" and self.pause_mode == "keep" else mode
+            added = sorted(wanted - self.sleep_tags)
+
+            async def undo() -> None:
+                await self._restore("wake_up", {"tags": added})
+
+            body: dict[str, Any] = {"level": level, "mode": engine_mode, "tags": sorted(wanted)}
+            result = await self._bounded_call(
+                deadline,
+                operation,
+                "control",
+                "sleep",
+                body,
+                undo=undo,
+                hint=_WAIT_HINT if engine_mode == "wait" else "",
+            )
             if self.sleep_level is None:
                 self.sleep_level = level
             self.sleep_tags = self.sleep_tags | wanted
@@ -240,12 +347,11 @@ class AdminStateMachine:
             return Outcome(True, result)
 
     async def wake_up(self, tags: list[str] | None) -> Outcome:
-        async with self._lock:
-            self._refuse_if_draining()
+        async with self._exclusive("wake_up") as deadline:
             if not self.is_sleeping:
                 return Outcome(False, {"status": "awake"})
             body: dict[str, Any] = {} if tags is None else {"tags": list(tags)}
-            result = await self.call_engine("control", "wake_up", body)
+            result = await self._bounded_call(deadline, "wake_up", "control", "wake_up", body)
             remaining = self.sleep_tags - frozenset(tags if tags is not None else SLEEP_TAGS)
             if result.get("is_sleeping") is False or result.get("status") == "awake":
                 remaining = frozenset()
@@ -259,8 +365,7 @@ class AdminStateMachine:
         self, update: str, body: dict[str, Any], version: str | None, *, param: str | None = None
     ) -> Outcome:
         """Run a weight update (needs ``paused``); publish ``version`` once it succeeded."""
-        async with self._lock:
-            self._refuse_if_draining()
+        async with self._exclusive(update) as deadline:
             if self.is_sleeping:
                 raise self.conflict(
                     "the engine is sleeping: wake_up, then pause_generation, before "
@@ -272,12 +377,18 @@ class AdminStateMachine:
                     "(POST /engine/pause_generation, /pause or /pause_generation)"
                 )
             self.require_support("update", update)
+
+            async def undo() -> None:
+                self.updating = self.update_target = None
+
             self.updating, self.update_target = update, version
             self._touch()
             try:
-                result = await self.call_engine("update", update, body, param=param)
+                result = await self._bounded_call(
+                    deadline, update, "update", update, body, param=param, undo=undo
+                )
                 if version is not None:
-                    await self._sync_engine_version(version, result)
+                    await self._sync_engine_version(deadline, version, result, undo)
             finally:
                 self.updating = self.update_target = None
                 self._touch()
@@ -287,22 +398,38 @@ class AdminStateMachine:
                 self._set_version(result["weight_version"])
             return Outcome(True, result)
 
-    async def _sync_engine_version(self, version: str, result: dict[str, Any]) -> None:
+    async def _sync_engine_version(
+        self,
+        deadline: float,
+        version: str,
+        result: dict[str, Any],
+        undo: Callable[[], Awaitable[None]],
+    ) -> None:
         if result.get("weight_version") != version and self.supports(
             "update", "update_weight_version"
         ):
-            await self.call_engine("update", "update_weight_version", {"new_version": version})
+            await self._bounded_call(
+                deadline,
+                "update_weight_version",
+                "update",
+                "update_weight_version",
+                {"new_version": version},
+                undo=undo,
+            )
 
     async def set_weight_version(self, version: str) -> Outcome:
         """Relabel the serving weights; any state but draining, no pause needed."""
-        async with self._lock:
-            self._refuse_if_draining()
+        async with self._exclusive("update_weight_version") as deadline:
             if self.version_declared and self.weight_version == version:
                 return Outcome(False, {"success": True, "new_version": version})
             result: dict[str, Any] = {"success": True, "new_version": version}
             if self.supports("update", "update_weight_version"):
-                result = await self.call_engine(
-                    "update", "update_weight_version", {"new_version": version}
+                result = await self._bounded_call(
+                    deadline,
+                    "update_weight_version",
+                    "update",
+                    "update_weight_version",
+                    {"new_version": version},
                 )
             self._set_version(version)
             return Outcome(True, result)
@@ -310,13 +437,11 @@ class AdminStateMachine:
     async def run_control(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """An engine control with no state transition of its own (flush, profile, ...)."""
         if name in UNSERIALIZED_CONTROLS or name == "abort_request":
-            return await self.call_engine("control", name, body)
-        async with self._lock:
-            self._refuse_if_draining()
-            return await self.call_engine("control", name, body)
+            return await self._bounded_call(self._deadline(), name, "control", name, body)
+        async with self._exclusive(name) as deadline:
+            return await self._bounded_call(deadline, name, "control", name, body)
 
     async def run_update(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """An engine update that is neither a weight update nor a version change."""
-        async with self._lock:
-            self._refuse_if_draining()
-            return await self.call_engine("update", name, body)
+        async with self._exclusive(name) as deadline:
+            return await self._bounded_call(deadline, name, "update", name, body)

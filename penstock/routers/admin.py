@@ -26,13 +26,30 @@ State machine (:mod:`penstock.rl.state`): ``serving``, ``paused(mode)``,
 ``sleeping(tags)``, ``updating(version)``, ``draining``. ``/health`` answers 503 with the
 state whenever it is not ``serving``; ``/live`` stays 200.
 
+Bounded operations: no admin call waits without bound. Waiting for the admin lock and the
+engine calls of one operation share one deadline, ``--admin-timeout-s``
+(``PENSTOCK_ADMIN_TIMEOUT_S``, default 30 s); past it the call answers 409 with
+``error.state``: code ``admin_busy`` if another operation kept the lock, ``admin_timeout``
+if the engine overran (e.g. a ``wait``-mode pause or sleep whose in-flight requests did
+not finish). The overrunning call is cancelled and a pause or sleep undone, so the state
+is the one before the call; a cancelled weight update publishes no new version.
+
+Sleeping while paused in mode ``keep`` (SGLang ``retract``/``in_place``): the frozen
+requests are not running, so the sleep's mode decides, as vLLM's sleep mode does for
+in-flight requests: ``abort`` (the ``/sleep`` and ``/engine/control/sleep`` default) ends
+them with ``finish_reason`` ``"abort"``; ``keep`` and ``wait`` leave them frozen (``wait``
+has nothing running to wait for), and they continue after ``wake_up`` then ``resume``,
+as SGLang's ``/release_memory_occupation`` after a ``retract`` pause lets them. Requests
+that arrived while paused or asleep are never dropped: they run after the resume.
+
 Statuses: success 200 (repeating an operation is a no-op, 200, same state); a body that is
 not a JSON object or a field of the wrong type 400 naming the field; an engine that
 refuses (e.g. a missing weights path, mismatched shapes) 400 with its reason, and the
 previous state and weights keep serving; an engine that lacks the control 400; an
 invalid transition (e.g. a weight update while serving: "pause generation before
-updating weights") 409 with ``error.state`` (the state name) and ``error.admin`` (the
-full state); an unknown name 404 whose message and ``error.supported`` list what exists.
+updating weights") or an operation past the admin timeout 409 with ``error.state`` (the
+state name) and ``error.admin`` (the full state); an unknown name 404 whose message and
+``error.supported`` list what exists.
 
 Auth: every admin route needs an admin key (``--admin-api-key``, repeatable, or
 ``PENSTOCK_ADMIN_API_KEYS``) as ``Authorization: Bearer <key>``: none 401, any other key

@@ -17,7 +17,9 @@ responses:
 * ``GET /get_weight_version`` -> ``{"weight_version"}``
 * ``GET|POST /flush_cache`` -> text ``Cache flushed.``
 * ``POST /abort_request {rid?, abort_all=false}`` -> ``{"status": "ok", "aborted": [ids]}``
-* ``GET|POST /release_memory_occupation {tags?}`` (in-flight requests finish first) and
+* ``GET|POST /release_memory_occupation {tags?}`` (running requests finish first, within
+  the admin timeout; requests frozen by a ``retract``/``in_place`` pause stay frozen and
+  continue after ``resume_memory_occupation`` and ``continue_generation``) and
   ``GET|POST /resume_memory_occupation {tags?}`` -> ``{"status": "ok", "message", "tags",
   "is_sleeping", "state"}``
 * ``POST /load_lora_adapter {lora_name, lora_path}``, ``POST /unload_lora_adapter
