@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from penstock.engines.loading import BUILTIN_ENGINES
-from penstock.errors import EngineLoadError
+from penstock.errors import EngineLoadError, ListenError
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import Settings
 
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineLoadError as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 2
+    except ListenError as exc:
+        print(f"penstock: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except SystemExit:
