@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     tool_call_parser: str | None = None
     engine_args: list[str] = Field(default_factory=list)
     log_level: str = "info"
+    log_format: Literal["text", "json"] = "text"
+    # One line per request on the "penstock.access" logger.
+    access_log: bool = True
 
     api_keys: CsvList = Field(default_factory=list)
     admin_api_keys: CsvList = Field(default_factory=list)

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from penstock.app.logs import configure_logging
 from penstock.engines.loading import BUILTIN_ENGINES
 from penstock.errors import EngineLoadError, ListenError
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
@@ -68,6 +69,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--media-store", help="folder or fsspec URL for generated media")
     serve.add_argument("--media-workers", type=int)
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="json: one JSON object per line, fixed keys (default: text)",
+    )
+    serve.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        help="one line per request on the penstock.access logger: method, route, status, "
+        "duration, request id, tokens (default: on)",
+    )
     return parser
 
 
@@ -91,10 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"penstock: invalid settings: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(settings.log_level, settings.log_format)
     from penstock.app.server import serve
 
     try:

@@ -220,6 +220,8 @@ async def serve(settings: Settings) -> None:
             config = uvicorn.Config(
                 create_app(gateway),
                 log_level=settings.log_level,
+                # uvicorn's own lines go through the root handler, in the chosen format.
+                log_config=None,
                 timeout_graceful_shutdown=1,
                 access_log=False,
             )
