@@ -10,6 +10,8 @@ from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "penstock"
+# Where the transformers engine keeps converted models; the CLI points it under cache_dir.
+MODEL_CACHE_ENV = "PENSTOCK_MODEL_CACHE"
 
 
 def _split_csv(value: object) -> object:
@@ -62,7 +64,9 @@ class Settings(BaseSettings):
     max_n: int = 16
     max_stop_sequences: int = 16
 
+    # Root of the model cache, the media store and the job database.
     cache_dir: Path = DEFAULT_CACHE_DIR
+    # Unset: a folder per served model under ``cache_dir``.
     media_store: str | None = None
     # The video job database; unset: next to the media store when it is a local folder.
     media_db: str | None = None
