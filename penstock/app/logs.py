@@ -39,7 +39,9 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str, log_format: str) -> None:
-    """Route every logger, uvicorn's included, through one root handler in ``log_format``."""
+    """Route every logger (uvicorn's and Python warnings included) through one root handler
+    in ``log_format``, so a JSON log holds nothing but JSON lines."""
+    logging.captureWarnings(True)
     handler = logging.StreamHandler()
     formatter = JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
     handler.setFormatter(formatter)
