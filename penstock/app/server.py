@@ -196,7 +196,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     than after the model has loaded; uvicorn later listens on this very socket, so nothing
     can take the port in between."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # The protocol must be named: asyncio turns Nagle off (TCP_NODELAY) only on accepted
+    # sockets whose proto is IPPROTO_TCP, and with Nagle on every small response waits
+    # for the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     # As uvicorn does: a restart may reuse a port whose old connections are in TIME_WAIT.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
