@@ -170,3 +170,7 @@ class EngineLoadError(StartupError):
 
 class PreprocessorLoadError(StartupError):
     """A tokenizer folder is missing, incomplete or unreadable; the message names the file."""
+
+
+class ListenError(StartupError):
+    """The address to serve on can't be bound (a busy port, an unknown host)."""

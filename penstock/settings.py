@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "penstock"
 DEFAULT_ADMIN_TIMEOUT_S = 30.0
+
+# Where the transformers engine keeps converted models; the CLI points it under cache_dir.
+MODEL_CACHE_ENV = "PENSTOCK_MODEL_CACHE"
 
 
 def _split_csv(value: object) -> object:
@@ -40,6 +43,9 @@ class Settings(BaseSettings):
     tool_call_parser: str | None = None
     engine_args: list[str] = Field(default_factory=list)
     log_level: str = "info"
+    log_format: Literal["text", "json"] = "text"
+    # One line per request on the "penstock.access" logger.
+    access_log: bool = True
 
     api_keys: CsvList = Field(default_factory=list)
     admin_api_keys: CsvList = Field(default_factory=list)
@@ -61,7 +67,9 @@ class Settings(BaseSettings):
     max_n: int = 16
     max_stop_sequences: int = 16
 
+    # Root of the model cache, the media store and the job database.
     cache_dir: Path = DEFAULT_CACHE_DIR
+    # Unset: a folder per served model under ``cache_dir``.
     media_store: str | None = None
     # The video job database; unset: next to the media store when it is a local folder.
     media_db: str | None = None

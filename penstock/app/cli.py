@@ -5,18 +5,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from penstock.engines.loading import BUILTIN_ENGINES
-from penstock.errors import EngineLoadError
+from penstock.app.logs import configure_logging
+from penstock.engines.loading import BUILTIN_ENGINES, engine_options_help
+from penstock.errors import EngineLoadError, ListenError
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
-from penstock.settings import Settings
+from penstock.settings import MODEL_CACHE_ENV, Settings
 
 
-def _parser() -> argparse.ArgumentParser:
+def _default(field: str) -> object:
+    return Settings.model_fields[field].default
+
+
+def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
+    """``engine_help``: the selected engine's options, listed after the gateway's."""
     parser = argparse.ArgumentParser(
         prog="penstock", description="OpenAI-compatible inference gateway and admin API."
     )
@@ -24,36 +33,71 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="start the gateway on an engine",
+        # Raw: the engine's help keeps its own layout. The description is wrapped by hand.
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=(
-            "Start the gateway. Options default to PENSTOCK_* environment variables. "
-            "Arguments after '--' go to the engine unchanged."
+            "Start the gateway. Each option defaults to its PENSTOCK_* environment variable\n"
+            "(--max-n: PENSTOCK_MAX_N), then to the default shown. Arguments after '--' go\n"
+            "to the engine unchanged; the selected engine's options are listed last."
         ),
+        epilog=engine_help,
     )
-    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--host", help=f"bind address (default: {_default('host')})")
+    serve.add_argument("--port", type=int, help=f"port (default: {_default('port')})")
     serve.add_argument(
         "--engine",
-        help=f"built-in engine ({', '.join(sorted(BUILTIN_ENGINES))}; default transformers) "
-        "or package.module:Class",
+        help=f"built-in engine ({', '.join(sorted(BUILTIN_ENGINES))}) "
+        f"or package.module:Class (default: {_default('engine')})",
     )
-    serve.add_argument("--model", help="model path or name, forwarded to the engine")
-    serve.add_argument("--tokenizer", help="folder with tokenizer.json and chat template")
-    serve.add_argument("--served-model-name", help="name clients use in 'model'")
+    serve.add_argument(
+        "--model", help="model path or name, forwarded to the engine (default: the engine's)"
+    )
+    serve.add_argument(
+        "--tokenizer",
+        help="folder with tokenizer.json and chat template (default: the model's folder)",
+    )
+    serve.add_argument(
+        "--served-model-name", help="name clients use in 'model' (default: the engine's)"
+    )
     serve.add_argument(
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
-        help="turn tool calls the model writes into OpenAI tool_calls",
+        help="turn tool calls the model writes into OpenAI tool_calls (default: the engine's, "
+        "else none)",
     )
     serve.add_argument(
-        "--api-key", dest="api_keys", action="append", help="inference key (repeatable)"
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        metavar="KEY",
+        help="inference key, repeatable (default: none, the inference routes are open)",
     )
     serve.add_argument(
-        "--admin-api-key", dest="admin_api_keys", action="append", help="admin key (repeatable)"
+        "--admin-api-key",
+        dest="admin_api_keys",
+        action="append",
+        metavar="KEY",
+        help="admin key, repeatable (default: none, admin routes answer loopback clients only)",
     )
-    serve.add_argument("--max-body-mb", type=float)
-    serve.add_argument("--sse-keepalive-s", type=float, help="idle SSE comment interval; 0 = off")
-    serve.add_argument("--graceful-shutdown-s", type=float, help="drain budget on SIGTERM")
-    serve.add_argument("--health-check-payload", help="canary JSON or @file; replaces the engine's")
+    serve.add_argument(
+        "--max-body-mb",
+        type=float,
+        help=f"larger request bodies get 413 (default: {_default('max_body_mb'):g})",
+    )
+    serve.add_argument(
+        "--sse-keepalive-s",
+        type=float,
+        help=f"idle SSE comment interval; 0 = off (default: {_default('sse_keepalive_s'):g})",
+    )
+    serve.add_argument(
+        "--graceful-shutdown-s",
+        type=float,
+        help=f"drain budget on SIGTERM (default: {_default('graceful_shutdown_s'):g})",
+    )
+    serve.add_argument(
+        "--health-check-payload",
+        help="canary JSON or @file; replaces the engine's (default: the engine's)",
+    )
     serve.add_argument(
         "--admin-timeout-s",
         type=float,
@@ -63,17 +107,81 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-unknown-fields",
         action="store_const",
         const=True,
-        help="ignore unknown request fields instead of rejecting them",
+        help="ignore unknown request fields instead of rejecting them (default: reject, 400)",
     )
-    serve.add_argument("--max-n", type=int)
-    serve.add_argument("--max-concurrency", type=int, help="engine requests running at once")
-    serve.add_argument("--max-queue", type=int, help="requests waiting beyond that")
-    serve.add_argument("--overload-status", type=int, help="status when both are full (529)")
-    serve.add_argument("--cache-dir")
-    serve.add_argument("--media-store", help="folder or fsspec URL for generated media")
-    serve.add_argument("--media-workers", type=int)
-    serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument(
+        "--max-n", type=int, help=f"largest n a request may ask for (default: {_default('max_n')})"
+    )
+    serve.add_argument(
+        "--max-concurrency",
+        type=int,
+        help=f"engine requests running at once (default: {_default('max_concurrency')})",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        help=f"requests waiting beyond that (default: {_default('max_queue')})",
+    )
+    serve.add_argument(
+        "--overload-status",
+        type=int,
+        help=f"status when both are full (default: {_default('overload_status')})",
+    )
+    serve.add_argument(
+        "--cache-dir",
+        help="root of the model cache (<cache-dir>/models, handed to the engine as "
+        f"${MODEL_CACHE_ENV} unless that is set), the media store and the job database "
+        f"(default: {_default('cache_dir')})",
+    )
+    serve.add_argument(
+        "--media-store",
+        help="folder or fsspec URL for generated media, with the video job database next to "
+        "it when it is a folder (default: <cache-dir>/media/<served model name>)",
+    )
+    serve.add_argument(
+        "--media-workers",
+        type=int,
+        help=f"video and image generations running at once (default: {_default('media_workers')})",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help=f"lowest level logged (default: {_default('log_level')})",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help=f"json: one JSON object per line, fixed keys (default: {_default('log_format')})",
+    )
+    serve.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        help="one line per request on the penstock.access logger: method, route, status, "
+        "duration, request id, tokens (default: on)",
+    )
     return parser
+
+
+def _engine_help(own: list[str]) -> str | None:
+    """The options section of the engine ``serve --help`` is about; None without --help."""
+    if own[:1] != ["serve"] or not {"-h", "--help"} & set(own[1:]):
+        return None
+    choice = argparse.ArgumentParser(add_help=False)
+    choice.add_argument("--engine")
+    spec = (
+        choice.parse_known_args(own[1:])[0].engine
+        or os.environ.get("PENSTOCK_ENGINE")
+        or str(_default("engine"))
+    )
+    options = textwrap.indent(engine_options_help(spec), "  ")
+    return f"options of --engine {spec} (pass them after --):\n{options}"
+
+
+def _export_model_cache(settings: Settings) -> None:
+    """Put the engine's model cache under a cache folder the user chose, unless they placed
+    the model cache themselves; engines read it from the environment."""
+    if "cache_dir" in settings.model_fields_set and not os.environ.get(MODEL_CACHE_ENV):
+        os.environ[MODEL_CACHE_ENV] = str(Path(settings.cache_dir).expanduser() / "models")
 
 
 def _split_engine_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -85,7 +193,7 @@ def _split_engine_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     own, engine_args = _split_engine_args(list(sys.argv[1:] if argv is None else argv))
-    args = _parser().parse_args(own)
+    args = _parser(_engine_help(own)).parse_args(own)
     overrides: dict[str, Any] = {
         key: value for key, value in vars(args).items() if key != "command" and value is not None
     }
@@ -96,10 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"penstock: invalid settings: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(settings.log_level, settings.log_format)
+    _export_model_cache(settings)
     from penstock.app.server import serve
 
     try:
@@ -107,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngineLoadError as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 2
+    except ListenError as exc:
+        print(f"penstock: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except SystemExit:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -33,22 +35,34 @@ from penstock.routers.security import require_inference_key
 from penstock.settings import Settings
 
 ALWAYS_OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})
+_UNSAFE_RUN = re.compile(r"[^A-Za-z0-9._-]+")
+
+logger = logging.getLogger(__name__)
 
 
-def media_store_location(settings: Settings) -> str:
-    return settings.media_store or str(Path(settings.cache_dir) / "media")
+def filesystem_name(name: str) -> str:
+    """``name`` as one path component: runs of other characters than letters, digits,
+    ``.``, ``_`` and ``-`` become ``_``, and it never starts with a dot."""
+    return _UNSAFE_RUN.sub("_", name).lstrip(".") or "_"
 
 
-def job_db_path(settings: Settings, store: str) -> Path:
+def media_store_location(settings: Settings, model: str) -> str:
+    """``media_store``, else a folder per served model under the cache folder, so servers
+    of different models under one cache folder never list each other's jobs."""
+    return settings.media_store or str(Path(settings.cache_dir) / "media" / filesystem_name(model))
+
+
+def job_db_path(settings: Settings, store: str, model: str) -> Path:
     """Next to the media files when they are local (a store folder is then
-    self-contained); in the cache folder otherwise; ``media_db`` overrides both."""
+    self-contained); in the cache folder, one per served model, otherwise; ``media_db``
+    overrides both."""
     override = (settings.media_db or "").strip()
     if override:
         return Path(override)
     folder = local_folder(store)
     if folder is not None:
         return folder / "jobs.sqlite3"
-    return Path(settings.cache_dir) / "media-jobs.sqlite3"
+    return Path(settings.cache_dir) / "media-jobs" / f"{filesystem_name(model)}.sqlite3"
 
 
 def create_app(gateway: Gateway) -> FastAPI:
@@ -62,13 +76,11 @@ def create_app(gateway: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.admin_plane = await install_admin_plane(gateway)
-        store = media_store_location(settings)
-        media = MediaService(
-            gateway,
-            store=store,
-            db_path=job_db_path(settings, store),
-            workers=settings.media_workers,
-        )
+        model = gateway.listed_models()[0].name
+        store = media_store_location(settings, model)
+        db_path = job_db_path(settings, store, model)
+        media = MediaService(gateway, store=store, db_path=db_path, workers=settings.media_workers)
+        logger.info("video jobs kept in %s, generated media in %s", db_path, store)
         app.state.media = media
         try:
             media.start()

@@ -1,7 +1,9 @@
-"""Pure ASGI middleware: request id, body limit, drain gate and in-flight accounting."""
+"""Pure ASGI middleware: request id, body limit, drain gate, in-flight accounting, access log."""
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -9,6 +11,7 @@ import orjson
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from penstock.app.logs import access_logger, log_access
 from penstock.errors import PayloadTooLargeError, PenstockError, ServiceUnavailableError
 
 if TYPE_CHECKING:
@@ -33,7 +36,11 @@ class GatewayMiddleware:
     * bodies over ``max_body_bytes`` get 413, whether or not a Content-Length was sent;
     * while draining, new requests get 503 except the always-open paths;
     * ``gateway.http_inflight`` counts requests whose response has not finished, for
-      graceful drain.
+      graceful drain;
+    * once the response has ended (the last frame of a stream included), one access line
+      is logged unless ``settings.access_log`` is off. Its token counts come from
+      ``scope["state"]["usage"]``: a callable the serving layer leaves there, returning
+      the response's OpenAI ``usage``; it is called once, so streams pay nothing per chunk.
     """
 
     def __init__(
@@ -43,17 +50,24 @@ class GatewayMiddleware:
         self.gateway = gateway
         self.max_body_bytes = gateway.settings.max_body_bytes
         self.always_open_paths = always_open_paths
+        self.access_log = gateway.settings.access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         request_id = _request_id(scope)
-        scope.setdefault("state", {})["request_id"] = request_id
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
         echoed = request_id.encode("latin-1")
+        started = time.perf_counter()
+        # What the client sees when the app raises before answering: the server's 500.
+        status = 500
 
         async def send_with_id(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
+                status = message["status"]
                 headers = [
                     (k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER
                 ]
@@ -61,12 +75,27 @@ class GatewayMiddleware:
                 message = {**message, "headers": headers}
             await send(message)
 
+        try:
+            await self._guarded(scope, receive, send_with_id)
+        finally:
+            if self.access_log and access_logger.isEnabledFor(logging.INFO):
+                usage = state.get("usage")
+                log_access(
+                    method=scope["method"],
+                    route=_route_template(scope),
+                    status=status,
+                    duration_ms=(time.perf_counter() - started) * 1000,
+                    request_id=request_id,
+                    usage=usage() if callable(usage) else None,
+                )
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.gateway.draining and scope["path"] not in self.always_open_paths:
-            await _send_error(send_with_id, ServiceUnavailableError("The server is shutting down"))
+            await _send_error(send, ServiceUnavailableError("The server is shutting down"))
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
-            await _send_error(send_with_id, self._too_large())
+            await _send_error(send, self._too_large())
             return
 
         received = 0
@@ -85,20 +114,27 @@ class GatewayMiddleware:
             nonlocal response_started
             if message["type"] == "http.response.start":
                 response_started = True
-            await send_with_id(message)
+            await send(message)
 
         self.gateway.http_inflight += 1
         try:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not response_started:
-                await _send_error(send_with_id, self._too_large())
+                await _send_error(send, self._too_large())
         finally:
             self.gateway.http_inflight -= 1
 
     def _too_large(self) -> PayloadTooLargeError:
         limit_mb = self.max_body_bytes / (1024 * 1024)
         return PayloadTooLargeError(f"Request body exceeds the {limit_mb:g} MB limit")
+
+
+def _route_template(scope: Scope) -> str:
+    """The matched route's path template, so lines group by endpoint; the raw path when
+    no route matched (404s, and requests refused before routing)."""
+    route = scope.get("route")
+    return getattr(route, "path", None) or scope["path"]
 
 
 def _request_id(scope: Scope) -> str:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from penstock.engines.contract import parse_endpoint_types
 from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
 from penstock.engines.host import EngineHost
 from penstock.engines.loading import load_engine_class
+from penstock.errors import ListenError
 from penstock.gateway import Gateway, ServedModel
 from penstock.metrics.engine_bridge import SnapshotPublisher
 from penstock.preprocess import Preprocessor
@@ -152,6 +155,14 @@ class _DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # uvicorn announces the address only when it bound the socket itself.
+        if self.started and sockets:
+            host, port = sockets[0].getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            logger.info("listening on http://%s:%d", shown, port)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.gateway.draining:
             logger.warning("second signal: exiting now")
@@ -180,19 +191,46 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind ``host:port`` before the engine loads, so a busy port fails in seconds rather
+    than after the model has loaded; uvicorn later listens on this very socket, so nothing
+    can take the port in between."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # The protocol must be named: asyncio turns Nagle off (TCP_NODELAY) only on accepted
+    # sockets whose proto is IPPROTO_TCP, and with Nagle on every small response waits
+    # for the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    # As uvicorn does: a restart may reuse a port whose old connections are in TIME_WAIT.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            reason = "the port is already in use"
+        else:
+            reason = exc.strerror or str(exc)
+        raise ListenError(f"cannot listen on {host}:{port}: {reason}") from exc
+    return sock
+
+
 async def serve(settings: Settings) -> None:
     """Run the gateway until a shutdown signal; the engine is always cleaned up."""
-    gateway = await build_gateway(settings)
+    sock = bind_socket(settings.host, settings.port)
     try:
-        config = uvicorn.Config(
-            create_app(gateway),
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
-            timeout_graceful_shutdown=1,
-            access_log=False,
-        )
-        await _DrainingServer(config, gateway).serve()
+        gateway = await build_gateway(settings)
+        try:
+            config = uvicorn.Config(
+                create_app(gateway),
+                log_level=settings.log_level,
+                # uvicorn's own lines go through the root handler, in the chosen format.
+                log_config=None,
+                timeout_graceful_shutdown=1,
+                access_log=False,
+            )
+            await _DrainingServer(config, gateway).serve(sockets=[sock])
+        finally:
+            await gateway.host.cleanup()
+            logger.info("engine cleaned up; bye")
     finally:
-        await gateway.host.cleanup()
-        logger.info("engine cleaned up; bye")
+        sock.close()

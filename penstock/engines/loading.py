@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib
+import io
 from typing import Any
 
 from penstock.engines.contract import model_input_of
@@ -40,3 +43,37 @@ def load_engine_class(spec: str) -> type[Any]:
         raise EngineLoadError(f"'{target}' is not an engine: it is not a class")
     model_input_of(cls)
     return cls
+
+
+def engine_options_help(spec: str) -> str:
+    """The option help of engine ``spec``, without its usage line, for ``serve --help``.
+
+    Engines expose their options only through ``from_args`` (the engine contract), so this
+    asks it for ``--help``: an argparse-based engine prints its help and exits before
+    loading anything. When that yields no help, the text is one line saying how to ask the
+    engine itself. Runs an event loop: call it from synchronous code.
+    """
+    ask = f"see them with: penstock serve --engine {spec} -- --help"
+    try:
+        cls = load_engine_class(spec)
+    except EngineLoadError as exc:
+        return f"cannot list them: {exc}"
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+            asyncio.run(cls.from_args(["--help"]))
+    except SystemExit as exc:
+        if exc.code in (0, None) and printed.getvalue().strip():
+            return _without_usage(printed.getvalue())
+    except Exception as exc:
+        return f"cannot list them here ({type(exc).__name__}: {exc}); {ask}"
+    return f"the engine printed no help for --help; {ask}"
+
+
+def _without_usage(text: str) -> str:
+    """argparse help minus its ``usage:`` paragraph and its ``-h`` line: both describe the
+    engine's own command line, not the one the user types."""
+    text = text.strip("\n")
+    if text.startswith("usage:"):
+        _, _, text = text.partition("\n\n")
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("-h, "))

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -72,6 +73,8 @@ class ResponsePlan:
 
 async def respond(request: Request, plan: ResponsePlan) -> Response:
     """Run the plan: a stream of chunks, or one JSON response once every choice is done."""
+    # Read once by the access log after the response has ended, streams included.
+    request.state.usage = partial(usage, plan.generations)
     if plan.body.stream:
         return await _stream(plan)
     return json_response(await unless_disconnected(request, _fold(plan)))

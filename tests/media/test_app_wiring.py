@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from penstock.app.factory import create_app, job_db_path
+from penstock.app.factory import create_app, job_db_path, media_store_location
 from penstock.media.jobs import IN_PROGRESS, JobStore, VideoJob
 from penstock.media.service import INTERRUPTED_REASON, MediaService
 from penstock.settings import Settings
@@ -68,8 +68,17 @@ async def test_the_lifespan_starts_and_stops_the_media_service_once(
 
 def test_the_job_database_sits_next_to_a_local_store_unless_configured(tmp_path: Path) -> None:
     local = str(tmp_path / "media")
-    assert job_db_path(Settings(), local) == tmp_path / "media" / "jobs.sqlite3"
-    remote = job_db_path(Settings(cache_dir=tmp_path), "memory://penstock-media")
-    assert remote == tmp_path / "media-jobs.sqlite3"
+    assert job_db_path(Settings(), local, "m") == tmp_path / "media" / "jobs.sqlite3"
+    remote = job_db_path(Settings(cache_dir=tmp_path), "memory://penstock-media", "org/m")
+    assert remote == tmp_path / "media-jobs" / "org_m.sqlite3"
     chosen = tmp_path / "elsewhere.sqlite3"
-    assert job_db_path(Settings(media_db=str(chosen)), local) == chosen
+    assert job_db_path(Settings(media_db=str(chosen)), local, "m") == chosen
+
+
+def test_without_a_media_store_each_served_model_gets_its_own_folder(tmp_path: Path) -> None:
+    settings = Settings(cache_dir=tmp_path)
+    media = tmp_path / "media"
+    assert media_store_location(settings, "org/My Model") == str(media / "org_My_Model")
+    assert media_store_location(settings, "../up") == str(media / "_up")
+    given = Settings(cache_dir=tmp_path, media_store="memory://shared")
+    assert media_store_location(given, "org/My Model") == "memory://shared"

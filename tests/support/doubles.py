@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,20 @@ class MarkedSampleEngine(SampleLLMEngine):
         await super().cleanup()
         with self.marker.open("a") as f:
             f.write("cleanup\n")
+
+
+class ModelCacheRecordingEngine(SampleLLMEngine):
+    """The sample engine, writing the ``PENSTOCK_MODEL_CACHE`` it was built under to
+    ``--record``."""
+
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None) -> tuple[Any, WorkerConfig]:
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--record", required=True)
+        own, rest = parser.parse_known_args(argv)
+        seen = os.environ.get("PENSTOCK_MODEL_CACHE", "")
+        await asyncio.to_thread(Path(own.record).write_text, seen)
+        return await SampleLLMEngine.from_args(rest)
 
 
 class ScriptedEngine(LLMEngine):

@@ -1,0 +1,79 @@
+"""Process logging: text or JSON lines for every logger, and the per-request access line.
+
+JSON lines always carry ``time`` (ISO 8601, UTC), ``level``, ``logger`` and ``message``;
+access lines add ``method``, ``route``, ``status``, ``duration_ms``, ``request_id``,
+``prompt_tokens`` and ``completion_tokens`` (null outside chat and completions); a record
+logged with an exception adds ``exception``.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+ACCESS_LOGGER = "penstock.access"
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+access_logger = logging.getLogger(ACCESS_LOGGER)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, with fixed keys."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        access = getattr(record, "access", None)
+        if access is not None:
+            line.update(access)
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(line).decode()
+
+
+def configure_logging(level: str, log_format: str) -> None:
+    """Route every logger (uvicorn's and Python warnings included) through one root handler
+    in ``log_format``, so a JSON log holds nothing but JSON lines."""
+    logging.captureWarnings(True)
+    handler = logging.StreamHandler()
+    formatter = JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
+def log_access(
+    *,
+    method: str,
+    route: str,
+    status: int,
+    duration_ms: float,
+    request_id: str,
+    usage: dict[str, Any] | None,
+) -> None:
+    """Write the access line of one finished request."""
+    prompt = usage.get("prompt_tokens") if usage else None
+    completion = usage.get("completion_tokens") if usage else None
+    message = f"{method} {route} {status} {duration_ms:.1f}ms request_id={request_id}"
+    if usage:
+        message += f" tokens_in={prompt} tokens_out={completion}"
+    access_logger.info(
+        message,
+        extra={
+            "access": {
+                "method": method,
+                "route": route,
+                "status": status,
+                "duration_ms": round(duration_ms, 3),
+                "request_id": request_id,
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+            }
+        },
+    )
