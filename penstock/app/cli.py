@@ -101,7 +101,8 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
     serve.add_argument(
         "--admin-timeout-s",
         type=float,
-        help="bound on one admin operation, lock wait included; past it 409 (default 30)",
+        help="bound on one admin operation, lock wait included; past it 409 "
+        f"(default: {_default('admin_timeout_s'):g})",
     )
     serve.add_argument(
         "--allow-unknown-fields",
