@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from penstock.schemas.unicode import JSONValue, RequestModel
 
@@ -211,8 +219,20 @@ def _is_token_ids(value: Any) -> bool:
     )
 
 
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# The shapes ``_prompt_shape`` accepts, stated in the OpenAPI document for clients.
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        _TOKEN_IDS_SCHEMA,
+        {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1},
+    ]
+}
+
+
 class CompletionRequest(SamplingFields):
-    prompt: Any
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
     max_tokens: PositiveInt | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
