@@ -65,6 +65,14 @@ def metadata_upload_root(value: str) -> str:
         )
     if not urlsplit(value).netloc:
         raise ValueError(f"the metadata upload root {value!r} names no host or bucket")
+    import fsspec
+
+    # Loads the client library (s3fs, aiohttp) now, so a missing one stops the start
+    # rather than every upload; no connection is made and no credential is looked up.
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as exc:
+        raise ValueError(f"{scheme}:// metadata uploads need a package: {exc}") from exc
     return value.rstrip("/")
 
 

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
+import fsspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from penstock.metadata_upload import MAX_KEY_LENGTH, get_fs, under_root, upload_key
+from penstock.metadata_upload import (
+    MAX_KEY_LENGTH,
+    decode_metadata,
+    get_fs,
+    under_root,
+    upload_key,
+)
 from penstock.settings import Settings, local_path
 
 ROOT = "/srv/rollouts"
@@ -79,6 +89,32 @@ def test_remote_roots_get_the_key_appended() -> None:
     assert under_root("s3://bucket/prefix", "a/b").url == "s3://bucket/prefix/a/b"
 
 
+class PutRecorder(BaseHTTPRequestHandler):
+    received: dict[str, bytes] = {}
+
+    def do_PUT(self) -> None:
+        self.received[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(201)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        return
+
+
+async def test_an_http_root_receives_each_record_as_a_put() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), PutRecorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        root = f"http://127.0.0.1:{server.server_address[1]}/up"
+        await under_root(root, "run-1/step_2").upload_choice(0, {"token_ids": [1, 2]})
+    finally:
+        server.shutdown()
+        server.server_close()
+    blob = PutRecorder.received["/up/run-1/step_2/choice_0.msgpack.zst"]
+    assert decode_metadata(blob)["metadata"] == {"token_ids": [1, 2]}
+
+
 def test_file_urls_are_percent_decoded(tmp_path: Path) -> None:
     folder = tmp_path / "with space%"
     url = folder.as_uri()
@@ -97,7 +133,6 @@ def test_the_root_setting_is_checked_at_startup(
     assert Settings(metadata_upload_url=folder.as_uri()).metadata_upload_url == str(folder)
     monkeypatch.chdir(tmp_path)
     assert Settings(metadata_upload_url="rel").metadata_upload_url == str(tmp_path / "rel")
-    assert Settings(metadata_upload_url="s3://b/p/").metadata_upload_url == "s3://b/p"
     monkeypatch.setenv("PENSTOCK_METADATA_UPLOAD_URL", "https://store.internal/up")
     assert Settings().metadata_upload_url == "https://store.internal/up"
     monkeypatch.setenv("PENSTOCK_METADATA_UPLOAD_URL", "")
@@ -109,3 +144,14 @@ def test_the_root_setting_is_checked_at_startup(
     ]:
         with pytest.raises(ValidationError, match=reason):
             Settings(metadata_upload_url=bad)
+
+
+def test_a_remote_root_needs_its_client_library_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    def without_s3fs(protocol: str) -> type:
+        raise ImportError("Install s3fs to access S3")
+
+    monkeypatch.setattr(fsspec, "get_filesystem_class", without_s3fs)
+    with pytest.raises(ValidationError, match="s3:// metadata uploads need a package: Install"):
+        Settings(metadata_upload_url="s3://bucket/prefix")
+    monkeypatch.setattr(fsspec, "get_filesystem_class", lambda protocol: object)
+    assert Settings(metadata_upload_url="s3://bucket/p/").metadata_upload_url == "s3://bucket/p"
