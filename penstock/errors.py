@@ -174,3 +174,17 @@ class PreprocessorLoadError(StartupError):
 
 class ListenError(StartupError):
     """The address to serve on can't be bound (a busy port, an unknown host)."""
+
+
+class MetadataUploadError(PenstockError):
+    """A rollout record could not be stored. The message is generic on purpose: paths, URLs
+    and OS errors stay in the server log."""
+
+    status_code = 500
+    error_type = "internal_server_error"
+    default_code = "metadata_upload_failed"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the request's metadata upload failed; the server log has the details",
+        )

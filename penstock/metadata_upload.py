@@ -1,14 +1,21 @@
 """Upload per-choice request metadata (e.g. RL rollout data) to an fsspec location.
 
-A request opts in with ``nvext.metadata_upload = {"url": "<fsspec url>"}`` (also accepted
-under ``extra_args.nvext``). After it finishes, each choice's metadata is written as
-``choice_<i>.msgpack.zst``: zstd-compressed msgpack of ``{"schema_version": 1,
-"metadata": ...}``, where tensors and arrays become ``{"type", "dtype", "shape", "data"}``.
+:class:`MetadataUploader` keeps Dynamo's contract: built from ``nvext.metadata_upload =
+{"url": "<fsspec url>"}`` (also accepted under ``extra_args.nvext``), it writes each
+choice's metadata as ``choice_<i>.msgpack.zst``: zstd-compressed msgpack of
+``{"schema_version": 1, "metadata": ...}``, where tensors and arrays become ``{"type",
+"dtype", "shape", "data"}``.
+
+The gateway never lets a client pick the destination: it reads the request's ``url`` as a
+key relative to the operator's root (``--metadata-upload-url``) and builds the uploader
+with :func:`under_root`, whose :func:`upload_key` check keeps every accepted key strictly
+inside that root.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,17 +26,48 @@ import msgpack
 import zstandard
 from fsspec.implementations.dirfs import DirFileSystem
 
+from penstock.settings import local_path
+
 SCHEMA_VERSION = 1
+
+MAX_KEY_LENGTH = 256
+# Letters, digits, '_', '-' and '.', never leading with '.' or '-': no '.'/'..' parts, no
+# hidden names, nothing a shell or URL would read specially.
+_KEY_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 def get_fs(url: str) -> DirFileSystem:
-    """A filesystem rooted at ``url``; a plain path means the local disk."""
+    """A filesystem rooted at ``url``; a plain path or a ``file://`` URL means the local disk."""
     protocol, sep, _ = url.partition("://")
-    if not sep:
-        protocol = "file"
-    options = {"auto_mkdir": True} if protocol in ("file", "local") else {}
-    fs, root = fsspec.core.url_to_fs(url, **options)
+    if not sep or protocol == "file":
+        fs, root = fsspec.core.url_to_fs(local_path(url), auto_mkdir=True)
+    else:
+        fs, root = fsspec.core.url_to_fs(url)
     return DirFileSystem(path=root, fs=fs)
+
+
+def upload_key(key: str) -> str:
+    """``key`` if it is a safe relative key; otherwise ValueError saying why.
+
+    Parts are separated by '/', and each is letters, digits, '_', '-' or '.', starting
+    with a letter, a digit or '_'; at most :data:`MAX_KEY_LENGTH` characters in all.
+    """
+    field = "metadata_upload.url"
+    if len(key) > MAX_KEY_LENGTH:
+        raise ValueError(f"{field} must be at most {MAX_KEY_LENGTH} characters; got {len(key)}")
+    if ":" in key:
+        raise ValueError(f"{field} must be a key relative to the server's upload root, not a URL")
+    if key.startswith("/"):
+        raise ValueError(f"{field} must be a relative key, not an absolute path")
+    parts = key.split("/")
+    if any(part in (".", "..") for part in parts):
+        raise ValueError(f"{field} must not contain '.' or '..' parts")
+    if not all(_KEY_PART.fullmatch(part) for part in parts):
+        raise ValueError(
+            f"{field} must be '/'-separated parts of letters, digits, '_', '-' and '.', "
+            "each starting with a letter, a digit or '_'"
+        )
+    return key
 
 
 def _tensor(value: Any) -> dict[str, Any]:
@@ -137,3 +175,8 @@ class MetadataUploader:
 
     def _upload(self, choice_index: int, metadata: dict[str, Any]) -> None:
         get_fs(self.url).pipe_file(self.file_name(choice_index), encode_metadata(metadata))
+
+
+def under_root(root: str, key: str) -> MetadataUploader:
+    """The uploader for ``key`` (checked by :func:`upload_key`) inside the operator's root."""
+    return MetadataUploader(f"{root.rstrip('/')}/{upload_key(key)}")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import unquote, urlsplit
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "penstock"
@@ -27,6 +28,52 @@ def _split_csv(value: object) -> object:
 
 
 CsvList = Annotated[list[str], NoDecode, BeforeValidator(_split_csv)]
+
+# Where an operator may send rollout metadata: a local folder, an HTTP(S) PUT target, S3.
+METADATA_UPLOAD_SCHEMES = ("file", "http", "https", "s3")
+
+
+def local_path(url: str) -> str:
+    """The path a ``file://`` URL names, percent-decoded; other values are returned as given.
+
+    ``file://localhost/x`` is ``/x``; a URL naming another host is an error, since no
+    file URL reaches past this machine.
+    """
+    if not url.startswith("file://"):
+        return url
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"a file URL must name a local path, not host '{parts.netloc}'")
+    if parts.query or parts.fragment:
+        raise ValueError("a file URL must not have a query or fragment (percent-encode '?', '#')")
+    return unquote(parts.path)
+
+
+def metadata_upload_root(value: str) -> str:
+    """The operator's upload root, checked: an absolute folder, or an http(s)/s3 URL."""
+    value = value.strip()
+    scheme, sep, _ = value.partition("://")
+    if not sep or scheme == "file":
+        path = local_path(value)
+        if not path:
+            raise ValueError("a file URL for the metadata upload root must name a folder")
+        return str(Path(path).expanduser().absolute())
+    if scheme not in METADATA_UPLOAD_SCHEMES:
+        raise ValueError(
+            f"unsupported metadata upload scheme '{scheme}' "
+            f"(supported: a folder, {', '.join(f'{s}://' for s in METADATA_UPLOAD_SCHEMES)})"
+        )
+    if not urlsplit(value).netloc:
+        raise ValueError(f"the metadata upload root {value!r} names no host or bucket")
+    import fsspec
+
+    # Loads the client library (s3fs, aiohttp) now, so a missing one stops the start
+    # rather than every upload; no connection is made and no credential is looked up.
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as exc:
+        raise ValueError(f"{scheme}:// metadata uploads need a package: {exc}") from exc
+    return value.rstrip("/")
 
 
 class Settings(BaseSettings):
@@ -76,6 +123,17 @@ class Settings(BaseSettings):
     media_workers: int = 1
     media_max_width: int = 1920
     media_max_height: int = 1920
+
+    # Root under which requests may ask for rollout metadata uploads (relative keys only);
+    # unset: a request asking for an upload gets 400.
+    metadata_upload_url: str | None = None
+
+    @field_validator("metadata_upload_url")
+    @classmethod
+    def _metadata_upload_root(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        return metadata_upload_root(value)
 
     @property
     def max_body_bytes(self) -> int:

@@ -160,6 +160,12 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         help="one line per request on the penstock.access logger: method, route, status, "
         "duration, request id, tokens (default: on)",
     )
+    serve.add_argument(
+        "--metadata-upload-url",
+        help="root for rollout records that requests ask for with nvext.metadata_upload: a "
+        "folder, file://, http(s):// (PUT) or s3:// URL; a request names only a key under "
+        "it (default: none, such requests get 400)",
+    )
     return parser
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import fsspec
 
+from penstock.settings import local_path
+
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 
 
@@ -23,7 +25,7 @@ def _check_key(key: str) -> str:
 
 def local_folder(location: str) -> Path | None:
     """The folder ``location`` names on this machine; None for a remote or in-memory store."""
-    fs, root = fsspec.core.url_to_fs(location)
+    fs, root = fsspec.core.url_to_fs(local_path(location))
     return Path(root) if _is_local(fs) else None
 
 
@@ -36,7 +38,8 @@ class ArtifactStore:
     """Bytes under keys like ``videos/<id>.mp4``, relative to ``location``."""
 
     def __init__(self, location: str) -> None:
-        self.fs, self.root = fsspec.core.url_to_fs(location)
+        # fsspec keeps a file URL's escapes ('%20'); the folder is the decoded path.
+        self.fs, self.root = fsspec.core.url_to_fs(local_path(location))
         self.fs.makedirs(self.root, exist_ok=True)
 
     @property

@@ -131,7 +131,7 @@ async def create_chat_completion(
     gateway: Gateway, body: ChatCompletionRequest, request: Request
 ) -> Response:
     model = served_model(gateway, body, "chat", "chat completions")
-    uploader = metadata_uploader(body)
+    uploader = metadata_uploader(body, gateway.settings)
     prompt = chat_prompt(body, model)
     max_tokens = body.max_new_tokens
     check_budget(len(prompt.token_ids), max_tokens, model, "messages")
@@ -143,6 +143,7 @@ async def create_chat_completion(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         multi_modal_data=prompt.multi_modal_data,
         response_format=prompt.response_format,
+        uploader=uploader,
     )
     generation = Generation(
         gateway,

@@ -146,7 +146,7 @@ async def create_completion(
 ) -> Response:
     model = served_model(gateway, body, "completions", "completions")
     _check_unsupported(body)
-    uploader = metadata_uploader(body)
+    uploader = metadata_uploader(body, gateway.settings)
     prompts = completion_prompts(body, model)
     for ids in prompts:
         check_budget(len(ids), body.max_tokens, model, "prompt")
@@ -154,7 +154,14 @@ async def create_completion(
         Generation(
             gateway,
             model,
-            generate_request(body, model, ids, max_tokens=body.max_tokens, logprobs=body.logprobs),
+            generate_request(
+                body,
+                model,
+                ids,
+                max_tokens=body.max_tokens,
+                logprobs=body.logprobs,
+                uploader=uploader,
+            ),
             engine_context(request, i if len(prompts) > 1 else None),
             stops=body.stop_list,
             keep_text=not body.stream,

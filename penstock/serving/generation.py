@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from penstock.engines.context import Context
 from penstock.engines.contract import GenerateRequest
-from penstock.errors import EngineError, OverloadedError, PenstockError
+from penstock.errors import EngineError, MetadataUploadError, OverloadedError, PenstockError
 from penstock.metadata_upload import MetadataUploader
 from penstock.serving.choice import ChoiceState, Delta
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from penstock.gateway import Gateway, ServedModel
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 class Generation:
@@ -158,7 +161,15 @@ class Generation:
             try:
                 await uploader.upload_choice(choice.index, record)
             except Exception as exc:
-                raise EngineError(f"metadata upload to {uploader.url} failed: {exc}") from exc
+                # Where it went and why it failed is the operator's business, not the client's.
+                logger.error(
+                    "metadata upload of request %s, choice %d, to %s failed",
+                    self.context.id(),
+                    choice.index,
+                    uploader.url,
+                    exc_info=True,
+                )
+                raise MetadataUploadError() from exc
 
     def _record_usage(self, chunk: dict[str, Any]) -> None:
         usage = chunk.get("completion_usage")

@@ -14,7 +14,7 @@ from penstock.engines.context import Context
 from penstock.engines.contract import GenerateRequest
 from penstock.errors import InvalidRequestError
 from penstock.gateway import Gateway, ServedModel
-from penstock.metadata_upload import MetadataUploader
+from penstock.metadata_upload import MetadataUploader, under_root
 from penstock.schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
 from penstock.settings import Settings
 
@@ -93,11 +93,30 @@ def check_common_limits(body: SamplingFields, settings: Settings, model: ServedM
         )
 
 
-def metadata_uploader(body: SamplingFields) -> MetadataUploader | None:
+def metadata_uploader(body: SamplingFields, settings: Settings) -> MetadataUploader | None:
+    """The upload ``nvext.metadata_upload`` asks for, under the operator's root.
+
+    The request's ``url`` is only a key relative to ``--metadata-upload-url``: a client
+    never picks the scheme, the host or the folder the server writes to.
+    """
     try:
-        return MetadataUploader.from_backend_request({"nvext": body.nvext})
+        asked = MetadataUploader.from_backend_request({"nvext": body.nvext})
     except ValueError as exc:
         raise InvalidRequestError(str(exc), param="nvext.metadata_upload") from exc
+    if asked is None:
+        return None
+    if settings.metadata_upload_url is None:
+        raise InvalidRequestError(
+            "metadata uploads are not enabled on this server",
+            param="nvext.metadata_upload",
+            code="metadata_upload_disabled",
+        )
+    try:
+        return under_root(settings.metadata_upload_url, asked.url)
+    except ValueError as exc:
+        raise InvalidRequestError(
+            str(exc), param="nvext.metadata_upload.url", code="invalid_upload_key"
+        ) from exc
 
 
 def engine_capability(model: ServedModel, name: str) -> bool:
@@ -167,6 +186,7 @@ def generate_request(
     logprobs: int | None,
     multi_modal_data: dict[str, Any] | None = None,
     response_format: dict[str, Any] | None = None,
+    uploader: MetadataUploader | None = None,
 ) -> GenerateRequest:
     request = PassthroughRequest(
         token_ids=token_ids,
@@ -177,12 +197,20 @@ def generate_request(
         output_options={"logprobs": logprobs} if logprobs is not None else {},
     )
     if body.nvext:
-        request["nvext"] = body.nvext
+        request["nvext"] = _engine_nvext(body.nvext, uploader)
     if multi_modal_data is not None:
         request["multi_modal_data"] = multi_modal_data
     if response_format is not None:
         request["response_format"] = response_format
     return request
+
+
+def _engine_nvext(nvext: dict[str, Any], uploader: MetadataUploader | None) -> dict[str, Any]:
+    """``nvext`` as the engine sees it: an upload names the resolved place under the root,
+    so an engine that uploads itself (Dynamo's contract) writes where the gateway would."""
+    if uploader is None:
+        return nvext
+    return {**nvext, "metadata_upload": {"url": uploader.url}}
 
 
 def _flatten_content(content: Any) -> str:

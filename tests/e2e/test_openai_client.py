@@ -249,26 +249,18 @@ def test_model_ids_may_contain_slashes(tmp_path: Path) -> None:
         assert missing.json()["error"]["code"] == "model_not_found"
 
 
-def test_metadata_upload_writes_one_record_per_choice(raw: httpx.Client, tmp_path: Path) -> None:
-    from penstock.metadata_upload import decode_metadata
-
+def test_metadata_upload_needs_an_operator_root(raw: httpx.Client, tmp_path: Path) -> None:
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 3,
-        "n": 2,
-        "return_token_ids": True,
         "nvext": {"metadata_upload": {"url": f"file://{tmp_path}/rollout-7"}},
     }
-    response = raw.post("/v1/chat/completions", json=body).json()
-    for choice in response["choices"]:
-        blob = (tmp_path / "rollout-7" / f"choice_{choice['index']}.msgpack.zst").read_bytes()
-        record = decode_metadata(blob)["metadata"]
-        assert record["token_ids"] == choice["token_ids"]
-        assert record["prompt_token_ids"] == response["prompt_token_ids"]
-        assert record["finish_reason"] == "length"
-    bad = raw.post(
-        "/v1/chat/completions", json={**body, "nvext": {"metadata_upload": {"path": "/x"}}}
-    )
-    assert bad.status_code == 400
-    assert bad.json()["error"]["message"] == "metadata_upload.path is not supported"
+    response = raw.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "metadata uploads are not enabled on this server",
+        "type": "invalid_request_error",
+        "param": "nvext.metadata_upload",
+        "code": "metadata_upload_disabled",
+    }
+    assert list(tmp_path.iterdir()) == []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from penstock.media.artifacts import ArtifactStore
+from penstock.media.artifacts import ArtifactStore, local_folder
 from penstock.media.jobs import COMPLETED, IN_PROGRESS, JobStore, VideoJob
 from penstock.media.pool import WorkerPool
 
@@ -73,6 +73,14 @@ def test_artifacts_round_trip_with_ranges(tmp_path: Path, location: str) -> None
     assert store.size("videos/v.mp4") is None
     with pytest.raises(ValueError):
         store.put("../escape", b"x")
+
+
+def test_a_file_url_store_is_the_percent_decoded_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "media store"
+    assert local_folder(folder.as_uri()) == folder
+    ArtifactStore(folder.as_uri()).put("images/a.png", b"png")
+    assert (folder / "images" / "a.png").read_bytes() == b"png"
+    assert not (tmp_path / "media%20store").exists()
 
 
 async def test_pool_runs_at_most_size_at_once_and_reports_positions() -> None:

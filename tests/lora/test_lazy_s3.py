@@ -1,0 +1,112 @@
+"""No AWS client (and so no credential lookup) until an ``s3://`` adapter is actually used."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+from xml.sax.saxutils import escape
+
+import boto3
+import pytest
+
+from penstock.lora import LoRAManager
+
+ADAPTER_FILES = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"weights"}
+BUCKET = "bucket"
+PREFIX = "loras/math/"
+
+
+class FakeS3(BaseHTTPRequestHandler):
+    """Path-style ListObjectsV2 and GetObject over one bucket holding one adapter."""
+
+    objects = {PREFIX + name: data for name, data in ADAPTER_FILES.items()}
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        bucket, _, key = url.path.lstrip("/").partition("/")
+        if bucket != BUCKET:
+            return self._send(404, b"")
+        if not key:
+            prefix = parse_qs(url.query).get("prefix", [""])[0]
+            keys = [k for k in self.objects if k.startswith(prefix)]
+            contents = "".join(
+                f"<Contents><Key>{escape(k)}</Key><Size>{len(self.objects[k])}</Size></Contents>"
+                for k in keys
+            )
+            listing = (
+                '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult>'
+                f"<Name>{BUCKET}</Name><Prefix>{escape(prefix)}</Prefix>"
+                f"<KeyCount>{len(keys)}</KeyCount><IsTruncated>false</IsTruncated>"
+                f"{contents}</ListBucketResult>"
+            )
+            return self._send(200, listing.encode(), "application/xml")
+        if key not in self.objects:
+            return self._send(404, b"")
+        return self._send(200, self.objects[key], "application/octet-stream")
+
+    def _send(self, status: int, body: bytes, kind: str = "text/plain") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        return
+
+
+@pytest.fixture
+def s3_endpoint() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeS3)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_the_s3_client_is_built_only_when_an_s3_adapter_is_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, s3_endpoint: str
+) -> None:
+    # Explicit dummy credentials and no config files or instance metadata to fall back on.
+    for name, value in {
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "AWS_ACCESS_KEY_ID": "dummy",
+        "AWS_SECRET_ACCESS_KEY": "dummy",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": str(tmp_path / "no-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-credentials"),
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+    }.items():
+        monkeypatch.setenv(name, value)
+    built: list[tuple[Any, ...]] = []
+    real_client = boto3.client
+
+    def counting_client(*args: Any, **kwargs: Any) -> Any:
+        built.append(args)
+        return real_client(*args, **kwargs)
+
+    monkeypatch.setattr(boto3, "client", counting_client)
+
+    manager = LoRAManager(tmp_path / "cache")
+    local = tmp_path / "local adapter"
+    local.mkdir()
+    for name, data in ADAPTER_FILES.items():
+        (local / name).write_bytes(data)
+    assert (await manager.download_lora(local.as_uri()))["local_path"] == str(local)
+    assert (await manager.download_lora("hf://org/not-cached"))["status"] == "error"
+    assert built == []
+
+    result = await manager.download_lora(f"s3://{BUCKET}/{PREFIX}")
+    assert result["status"] == "success", result
+    fetched = tmp_path / "cache" / "s3__bucket_loras_math_"
+    assert result["local_path"] == str(fetched)
+    assert {p.name: p.read_bytes() for p in fetched.iterdir()} == ADAPTER_FILES
+    assert built == [("s3",)]
