@@ -174,3 +174,20 @@ class PreprocessorLoadError(StartupError):
 
 class ListenError(StartupError):
     """The address to serve on can't be bound (a busy port, an unknown host)."""
+
+
+class ServerShutdownError(ServiceUnavailableError):
+    """The grace period ran out while the request was still open."""
+
+    default_code = "server_shutdown"
+
+    def __init__(self, message: str = "The server is shutting down", **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+
+
+class SlowClientError(PenstockError):
+    """The client did not send its request headers or its body in time."""
+
+    status_code = 408
+    error_type = "request_timeout"
+    default_code = "request_timeout"

@@ -77,6 +77,14 @@ class Settings(BaseSettings):
     media_max_width: int = 1920
     media_max_height: int = 1920
 
+    # Connection hygiene; 0 turns a timeout or the limit off.
+    header_timeout_s: float = Field(10.0, ge=0)
+    body_timeout_s: float = Field(30.0, ge=0)
+    keep_alive_timeout_s: float = Field(5.0, ge=0)
+    max_connections: int = Field(2048, ge=0)
+    # The OpenAPI schema and its pages without an inference key even when keys are set.
+    public_docs: bool = False
+
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)
