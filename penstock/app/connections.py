@@ -95,7 +95,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
-        self._request_begun = False
+        # Between the first byte of a request and the end of its headers.
+        self._in_headers = False
+        # Between the end of a request's headers and the end of its body.
+        self._in_body = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -106,15 +109,25 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._cancel_body_timer()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # Timers are armed only for what this read left unfinished, so a request that
+        # arrives whole costs no timer at all.
+        if self.transport.is_closing():
+            return
+        if self._in_headers and self._header_timer is None:
+            self._arm_header_timer()
+        if self._in_body:
+            self._arm_body_timer()
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._request_begun = True
-        if self._header_timer is None:
-            self._arm_header_timer()
+        self._in_headers = True
 
     def on_headers_complete(self) -> None:
         self._cancel_header_timer()
-        self._request_begun = False
+        self._in_headers = False
+        self._in_body = True
         limit = self.limits.max_connections
         if limit and len(self.connections) > limit:
             self._warn_limit(limit)
@@ -127,13 +140,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self.app = app
         else:
             super().on_headers_complete()
-        self._arm_body_timer()
-
-    def on_body(self, body: bytes) -> None:
-        super().on_body(body)
-        self._arm_body_timer()
 
     def on_message_complete(self) -> None:
+        self._in_body = False
         self._cancel_body_timer()
         super().on_message_complete()
 
@@ -175,7 +184,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._header_timer = None
         if self.transport.is_closing():
             return
-        if self._request_begun:
+        if self._in_headers:
             error = SlowClientError(
                 f"Request headers not received within {self.limits.header_timeout_s:g}s",
                 code="header_timeout",

@@ -81,6 +81,20 @@ def test_clients_that_never_finish_their_headers_are_closed_and_others_served(
     assert httpx.get(f"{server.base_url}/v1/models").status_code == 200
 
 
+def test_headers_sent_a_little_at_a_time_do_not_extend_the_deadline(
+    server: ServerProcess,
+) -> None:
+    started = time.monotonic()
+    sock = connect(server, b"GET /")
+    for piece in (b"v1/", b"models"):
+        time.sleep(TIMEOUT_S * 0.4)
+        sock.sendall(piece)
+    answer = read_until_closed(sock)
+    assert envelope(answer)["code"] == "header_timeout"
+    # Restarting the timer on each piece would have held it until 1.8 timeouts.
+    assert time.monotonic() - started < TIMEOUT_S * 1.6
+
+
 def test_a_stalled_body_gets_408_and_is_closed(server: ServerProcess) -> None:
     head = (
         b"POST /v1/completions HTTP/1.1\r\nhost: penstock\r\n"
