@@ -32,6 +32,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from penstock.app.middleware import ANSWERED_STATUS_KEY
 from penstock.errors import PenstockError, ServiceUnavailableError, SlowClientError
 
 logger = logging.getLogger(__name__)
@@ -211,6 +212,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 code="body_timeout",
             )
             self.transport.write(_raw_response(error))
+            if cycle is not None:
+                cycle.scope.setdefault("state", {})[ANSWERED_STATUS_KEY] = error.status_code
         self.transport.close()
 
 

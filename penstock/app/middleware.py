@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from penstock.gateway import Gateway
 
 REQUEST_ID_HEADER = b"x-request-id"
+# Set in ``scope["state"]`` by the HTTP protocol when it answered the client itself (a
+# stalled body's 408): the access line shows that status, not what the app then sent.
+ANSWERED_STATUS_KEY = "answered_status"
 _MAX_REQUEST_ID_LEN = 256
 
 
@@ -121,7 +124,7 @@ class GatewayMiddleware:
                 log_access(
                     method=scope["method"],
                     route=_route_template(scope),
-                    status=status,
+                    status=state.get(ANSWERED_STATUS_KEY, status),
                     duration_ms=(time.perf_counter() - started) * 1000,
                     request_id=request_id,
                     usage=usage() if callable(usage) else None,

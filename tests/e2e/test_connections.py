@@ -106,6 +106,8 @@ def test_a_stalled_body_gets_408_and_is_closed(server: ServerProcess) -> None:
     assert envelope(answer)["code"] == "body_timeout"
     assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 8
     assert httpx.get(f"{server.base_url}/v1/models").status_code == 200
+    # The access line shows what the client got.
+    assert "POST /v1/completions 408 " in server.log()
 
 
 def test_an_idle_kept_alive_connection_is_closed(server: ServerProcess) -> None:
