@@ -96,7 +96,9 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
     serve.add_argument(
         "--graceful-shutdown-s",
         type=float,
-        help=f"drain budget on SIGTERM (default: {_default('graceful_shutdown_s'):g})",
+        help="drain budget on SIGTERM; requests still open after it are ended with a "
+        f"server_shutdown error and the exit status is {EXIT_REQUESTS_CUT} "
+        f"(default: {_default('graceful_shutdown_s'):g})",
     )
     serve.add_argument(
         "--health-check-payload",
