@@ -188,3 +188,20 @@ class MetadataUploadError(PenstockError):
         super().__init__(
             "the request's metadata upload failed; the server log has the details",
         )
+
+
+class ServerShutdownError(ServiceUnavailableError):
+    """The grace period ran out while the request was still open."""
+
+    default_code = "server_shutdown"
+
+    def __init__(self, message: str = "The server is shutting down", **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+
+
+class SlowClientError(PenstockError):
+    """The client did not send its request headers or its body in time."""
+
+    status_code = 408
+    error_type = "request_timeout"
+    default_code = "request_timeout"

@@ -135,6 +135,14 @@ class Settings(BaseSettings):
             return None
         return metadata_upload_root(value)
 
+    # Connection hygiene; 0 turns a timeout or the limit off.
+    header_timeout_s: float = Field(10.0, ge=0)
+    body_timeout_s: float = Field(30.0, ge=0)
+    keep_alive_timeout_s: float = Field(5.0, ge=0)
+    max_connections: int = Field(2048, ge=0)
+    # The OpenAPI schema and its pages without an inference key even when keys are set.
+    public_docs: bool = False
+
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)

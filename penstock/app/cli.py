@@ -19,6 +19,10 @@ from penstock.errors import EngineLoadError, ListenError
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import MODEL_CACHE_ENV, Settings
 
+# The exit status when the grace period of a shutdown ran out and open requests were cut;
+# a second signal exits with 128 + its number instead (130 for SIGINT).
+EXIT_REQUESTS_CUT = 3
+
 
 def _default(field: str) -> object:
     return Settings.model_fields[field].default
@@ -92,7 +96,9 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
     serve.add_argument(
         "--graceful-shutdown-s",
         type=float,
-        help=f"drain budget on SIGTERM (default: {_default('graceful_shutdown_s'):g})",
+        help="drain budget on SIGTERM; requests still open after it are ended with a "
+        f"server_shutdown error and the exit status is {EXIT_REQUESTS_CUT} "
+        f"(default: {_default('graceful_shutdown_s'):g})",
     )
     serve.add_argument(
         "--health-check-payload",
@@ -166,6 +172,38 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         "folder, file://, http(s):// (PUT) or s3:// URL; a request names only a key under "
         "it (default: none, such requests get 400)",
     )
+    serve.add_argument(
+        "--header-timeout-s",
+        type=float,
+        help="close a connection that has not sent its request headers this long after it "
+        "opened or its request began, with 408 if it sent part of them; 0 = off "
+        f"(default: {_default('header_timeout_s'):g})",
+    )
+    serve.add_argument(
+        "--body-timeout-s",
+        type=float,
+        help="answer 408 and close when a request body stalls this long; 0 = off "
+        f"(default: {_default('body_timeout_s'):g})",
+    )
+    serve.add_argument(
+        "--keep-alive-timeout-s",
+        type=float,
+        help="close a kept-alive connection idle this long after a response "
+        f"(default: {_default('keep_alive_timeout_s'):g})",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        help="requests arriving while more connections are open get 503 and their "
+        f"connection closed; 0 = no limit (default: {_default('max_connections')})",
+    )
+    serve.add_argument(
+        "--public-docs",
+        action="store_const",
+        const=True,
+        help="serve /docs, /redoc and /openapi.json without an inference key (default: "
+        "behind the inference key when keys are set)",
+    )
     return parser
 
 
@@ -216,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     from penstock.app.server import serve
 
     try:
-        asyncio.run(serve(settings))
+        requests_cut = asyncio.run(serve(settings))
     except EngineLoadError as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 2
@@ -231,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("penstock").debug("startup failed", exc_info=True)
         print(f"penstock: engine failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    return 0
+    return EXIT_REQUESTS_CUT if requests_cut else 0
 
 
 if __name__ == "__main__":

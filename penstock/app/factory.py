@@ -9,10 +9,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from fastapi import Depends, FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
 
 from penstock import __version__
 from penstock.app.handlers import install_error_handlers
-from penstock.app.middleware import GatewayMiddleware
+from penstock.app.middleware import GatewayMiddleware, OpenRequests
 from penstock.gateway import Gateway
 from penstock.media.artifacts import local_folder
 from penstock.media.service import MediaService
@@ -90,13 +92,23 @@ def create_app(gateway: Gateway) -> FastAPI:
             await gateway.host.stop_monitor()
             await media.stop()
 
+    # FastAPI's own doc pages skip the app's dependencies, so unless they are public the
+    # same pages are added as ordinary routes, which the inference key guards.
+    public = settings.public_docs
     app = FastAPI(
         title="Penstock",
         version=__version__,
         lifespan=lifespan,
         dependencies=[Depends(require_inference_key)],
+        openapi_url="/openapi.json" if public else None,
+        docs_url="/docs" if public else None,
+        redoc_url="/redoc" if public else None,
     )
+    if not public:
+        _add_keyed_docs(app)
     app.state.gateway = gateway
+    # The server cuts what is still open when the grace period of a shutdown ends.
+    app.state.open_requests = OpenRequests()
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(metrics.router)
@@ -110,5 +122,24 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.include_router(vllm_compat.router)
     app.include_router(videos.router)
     app.include_router(images.router)
-    app.add_middleware(GatewayMiddleware, gateway=gateway, always_open_paths=ALWAYS_OPEN_PATHS)
+    app.add_middleware(
+        GatewayMiddleware,
+        gateway=gateway,
+        always_open_paths=ALWAYS_OPEN_PATHS,
+        open_requests=app.state.open_requests,
+    )
     return app
+
+
+def _add_keyed_docs(app: FastAPI) -> None:
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")

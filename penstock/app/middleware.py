@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from penstock.app.logs import access_logger, log_access
-from penstock.errors import PayloadTooLargeError, PenstockError, ServiceUnavailableError
+from penstock.errors import (
+    PayloadTooLargeError,
+    PenstockError,
+    ServerShutdownError,
+    ServiceUnavailableError,
+)
+from penstock.serving.framing import error_frame
+from penstock.serving.sse import DONE_FRAME
 
 if TYPE_CHECKING:
     from penstock.gateway import Gateway
 
 REQUEST_ID_HEADER = b"x-request-id"
+# Set in ``scope["state"]`` by the HTTP protocol when it answered the client itself (a
+# stalled body's 408): the access line shows that status, not what the app then sent.
+ANSWERED_STATUS_KEY = "answered_status"
 _MAX_REQUEST_ID_LEN = 256
 
 
@@ -28,6 +39,26 @@ class BodyTooLarge(HTTPException):
         super().__init__(status_code=413)
 
 
+class OpenRequests:
+    """The tasks of the HTTP requests whose response has not ended, so that a shutdown
+    whose grace period ran out can end them (:meth:`cut`) with a proper last message."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.cutting = False
+        self.streams_cut = 0
+        self.requests_cut = 0
+
+    def cut(self) -> list[asyncio.Task[Any]]:
+        """Cancel every open request; each ends as :class:`GatewayMiddleware` says. Returns
+        the tasks, to wait for."""
+        self.cutting = True
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+
 class GatewayMiddleware:
     """Cross-cutting rules every HTTP request goes through.
 
@@ -36,7 +67,11 @@ class GatewayMiddleware:
     * bodies over ``max_body_bytes`` get 413, whether or not a Content-Length was sent;
     * while draining, new requests get 503 except the always-open paths;
     * ``gateway.http_inflight`` counts requests whose response has not finished, for
-      graceful drain;
+      graceful drain, and ``open_requests`` holds their tasks;
+    * a request cut by ``open_requests.cut()`` (the grace period is over) ends with a 503
+      ``server_shutdown`` envelope if its response had not begun; an event stream ends
+      with a ``server_shutdown`` error frame and ``data: [DONE]`` after its last whole
+      frame; any other begun response is left for uvicorn to close;
     * once the response has ended (the last frame of a stream included), one access line
       is logged unless ``settings.access_log`` is off. Its token counts come from
       ``scope["state"]["usage"]``: a callable the serving layer leaves there, returning
@@ -44,10 +79,16 @@ class GatewayMiddleware:
     """
 
     def __init__(
-        self, app: ASGIApp, *, gateway: Gateway, always_open_paths: frozenset[str]
+        self,
+        app: ASGIApp,
+        *,
+        gateway: Gateway,
+        always_open_paths: frozenset[str],
+        open_requests: OpenRequests | None = None,
     ) -> None:
         self.app = app
         self.gateway = gateway
+        self.open_requests = open_requests or OpenRequests()
         self.max_body_bytes = gateway.settings.max_body_bytes
         self.always_open_paths = always_open_paths
         self.access_log = gateway.settings.access_log
@@ -83,7 +124,7 @@ class GatewayMiddleware:
                 log_access(
                     method=scope["method"],
                     route=_route_template(scope),
-                    status=status,
+                    status=state.get(ANSWERED_STATUS_KEY, status),
                     duration_ms=(time.perf_counter() - started) * 1000,
                     request_id=request_id,
                     usage=usage() if callable(usage) else None,
@@ -100,6 +141,7 @@ class GatewayMiddleware:
 
         received = 0
         response_started = False
+        event_stream = False
 
         async def limited_receive() -> Message:
             nonlocal received
@@ -111,19 +153,43 @@ class GatewayMiddleware:
             return message
 
         async def tracking_send(message: Message) -> None:
-            nonlocal response_started
+            nonlocal response_started, event_stream
             if message["type"] == "http.response.start":
                 response_started = True
+                event_stream = _is_event_stream(message)
             await send(message)
 
+        task = asyncio.current_task()
+        assert task is not None
         self.gateway.http_inflight += 1
+        self.open_requests.tasks.add(task)
         try:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not response_started:
                 await _send_error(send, self._too_large())
+        except asyncio.CancelledError:
+            if not self.open_requests.cutting:
+                raise
+            task.uncancel()
+            await self._end_cut(send, response_started=response_started, stream=event_stream)
         finally:
+            self.open_requests.tasks.discard(task)
             self.gateway.http_inflight -= 1
+
+    async def _end_cut(self, send: Send, *, response_started: bool, stream: bool) -> None:
+        """The last message of a request the shutdown cut: whole frames were sent before."""
+        self.open_requests.requests_cut += 1
+        error = ServerShutdownError(
+            "The server is shutting down: its grace period ended before this request finished"
+        )
+        if not response_started:
+            await _send_error(send, error, close=True)
+        elif stream:
+            self.open_requests.streams_cut += 1
+            frame = error_frame(error)
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+            await send({"type": "http.response.body", "body": DONE_FRAME, "more_body": False})
 
     def _too_large(self) -> PayloadTooLargeError:
         limit_mb = self.max_body_bytes / (1024 * 1024)
@@ -157,16 +223,20 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _send_error(send: Send, error: PenstockError) -> None:
+def _is_event_stream(start: Message) -> bool:
+    for key, value in start.get("headers", []):
+        if key.lower() == b"content-type":
+            return bytes(value).startswith(b"text/event-stream")
+    return False
+
+
+async def _send_error(send: Send, error: PenstockError, *, close: bool = False) -> None:
     body = orjson.dumps(error.envelope())
-    await send(
-        {
-            "type": "http.response.start",
-            "status": error.status_code,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": body})

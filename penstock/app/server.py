@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import logging
 import os
 import signal
@@ -16,7 +17,9 @@ from typing import Any
 
 import uvicorn
 
+from penstock.app.connections import ConnectionLimits, guarded_protocol, raise_open_file_limit
 from penstock.app.factory import create_app
+from penstock.app.middleware import OpenRequests
 from penstock.engines.admission import AdmissionGate
 from penstock.engines.contract import parse_endpoint_types
 from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
@@ -32,6 +35,9 @@ from penstock.settings import Settings
 logger = logging.getLogger(__name__)
 
 _DRAIN_POLL_S = 0.05
+# How long the requests cut at the end of the grace period get to send their last message
+# (their engine requests are aborted meanwhile) before uvicorn closes what is left.
+_CUT_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -141,15 +147,24 @@ class _DrainingServer(uvicorn.Server):
     """uvicorn with Penstock's shutdown: the first signal drains, a second exits at once.
 
     Draining answers new requests with 503 while in-flight ones finish, for at most the
-    grace period; then uvicorn stops and the engine is cleaned up.
+    grace period; the requests still open then are cut (see
+    :class:`~penstock.app.middleware.OpenRequests`), counted in ``requests_cut`` and
+    summed up in one log line; then uvicorn stops and the engine is cleaned up.
     """
 
-    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+    def __init__(
+        self, config: uvicorn.Config, gateway: Gateway, open_requests: OpenRequests
+    ) -> None:
         super().__init__(config)
         self.gateway = gateway
+        self.open_requests = open_requests
         self._loop: asyncio.AbstractEventLoop | None = None
         # Held so the running drain task is not garbage-collected.
         self._drain_task: asyncio.Task[None] | None = None
+
+    @property
+    def requests_cut(self) -> int:
+        return self.open_requests.requests_cut
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -187,7 +202,16 @@ class _DrainingServer(uvicorn.Server):
         while self.gateway.http_inflight > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(_DRAIN_POLL_S)
         if self.gateway.http_inflight > 0:
-            logger.warning("grace period over with %d requests open", self.gateway.http_inflight)
+            tasks = self.open_requests.cut()
+            if tasks:
+                await asyncio.wait(tasks, timeout=_CUT_WAIT_S)
+            cut = self.open_requests
+            logger.warning(
+                "grace period over: cut %d open requests, %d of them streams (each ended "
+                "with a server_shutdown error frame and [DONE])",
+                cut.requests_cut,
+                cut.streams_cut,
+            )
         self.should_exit = True
 
 
@@ -214,21 +238,65 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(settings: Settings) -> None:
-    """Run the gateway until a shutdown signal; the engine is always cleaned up."""
+def warn_if_exposed(settings: Settings) -> None:
+    """One WARNING when the inference routes are open to whoever can reach the port."""
+    if settings.api_keys or _is_loopback(settings.host):
+        return
+    if settings.admin_api_keys:
+        admin = "the admin routes need an admin key"
+    else:
+        admin = "the admin routes answer loopback clients only"
+    logger.warning(
+        "no --api-key set and listening on %s: anyone who can reach port %d can use the "
+        "inference routes (%s)",
+        settings.host,
+        settings.port,
+        admin,
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+async def serve(settings: Settings) -> int:
+    """Run the gateway until a shutdown signal; the engine is always cleaned up.
+
+    Returns how many requests were cut because the grace period ran out.
+    """
+    raise_open_file_limit(settings.max_connections)
     sock = bind_socket(settings.host, settings.port)
     try:
+        warn_if_exposed(settings)
         gateway = await build_gateway(settings)
         try:
+            app = create_app(gateway)
+            limits = ConnectionLimits(
+                header_timeout_s=settings.header_timeout_s,
+                body_timeout_s=settings.body_timeout_s,
+                max_connections=settings.max_connections,
+            )
             config = uvicorn.Config(
-                create_app(gateway),
+                app,
+                http=guarded_protocol(limits),
                 log_level=settings.log_level,
                 # uvicorn's own lines go through the root handler, in the chosen format.
                 log_config=None,
                 timeout_graceful_shutdown=1,
+                timeout_keep_alive=settings.keep_alive_timeout_s,  # type: ignore[arg-type]
                 access_log=False,
             )
-            await _DrainingServer(config, gateway).serve(sockets=[sock])
+            server = _DrainingServer(config, gateway, app.state.open_requests)
+            await server.serve(sockets=[sock])
+            return server.requests_cut
         finally:
             await gateway.host.cleanup()
             logger.info("engine cleaned up; bye")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,7 +11,7 @@ import orjson
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from penstock.app.middleware import GatewayMiddleware
+from penstock.app.middleware import GatewayMiddleware, OpenRequests
 from penstock.gateway import Gateway
 from tests.support.inprocess import start_gateway
 
@@ -192,4 +193,85 @@ async def test_lifespan_scopes_pass_through_uncounted(gateway: Gateway) -> None:
 
     await middleware({"type": "lifespan"}, receive, send)
     assert seen == ["lifespan"]
+    assert gateway.http_inflight == 0
+
+
+class HangingApp:
+    """Sends ``frames`` (after a start with ``content_type``, if any), then waits for ever."""
+
+    def __init__(self, content_type: bytes | None, frames: list[bytes]) -> None:
+        self.content_type = content_type
+        self.frames = frames
+        self.waiting = asyncio.Event()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.content_type is not None:
+            headers = [(b"content-type", self.content_type)]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for frame in self.frames:
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+        self.waiting.set()
+        await asyncio.Event().wait()
+
+
+async def cut_while_open(gateway: Gateway, app: HangingApp) -> tuple[list[Message], OpenRequests]:
+    open_requests = OpenRequests()
+    middleware = GatewayMiddleware(
+        app, gateway=gateway, always_open_paths=ALWAYS_OPEN, open_requests=open_requests
+    )
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    request = asyncio.ensure_future(middleware(scope, receive, send))
+    await app.waiting.wait()
+    (cut,) = open_requests.cut()
+    await request
+    assert cut is request and not request.cancelled()
+    assert gateway.http_inflight == 0 and not open_requests.tasks
+    return sent, open_requests
+
+
+async def test_a_cut_stream_ends_with_an_error_frame_and_done(gateway: Gateway) -> None:
+    app = HangingApp(b"text/event-stream; charset=utf-8", [b'data: {"n":1}\n\n'])
+    sent, open_requests = await cut_while_open(gateway, app)
+    bodies = [m["body"] for m in sent[1:]]
+    assert bodies[0] == b'data: {"n":1}\n\n'
+    error = orjson.loads(bodies[1].removeprefix(b"data: "))["error"]
+    assert error["code"] == "server_shutdown" and error["type"] == "service_unavailable"
+    assert bodies[2:] == [b"data: [DONE]\n\n"]
+    assert sent[-1]["more_body"] is False
+    assert (open_requests.requests_cut, open_requests.streams_cut) == (1, 1)
+
+
+async def test_a_cut_request_without_a_response_gets_503(gateway: Gateway) -> None:
+    sent, open_requests = await cut_while_open(gateway, HangingApp(None, []))
+    response = Exchange(sent)
+    assert response.status == 503
+    assert response.json()["error"]["code"] == "server_shutdown"
+    assert response.header(b"connection") == [b"close"]
+    assert (open_requests.requests_cut, open_requests.streams_cut) == (1, 0)
+
+
+async def test_a_cancel_outside_a_shutdown_still_cancels(gateway: Gateway) -> None:
+    app = HangingApp(None, [])
+    middleware = GatewayMiddleware(app, gateway=gateway, always_open_paths=ALWAYS_OPEN)
+
+    async def receive() -> Message:
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        return None
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    request = asyncio.ensure_future(middleware(scope, receive, send))
+    await app.waiting.wait()
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
     assert gateway.http_inflight == 0

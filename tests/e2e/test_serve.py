@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -63,6 +64,49 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path: Path) 
         assert frames[-1] == "data: [DONE]"
         assert '"finish_reason":"length"' in frames[-2]
         assert server.process.wait(timeout=30) == 0
+
+
+def test_requests_open_when_the_grace_period_ends_get_a_last_message(tmp_path: Path) -> None:
+    args = ["--engine", "sample", "--graceful-shutdown-s", "1", "--", "--delay", "0.05"]
+    with running_server(args, tmp_path) as server:
+        url = f"{server.base_url}/v1/completions"
+        body = {"model": "sample-model", "prompt": "x", "max_tokens": 1000}
+        frames: list[str] = []
+        answers: list[httpx.Response] = []
+        streaming = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as response:
+                for line in response.iter_lines():
+                    if line:
+                        frames.append(line)
+                        streaming.set()
+
+        readers = [
+            threading.Thread(target=stream),
+            threading.Thread(target=lambda: answers.append(httpx.post(url, json=body, timeout=30))),
+        ]
+        for reader in readers:
+            reader.start()
+        assert streaming.wait(timeout=30)
+        time.sleep(0.2)
+        server.process.send_signal(signal.SIGTERM)
+        for reader in readers:
+            reader.join(timeout=30)
+        assert server.process.wait(timeout=30) == 3
+
+    assert frames[-1] == "data: [DONE]"
+    assert all(json.loads(frame.removeprefix("data: ")) for frame in frames[:-1])
+    error = json.loads(frames[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "server_shutdown" and error["type"] == "service_unavailable"
+    assert "choices" in json.loads(frames[-3].removeprefix("data: "))
+    [answer] = answers
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "server_shutdown"
+    log = server.log()
+    assert log.count("grace period over") == 1
+    assert "cut 2 open requests, 1 of them streams" in log
+    assert "Traceback" not in log
 
 
 def test_a_second_signal_exits_at_once(tmp_path: Path) -> None:

@@ -1,0 +1,244 @@
+"""Connection hygiene uvicorn lacks: header and body read timeouts, a connection limit,
+and the process's open-file limit.
+
+uvicorn holds a connection that never finishes its request headers for ever, so a few
+hundred idle sockets exhaust the process's file descriptors and normal requests fail with
+EMFILE. :class:`GuardedHttpProtocol` (uvicorn's httptools protocol with timers) closes
+them:
+
+* header timeout: from the connection's start (or the first byte of a later request on a
+  kept-alive connection) to the end of the request headers. A client that sent part of a
+  request gets a 408 envelope, one that sent nothing is closed silently;
+* body timeout: the longest pause between two pieces of a request body. While reading is
+  paused because the app has not consumed what arrived, the client is not to blame and the
+  timer starts over. A response not yet begun becomes a 408 envelope;
+* connection limit: a request that arrives while more than ``max_connections``
+  connections are open gets a 503 envelope (``too_many_connections``) and its connection
+  is closed, so clients see why; the header timeout bounds how long the surplus stays.
+
+Keep-alive idle connections are closed by uvicorn's own ``timeout_keep_alive``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from http import HTTPStatus
+from typing import Any, ClassVar
+
+import orjson
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from penstock.app.middleware import ANSWERED_STATUS_KEY
+from penstock.errors import PenstockError, ServiceUnavailableError, SlowClientError
+
+logger = logging.getLogger(__name__)
+
+# Files the process needs besides its connections (engine weights, logs, the job db).
+_FD_RESERVE = 256
+_LIMIT_WARNING_INTERVAL_S = 10.0
+
+
+class ConnectionLimits:
+    """The timeouts (seconds, 0 = off) and the connection limit (0 = none) of one server."""
+
+    __slots__ = ("body_timeout_s", "header_timeout_s", "last_limit_warning", "max_connections")
+
+    def __init__(self, header_timeout_s: float, body_timeout_s: float, max_connections: int):
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.max_connections = max_connections
+        self.last_limit_warning = -_LIMIT_WARNING_INTERVAL_S
+
+
+def _raw_response(error: PenstockError) -> bytes:
+    body = orjson.dumps(error.envelope())
+    head = (
+        f"HTTP/1.1 {error.status_code} {HTTPStatus(error.status_code).phrase}\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode("latin-1") + body
+
+
+def _too_many_connections(limit: int) -> Any:
+    error = ServiceUnavailableError(
+        f"Too many open connections (the limit is {limit}); retry later",
+        code="too_many_connections",
+    )
+    body = orjson.dumps(error.envelope())
+
+    async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return refuse
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the timeouts and limit of :class:`ConnectionLimits`.
+
+    Use :func:`guarded_protocol` to get a subclass bound to one server's limits.
+    """
+
+    limits: ClassVar[ConnectionLimits]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        # Between the first byte of a request and the end of its headers.
+        self._in_headers = False
+        # Between the end of a request's headers and the end of its body.
+        self._in_body = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        self._cancel_body_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # Timers are armed only for what this read left unfinished, so a request that
+        # arrives whole costs no timer at all.
+        if self.transport.is_closing():
+            return
+        if self._in_headers and self._header_timer is None:
+            self._arm_header_timer()
+        if self._in_body:
+            self._arm_body_timer()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_headers = True
+
+    def on_headers_complete(self) -> None:
+        self._cancel_header_timer()
+        self._in_headers = False
+        self._in_body = True
+        limit = self.limits.max_connections
+        if limit and len(self.connections) > limit:
+            self._warn_limit(limit)
+            # uvicorn reads the app to run from ``self.app`` while it builds the cycle.
+            app = self.app
+            self.app = _too_many_connections(limit)
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        else:
+            super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        self._cancel_body_timer()
+        super().on_message_complete()
+
+    def _warn_limit(self, limit: int) -> None:
+        now = time.monotonic()
+        if now - self.limits.last_limit_warning >= _LIMIT_WARNING_INTERVAL_S:
+            self.limits.last_limit_warning = now
+            logger.warning(
+                "connection limit reached (%d open, limit %d): answering 503",
+                len(self.connections),
+                limit,
+            )
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        if self.limits.header_timeout_s > 0:
+            self._header_timer = self.loop.call_later(
+                self.limits.header_timeout_s, self._header_timed_out
+            )
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _arm_body_timer(self) -> None:
+        self._cancel_body_timer()
+        if self.limits.body_timeout_s > 0:
+            self._body_timer = self.loop.call_later(
+                self.limits.body_timeout_s, self._body_timed_out
+            )
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _header_timed_out(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self._in_headers:
+            error = SlowClientError(
+                f"Request headers not received within {self.limits.header_timeout_s:g}s",
+                code="header_timeout",
+            )
+            self.transport.write(_raw_response(error))
+        self.transport.close()
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:
+            self._arm_body_timer()
+            return
+        cycle = self.cycle
+        started = cycle is not None and cycle.response_started
+        if cycle is not None:
+            # The app's receive answers a disconnect and its sends are dropped from here on.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if not started:
+            error = SlowClientError(
+                f"Request body stalled for {self.limits.body_timeout_s:g}s",
+                code="body_timeout",
+            )
+            self.transport.write(_raw_response(error))
+            if cycle is not None:
+                cycle.scope.setdefault("state", {})[ANSWERED_STATUS_KEY] = error.status_code
+        self.transport.close()
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
+    """A :class:`GuardedHttpProtocol` bound to ``limits``, for ``uvicorn.Config(http=...)``."""
+    return type("BoundGuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
+
+
+def raise_open_file_limit(max_connections: int) -> None:
+    """Raise the soft RLIMIT_NOFILE to the hard one, as servers commonly do, and warn when
+    the connection limit would still run into it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    infinite = resource.RLIM_INFINITY
+    if soft != infinite and (hard == infinite or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            logger.debug("the open-file limit stays %d: %s", soft, exc)
+        else:
+            logger.debug("raised the open-file limit from %d to %d", soft, hard)
+            soft = hard
+    if soft != infinite and max_connections and max_connections + _FD_RESERVE > soft:
+        logger.warning(
+            "the open-file limit (%d) leaves room for fewer connections than "
+            "--max-connections (%d); accepting beyond it fails with EMFILE",
+            soft,
+            max_connections,
+        )

@@ -1,0 +1,118 @@
+"""Slow and idle clients against a real server: header, body and keep-alive timeouts and the
+connection limit close them, and normal requests go on being served."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+
+from tests.support.server import ServerProcess, running_server
+
+TIMEOUT_S = 1.0
+MAX_CONNECTIONS = 60
+SLOW_CLIENTS = 50
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    args = [
+        "--engine",
+        "sample",
+        "--header-timeout-s",
+        str(TIMEOUT_S),
+        "--body-timeout-s",
+        str(TIMEOUT_S),
+        "--keep-alive-timeout-s",
+        str(TIMEOUT_S),
+        "--max-connections",
+        str(MAX_CONNECTIONS),
+        "--",
+        "--delay",
+        "0",
+    ]
+    with running_server(args, tmp_path_factory.mktemp("connections")) as process:
+        yield process
+
+
+def connect(server: ServerProcess, first_bytes: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    if first_bytes:
+        sock.sendall(first_bytes)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (10 s at most)."""
+    data = b""
+    with sock:
+        while chunk := sock.recv(4096):
+            data += chunk
+    return data
+
+
+def envelope(response: bytes) -> dict[str, object]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower()
+    return orjson.loads(body)["error"]
+
+
+def test_clients_that_never_finish_their_headers_are_closed_and_others_served(
+    server: ServerProcess,
+) -> None:
+    started = time.monotonic()
+    slow = [connect(server, b"GET /v1/mod") for _ in range(SLOW_CLIENTS)]
+    assert httpx.get(f"{server.base_url}/v1/models").status_code == 200
+
+    silent = [connect(server) for _ in range(MAX_CONNECTIONS - SLOW_CLIENTS)]
+    refused = httpx.get(f"{server.base_url}/v1/models")
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "too_many_connections"
+
+    answers = [read_until_closed(sock) for sock in slow]
+    assert all(answer.startswith(b"HTTP/1.1 408 ") for answer in answers)
+    assert envelope(answers[0])["code"] == "header_timeout"
+    assert [read_until_closed(sock) for sock in silent] == [b""] * len(silent)
+    assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 8
+    assert httpx.get(f"{server.base_url}/v1/models").status_code == 200
+
+
+def test_headers_sent_a_little_at_a_time_do_not_extend_the_deadline(
+    server: ServerProcess,
+) -> None:
+    started = time.monotonic()
+    sock = connect(server, b"GET /")
+    for piece in (b"v1/", b"models"):
+        time.sleep(TIMEOUT_S * 0.4)
+        sock.sendall(piece)
+    answer = read_until_closed(sock)
+    assert envelope(answer)["code"] == "header_timeout"
+    # Restarting the timer on each piece would have held it until 1.8 timeouts.
+    assert time.monotonic() - started < TIMEOUT_S * 1.6
+
+
+def test_a_stalled_body_gets_408_and_is_closed(server: ServerProcess) -> None:
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: penstock\r\n"
+        b"content-type: application/json\r\ncontent-length: 100\r\n\r\n"
+    )
+    started = time.monotonic()
+    answer = read_until_closed(connect(server, head + b'{"model": "sam'))
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert envelope(answer)["code"] == "body_timeout"
+    assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 8
+    assert httpx.get(f"{server.base_url}/v1/models").status_code == 200
+    # The access line shows what the client got.
+    assert "POST /v1/completions 408 " in server.log()
+
+
+def test_an_idle_kept_alive_connection_is_closed(server: ServerProcess) -> None:
+    sock = connect(server, b"GET /live HTTP/1.1\r\nhost: penstock\r\n\r\n")
+    started = time.monotonic()
+    answer = read_until_closed(sock)
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 8
