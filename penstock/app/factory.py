@@ -16,6 +16,7 @@ from penstock.app.middleware import GatewayMiddleware
 from penstock.gateway import Gateway
 from penstock.media.artifacts import local_folder
 from penstock.media.service import MediaService
+from penstock.metrics.http import HttpMetricsMiddleware
 from penstock.rl.plane import install_admin_plane
 from penstock.routers import (
     admin,
@@ -111,4 +112,6 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.include_router(videos.router)
     app.include_router(images.router)
     app.add_middleware(GatewayMiddleware, gateway=gateway, always_open_paths=ALWAYS_OPEN_PATHS)
+    # Outermost, so refusals of the gateway middleware (413, 503 while draining) count too.
+    app.add_middleware(HttpMetricsMiddleware, registry=gateway.metrics.registry)
     return app
