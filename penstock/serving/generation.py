@@ -166,6 +166,9 @@ class Generation:
         produced: dict[str | None, int] = {}
         for choice in self.choices:
             segments = choice.versions
+            if not segments:
+                # Ended before its first token (shed, cancelled): nothing to credit.
+                continue
             ends = [segment.start_token for segment in segments[1:]] + [len(choice.token_ids)]
             for segment, end in zip(segments, ends, strict=True):
                 if end > segment.start_token:
