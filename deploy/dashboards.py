@@ -108,6 +108,20 @@ def quantiles(family: str, selector: str, by: str = "") -> list[tuple[str, str]]
     ]
 
 
+def lifetime_mean(family: str, by: str) -> tuple[str, str]:
+    """Mean of a histogram since the process started, per ``by``.
+
+    For rare events (weight updates, media jobs): their labelled series appear with the
+    first observation, which ``rate`` and ``increase`` never count, so a windowed mean of
+    a single event would show nothing.
+    """
+    return (
+        f"sum by ({by}) ({family}_sum{{{INSTANCE}}}) / "
+        f"sum by ({by}) ({family}_count{{{INSTANCE}}})",
+        f"{{{{{by}}}}}",
+    )
+
+
 def label_variable(name: str, label: str, query: str) -> dashboard.QueryVariable:
     every = VariableOption(selected=True, text="All", value="$__all")
     return (
@@ -431,18 +445,10 @@ def rl() -> dashboard.Dashboard:
         .with_panel(
             graph(
                 "Weight update duration",
-                "Mean seconds per successful weight update, by method.",
+                "Mean seconds per successful weight update since the gateway started, by "
+                "method (a mean over time since start, so that a single update shows).",
                 "s",
-                [
-                    (
-                        f"sum by (method) "
-                        f"(increase(penstock_weight_update_duration_seconds_sum{{{INSTANCE}}}[{RATE}]))"
-                        f" / sum by (method) "
-                        f"(increase(penstock_weight_update_duration_seconds_count{{{INSTANCE}}}"
-                        f"[{RATE}]))",
-                        "{{method}}",
-                    )
-                ],
+                [lifetime_mean("penstock_weight_update_duration_seconds", "method")],
                 width=8,
             )
         )
@@ -551,13 +557,12 @@ def media() -> dashboard.Dashboard:
         .with_panel(
             graph(
                 "Generations finished",
-                "Generations that ended in each interval, by kind and outcome.",
+                "Generations that ended since the gateway started, by kind and outcome.",
                 "short",
                 [
                     (
                         f"sum by (kind, status) "
-                        f"(increase(penstock_media_job_duration_seconds_count{{{INSTANCE}}}"
-                        f"[{RATE}]))",
+                        f"(penstock_media_job_duration_seconds_count{{{INSTANCE}}})",
                         "{{kind}} {{status}}",
                     )
                 ],
@@ -567,18 +572,10 @@ def media() -> dashboard.Dashboard:
         .with_panel(
             graph(
                 "Generation duration",
-                "Mean seconds from a worker starting a generation to its end.",
+                "Mean seconds from a worker starting a generation to its end, since the "
+                "gateway started, by kind.",
                 "s",
-                [
-                    (
-                        f"sum by (kind) "
-                        f"(increase(penstock_media_job_duration_seconds_sum{{{INSTANCE}}}[{RATE}]))"
-                        f" / sum by (kind) "
-                        f"(increase(penstock_media_job_duration_seconds_count{{{INSTANCE}}}"
-                        f"[{RATE}]))",
-                        "{{kind}}",
-                    )
-                ],
+                [lifetime_mean("penstock_media_job_duration_seconds", "kind")],
                 width=8,
             )
         )

@@ -30,7 +30,7 @@ from tests.deploy.support import PanelQuery, panel_queries, tool
 from tests.support.server import ServerProcess, free_port, start_server
 
 LLM = "sample-model"
-VIDEO_MODEL = "tiny-wan"
+VIDEO = {"model": "tiny-wan", "prompt": "a cat", "num_inference_steps": 2, "seed": 5}
 SCRAPE_S = 1
 READY_S = 60.0
 # Small admission limits: the burst below overflows them, so some requests are shed.
@@ -109,15 +109,19 @@ async def request(client: httpx.AsyncClient, path: str, body: dict[str, object])
         return response.status_code
 
 
+async def finished(client: httpx.AsyncClient, job: str) -> None:
+    deadline = time.monotonic() + 30
+    while (await client.get(f"/v1/videos/{job}")).json()["status"] != "completed":
+        assert time.monotonic() < deadline, f"video job {job} did not complete"
+        await asyncio.sleep(0.2)
+
+
 async def workload(llm: str, media: str, weights: Path) -> None:
     async with (
         httpx.AsyncClient(base_url=llm, timeout=30) as client,
         httpx.AsyncClient(base_url=media, timeout=30) as media_client,
     ):
-        video = await media_client.post(
-            "/v1/videos",
-            json={"model": VIDEO_MODEL, "prompt": "a cat", "num_inference_steps": 2, "seed": 5},
-        )
+        video = await media_client.post("/v1/videos", json=VIDEO)
         assert video.status_code == 200, video.text
         burst = [
             request(client, "/v1/chat/completions", chat(15, stream=n % 3 != 0)) for n in range(10)
@@ -148,11 +152,13 @@ async def workload(llm: str, media: str, weights: Path) -> None:
             *(request(client, "/v1/chat/completions", chat(20, stream=True)) for _ in range(3))
         )
 
-        deadline = time.monotonic() + 30
-        job = video.json()["id"]
-        while (await media_client.get(f"/v1/videos/{job}")).json()["status"] != "completed":
-            assert time.monotonic() < deadline, "the video job did not complete"
-            await asyncio.sleep(0.2)
+        await finished(media_client, video.json()["id"])
+        # A second job once the first one's series were scraped: windowed panels see a
+        # change only in series that existed at the scrape before.
+        await asyncio.sleep(1.5 * SCRAPE_S)
+        video = await media_client.post("/v1/videos", json=VIDEO)
+        assert video.status_code == 200, video.text
+        await finished(media_client, video.json()["id"])
 
 
 @pytest.fixture(scope="module")
