@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -151,3 +152,11 @@ def test_every_panel_query_is_valid_promql(tmp_path: Path) -> None:
         [tool("promtool"), "check", "rules", str(path)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_panel_reads_families_that_docs_metrics_lists() -> None:
+    documented = set(re.findall(r"`([a-z_]+)`", (REPO_ROOT / "docs" / "metrics.md").read_text()))
+    for query in panel_queries():
+        for name in re.findall(r"\b((?:penstock|http|process)_[a-z_]+)\b", query.expr):
+            family = re.sub(r"_(bucket|sum|count)$", "", name)
+            assert family in documented, f"{query}: {name} is not in docs/metrics.md"
