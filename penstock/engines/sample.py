@@ -413,7 +413,9 @@ class SampleLLMEngine(LLMEngine):
                     num_decode_requests=preempted,
                 ),
             )
-        publisher.publish_forward_pass(metrics)
+        publish_forward_pass = getattr(publisher, "publish_forward_pass", None)
+        if publish_forward_pass is not None:
+            publish_forward_pass(metrics)
         publisher.publish(
             0,
             ComponentSnapshot(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import shutil
@@ -15,13 +16,20 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from penstock.engines.sample import write_sample_weights
+from penstock.engines.token_budget import TokenBudget
+from penstock.gateway import token_budget_of
 from penstock.metrics.engine_bridge import EngineMetrics, SnapshotPublisher
-from penstock.metrics.forward_pass import ComponentSnapshot
-from penstock.metrics.frontend import log_buckets
+from penstock.metrics.forward_pass import (
+    ComponentSnapshot,
+    ForwardPassMetrics,
+    QueuedRequestMetrics,
+    ScheduledRequestMetrics,
+)
+from penstock.metrics.frontend import MAX_WEIGHT_VERSIONS, FrontendMetrics, log_buckets
 from tests.support.server import ServerProcess, running_server
 
 
@@ -79,6 +87,55 @@ def test_engine_bridge_collects_callbacks_and_snapshots() -> None:
         registry.get_sample_value("penstock_component_total_blocks", {**labels, "dp_rank": "3"})
         is None
     )
+
+
+def test_forward_passes_become_step_families_and_a_heartbeat_zeroes_the_latest_pass() -> None:
+    registry = CollectorRegistry()
+    publisher = SnapshotPublisher([0], "m", registry)
+    scheduled = ScheduledRequestMetrics(
+        num_prefill_requests=2, sum_prefill_tokens=30, num_decode_requests=3
+    )
+    queued = QueuedRequestMetrics(num_prefill_requests=4, sum_prefill_tokens=50)
+    publisher.publish_forward_pass(
+        ForwardPassMetrics(wall_time=0.02, scheduled_requests=scheduled, queued_requests=queued)
+    )
+    rank = {"model": "m", "dp_rank": "0"}
+    value = registry.get_sample_value
+    assert value("penstock_component_forward_passes_total", rank) == 1
+    assert value("penstock_component_forward_pass_batch_size_sum", rank) == 5
+    assert value("penstock_component_forward_pass_tokens_sum", rank) == 33
+    assert value("penstock_component_scheduled_tokens_total", {**rank, "phase": "decode"}) == 3
+    assert value("penstock_component_queued_requests", {**rank, "phase": "prefill"}) == 4
+    assert value("penstock_component_queued_prompt_tokens", rank) == 50
+    publisher.publish_forward_pass(ForwardPassMetrics())
+    assert value("penstock_component_forward_passes_total", rank) == 1
+    assert value("penstock_component_queued_requests", {**rank, "phase": "prefill"}) == 0
+    assert value("penstock_component_scheduled_requests", {**rank, "phase": "decode"}) == 0
+
+
+def test_only_the_most_recent_weight_versions_keep_token_series() -> None:
+    metrics = FrontendMetrics()
+    for step in range(MAX_WEIGHT_VERSIONS + 3):
+        metrics.count_version_tokens("m", f"step-{step}", 10)
+    metrics.count_version_tokens("m", f"step-{MAX_WEIGHT_VERSIONS + 2}", 5)
+    text = generate_latest(metrics.registry).decode()
+    kept = {
+        sample.labels["weight_version"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "penstock_weight_version_output_tokens_total"
+    }
+    assert len(kept) == MAX_WEIGHT_VERSIONS
+    assert "step-0" not in kept and kept[f"step-{MAX_WEIGHT_VERSIONS + 2}"] == 15
+
+
+def test_an_advertised_token_budget_is_read_as_a_dict_or_json_and_bad_ones_are_ignored() -> None:
+    fields = {"combined_limit": 64, "reject_prompt_overflow": True, "reject_total_overflow": False}
+    assert token_budget_of({"token_budget": fields}) == TokenBudget(64, True, False)
+    assert token_budget_of({"token_budget": json.dumps(fields)}) == TokenBudget(64, True, False)
+    assert token_budget_of({"token_budget": {"combined_limit": -1}}) is None
+    assert token_budget_of({"token_budget": "not json"}) is None
+    assert token_budget_of(None) is None
 
 
 # -- every documented family, after traffic that touches each ------------------------------

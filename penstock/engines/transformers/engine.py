@@ -153,6 +153,7 @@ class TransformersEngine(LLMEngine):
         self.latest_forward_pass_metrics: ForwardPassMetrics | None = None
         self._weights_source: Path | None = None
         self._snapshot_publisher: Any = None
+        self._publish_forward_pass: Callable[[ForwardPassMetrics], None] | None = None
         self._sleeping: set[str] = set()
         self._paused_by_sleep = False
         self._memory_lock = asyncio.Lock()
@@ -344,10 +345,12 @@ class TransformersEngine(LLMEngine):
         publisher = self._snapshot_publisher
         if publisher is None:
             return
-        try:
-            publisher.publish_forward_pass(metrics)
-        except Exception:
-            logger.exception("forward-pass publisher failed")
+        publish_forward_pass = self._publish_forward_pass
+        if publish_forward_pass is not None:
+            try:
+                publish_forward_pass(metrics)
+            except Exception:
+                logger.exception("forward-pass publisher failed")
         snapshot = ComponentSnapshot(
             kv_used_blocks=usage.used_blocks,
             kv_total_blocks=usage.total_blocks,
@@ -363,6 +366,8 @@ class TransformersEngine(LLMEngine):
         return [0]
 
     def attach_snapshot_publisher(self, publisher: Any) -> None:
+        # Forward passes go to Penstock's publisher only; Dynamo's has no such method.
+        self._publish_forward_pass = getattr(publisher, "publish_forward_pass", None)
         self._snapshot_publisher = publisher
 
     async def register_prometheus(self, metrics: Any) -> None:
