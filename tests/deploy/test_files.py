@@ -33,12 +33,14 @@ COMPOSE_SCHEMA = REPO_ROOT.parent / "shared" / "reference" / "compose-spec.schem
 ENV_EXAMPLE = REPO_ROOT / ".env.example"
 
 
-def compose_config(*files: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def compose_config(*files: Path, env_file: Path = ENV_EXAMPLE) -> subprocess.CompletedProcess[str]:
+    """``docker-compose config`` reading ``env_file`` instead of a developer's own ``.env``."""
     command = [tool("docker-compose"), "--project-directory", str(REPO_ROOT)]
+    command += ["--env-file", str(env_file)]
     for path in files:
         command += ["-f", str(path)]
-    # Only what the test sets: no stray GRAFANA_* or PENSTOCK_* of the caller.
-    clean = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **env}
+    # Only PATH and HOME from the caller: no stray GRAFANA_* or PENSTOCK_* variables.
+    clean = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
     return subprocess.run(
         [*command, "config"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT, env=clean
     )
@@ -54,7 +56,7 @@ def env_example() -> dict[str, str]:
 
 
 def test_compose_validates_with_the_env_example_and_the_gpu_override() -> None:
-    result = compose_config(*COMPOSE_FILES, env=env_example())
+    result = compose_config(*COMPOSE_FILES)
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     services = config["services"]
@@ -72,7 +74,7 @@ def test_compose_validates_with_the_env_example_and_the_gpu_override() -> None:
 
 
 def test_state_lives_on_named_volumes() -> None:
-    result = compose_config(COMPOSE_FILES[0], env=env_example())
+    result = compose_config(COMPOSE_FILES[0])
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     mounts = {
@@ -84,9 +86,12 @@ def test_state_lives_on_named_volumes() -> None:
     assert "devices" not in json.dumps(config["services"]["gateway"])
 
 
-def test_compose_refuses_to_start_grafana_without_an_admin_password() -> None:
-    env = {k: v for k, v in env_example().items() if k != "GRAFANA_ADMIN_PASSWORD"}
-    result = compose_config(COMPOSE_FILES[0], env=env)
+def test_compose_refuses_to_start_grafana_without_an_admin_password(tmp_path: Path) -> None:
+    env_file = tmp_path / ".env"
+    env_file.write_text(
+        "".join(f"{k}={v}\n" for k, v in env_example().items() if k != "GRAFANA_ADMIN_PASSWORD")
+    )
+    result = compose_config(COMPOSE_FILES[0], env_file=env_file)
     assert result.returncode != 0
     assert "GRAFANA_ADMIN_PASSWORD" in result.stderr
 
