@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from penstock.engines.host import EngineHost
+from penstock.engines.token_budget import TOKEN_BUDGET_RUNTIME_KEY, TokenBudget
 from penstock.errors import ModelNotFoundError
+from penstock.metrics.admin import AdminMetrics
 from penstock.metrics.engine_bridge import EngineMetrics
 from penstock.metrics.frontend import FrontendMetrics
+from penstock.metrics.media import MediaMetrics
 from penstock.settings import Settings
 
 if TYPE_CHECKING:
     from penstock.preprocess import Preprocessor
+
+logger = logging.getLogger(__name__)
 
 
 class AdminStateView(Protocol):
@@ -45,6 +52,30 @@ class ServedModel:
             return None
         return config.llm.context_length
 
+    @property
+    def token_budget(self) -> TokenBudget | None:
+        """The engine's advertised ``TokenBudget``, if any (a dict or, as Dynamo publishes
+        it, its JSON text, under ``runtime_data["token_budget"]``)."""
+        config = self.host.engine_config
+        return token_budget_of(config.runtime_data if config is not None else None)
+
+
+def token_budget_of(runtime_data: dict[str, Any] | None) -> TokenBudget | None:
+    """Read a ``TokenBudget`` back; one that does not parse is ignored, with a warning."""
+    advertised = (runtime_data or {}).get(TOKEN_BUDGET_RUNTIME_KEY)
+    if advertised is None:
+        return None
+    try:
+        fields = json.loads(advertised) if isinstance(advertised, str) else advertised
+        return TokenBudget(
+            combined_limit=fields["combined_limit"],
+            reject_prompt_overflow=bool(fields["reject_prompt_overflow"]),
+            reject_total_overflow=bool(fields["reject_total_overflow"]),
+        )
+    except (ValueError, TypeError, KeyError) as exc:
+        logger.warning("ignoring the engine's token budget %r: %s", advertised, exc)
+        return None
+
 
 @dataclass
 class Readiness:
@@ -66,6 +97,9 @@ class Gateway:
         self.weight_version: str | None = None
         self.metrics = FrontendMetrics()
         self.engine_metrics = EngineMetrics()
+        self.admin_metrics = AdminMetrics(self.metrics.registry)
+        self.admin_metrics.watch(self._admin_state, lambda: self.weight_version)
+        self.media_metrics = MediaMetrics(self.metrics.registry)
 
     def add_model(self, model: ServedModel) -> None:
         for name in (model.name, *model.aliases):
@@ -90,6 +124,11 @@ class Gateway:
         for model in self.models.values():
             seen.setdefault(id(model), model)
         return list(seen.values())
+
+    def _admin_state(self) -> str:
+        if self.admin is not None:
+            return self.admin.name
+        return "draining" if self.draining else "serving"
 
     def readiness(self) -> Readiness:
         if self.draining:

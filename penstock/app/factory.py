@@ -18,6 +18,7 @@ from penstock.app.middleware import GatewayMiddleware, OpenRequests
 from penstock.gateway import Gateway
 from penstock.media.artifacts import local_folder
 from penstock.media.service import MediaService
+from penstock.metrics.http import HttpMetricsMiddleware
 from penstock.rl.plane import install_admin_plane
 from penstock.routers import (
     admin,
@@ -128,6 +129,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         always_open_paths=ALWAYS_OPEN_PATHS,
         open_requests=app.state.open_requests,
     )
+    # Outermost, so refusals of the gateway middleware (413, 503 while draining) count too.
+    app.add_middleware(HttpMetricsMiddleware, registry=gateway.metrics.registry)
     return app
 
 

@@ -137,6 +137,14 @@ async def build_gateway(
 
 
 async def _bridge_engine_metrics(gateway: Gateway, engine: Any, model: str) -> None:
+    served = gateway.resolve(model)
+    budget = served.token_budget
+    gateway.metrics.set_token_limits(
+        model,
+        budget.combined_limit if budget is not None else served.context_length,
+        reject_prompt=budget is None or budget.reject_prompt_overflow,
+        reject_total=budget is None or budget.reject_total_overflow,
+    )
     await engine.register_prometheus(gateway.engine_metrics)
     ranks = list(engine.component_metrics_dp_ranks())
     if ranks:

@@ -18,6 +18,11 @@ It also implements the RL admin controls in a simulated but observable way:
 * **flush_cache** empties a simulated prefix cache (one entry per distinct prompt);
   **abort_request** ends requests by ``context.id()``.
 * **weight versions**: every chunk carries ``engine_data: {"weight_version": v}``.
+* **metrics**: while requests run it publishes one simulated forward pass (and a KV
+  snapshot: 16-token blocks out of 1000) every ``max(--delay, 10 ms)``: the requests that
+  got their first token are the prefills, those that advanced the decodes, those held by a
+  pause the queued ones; then one idle heartbeat. ``--token-budget N`` advertises a
+  ``TokenBudget`` of ``N`` tokens that the gateway enforces.
 * **LoRA**: an adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``
   holding ``token_shift``) adds its shift for requests whose ``model`` names it.
 """
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import math
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +57,14 @@ from penstock.engines.health import (
     is_probe,
     parse_health_check_payload_cli,
 )
+from penstock.engines.token_budget import TOKEN_BUDGET_RUNTIME_KEY, TokenBudget
+from penstock.metrics.forward_pass import (
+    ComponentSnapshot,
+    ForwardPassMetrics,
+    QueuedRequestMetrics,
+    ScheduledRequestMetrics,
+    WelfordAccumulator,
+)
 
 SAMPLE_TOKENIZER_DIR = Path(__file__).parent / "assets" / "sample-tokenizer"
 MAX_TOP_LOGPROBS = 20
@@ -61,6 +76,9 @@ WEIGHT_SHAPES: dict[str, tuple[int, ...]] = {"token_shift": (1,)}
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_TAGS = ("kv_cache", "weights")
 ADMIN_ABORT_REASON = "abort"
+KV_BLOCK_SIZE = 16
+TOTAL_KV_BLOCKS = 1000
+MIN_PASS_INTERVAL_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -114,8 +132,12 @@ class _Flight:
     """One request inside ``generate``, as the admin controls see it."""
 
     context: Context
+    prompt_tokens: int = 0
     admitted: bool = False
     abort_reason: str | None = None
+    generated: int = 0
+    # ``generated`` at the latest simulated forward pass.
+    reported: int = 0
 
 
 @dataclass
@@ -146,6 +168,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--delay", type=float, default=0.01, help="seconds before each token")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens when none asked")
     parser.add_argument("--context-length", type=int, default=2048)
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="advertise a TokenBudget of this many tokens (prompt + completion)",
+    )
     parser.add_argument("--endpoint-types", default="chat,completions")
     parser.add_argument("--health-check-payload", default=None)
     return parser
@@ -162,6 +190,7 @@ class SampleLLMEngine(LLMEngine):
         delay: float = 0.01,
         max_tokens: int = 16,
         context_length: int = 2048,
+        token_budget: int | None = None,
     ) -> None:
         if delay < 0:
             raise ValueError("--delay must be >= 0")
@@ -172,6 +201,9 @@ class SampleLLMEngine(LLMEngine):
         self.delay = delay
         self.max_tokens = max_tokens
         self.context_length = context_length
+        self.token_budget = (
+            TokenBudget(token_budget, True, True) if token_budget is not None else None
+        )
         self.vocab_size = 0
         self.ordinary_ids: list[int] = []
         self.bos_token_id = 1
@@ -184,6 +216,12 @@ class SampleLLMEngine(LLMEngine):
         self._holds: dict[str, _Hold] = {}
         self._flights: set[_Flight] = set()
         self._changed = asyncio.Event()
+        self._publisher: Any = None
+        self._passes: asyncio.Task[None] | None = None
+        self._active = asyncio.Event()
+        self._pass_counter = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[SampleLLMEngine, WorkerConfig]:
@@ -197,6 +235,7 @@ class SampleLLMEngine(LLMEngine):
             delay=args.delay,
             max_tokens=args.max_tokens,
             context_length=args.context_length,
+            token_budget=args.token_budget,
         )
         config = WorkerConfig(
             namespace="penstock",
@@ -221,13 +260,21 @@ class SampleLLMEngine(LLMEngine):
         ]
         self.bos_token_id = bos_token_id_or(tokenizer, default=min(special_ids, default=0))
         self.started = True
+        self._passes = asyncio.get_running_loop().create_task(
+            self._report_passes(), name="sample-forward-passes"
+        )
         return EngineConfig(
             model=self.model,
             served_model_name=self.model,
+            runtime_data=(
+                {TOKEN_BUDGET_RUNTIME_KEY: self.token_budget.as_runtime_data()}
+                if self.token_budget is not None
+                else None
+            ),
             llm=LlmRegistration(
                 context_length=self.context_length,
-                kv_cache_block_size=16,
-                total_kv_blocks=1000,
+                kv_cache_block_size=KV_BLOCK_SIZE,
+                total_kv_blocks=TOTAL_KV_BLOCKS,
                 max_num_seqs=64,
                 max_num_batched_tokens=self.context_length,
             ),
@@ -254,10 +301,14 @@ class SampleLLMEngine(LLMEngine):
         top_k = min(int(logprobs), MAX_TOP_LOGPROBS) if logprobs is not None else None
         # Canaries probe that the engine runs; a pause must not make it look dead.
         held = not is_probe(request)
-        flight = _Flight(context)
+        flight = _Flight(context, prompt_len)
         if held:
             self._flights.add(flight)
-            self.prefix_cache.add(hash(tuple(prompt)))
+            self._active.set()
+            key = hash(tuple(prompt))
+            self._prefix_queries += 1
+            self._prefix_hits += key in self.prefix_cache
+            self.prefix_cache.add(key)
         try:
             if held:
                 await self._hold_while_blocked(flight)
@@ -274,6 +325,7 @@ class SampleLLMEngine(LLMEngine):
                     for choice in range(n):
                         yield self._terminal(choice, [], reason, prompt_len, step)
                     return
+                flight.generated += 1
                 shift = self._shift_for(request)
                 for choice in range(n):
                     token = self.token_at(step, choice, shift)
@@ -292,6 +344,90 @@ class SampleLLMEngine(LLMEngine):
             if held:
                 self._flights.discard(flight)
                 self._notify()
+
+    # -- metrics -------------------------------------------------------------------------
+
+    def component_metrics_dp_ranks(self) -> list[int]:
+        return [0]
+
+    def attach_snapshot_publisher(self, publisher: Any) -> None:
+        self._publisher = publisher
+
+    async def _report_passes(self) -> None:
+        """One simulated forward pass per interval while requests run, then a heartbeat."""
+        loop = asyncio.get_running_loop()
+        interval = max(self.delay, MIN_PASS_INTERVAL_S)
+        was_active = False
+        while True:
+            if not self._flights:
+                if was_active:
+                    self._publish_pass(0.0)
+                    was_active = False
+                self._active.clear()
+                await self._active.wait()
+            was_active = True
+            started = loop.time()
+            await asyncio.sleep(interval)
+            self._publish_pass(loop.time() - started)
+
+    def _publish_pass(self, wall_time: float) -> None:
+        """Publish what ran since the previous pass; ``wall_time`` 0 is the heartbeat."""
+        publisher = self._publisher
+        if publisher is None:
+            return
+        prefill, decode, waiting = WelfordAccumulator(), WelfordAccumulator(), WelfordAccumulator()
+        preempted, used_blocks = 0, 0
+        for flight in self._flights:
+            if not flight.admitted:
+                waiting.add(flight.prompt_tokens)
+                continue
+            kv_tokens = flight.prompt_tokens + flight.generated
+            used_blocks += math.ceil(kv_tokens / KV_BLOCK_SIZE)
+            if flight.generated == flight.reported:
+                preempted += flight.generated > 0
+            elif flight.reported == 0:
+                prefill.add(flight.prompt_tokens)
+            else:
+                decode.add(kv_tokens)
+            flight.reported = flight.generated
+        self._pass_counter += 1
+        if wall_time == 0.0:
+            metrics = ForwardPassMetrics(worker_id="sample", counter_id=self._pass_counter)
+        else:
+            metrics = ForwardPassMetrics(
+                worker_id="sample",
+                counter_id=self._pass_counter,
+                wall_time=wall_time,
+                scheduled_requests=ScheduledRequestMetrics(
+                    num_prefill_requests=prefill.n,
+                    sum_prefill_tokens=int(prefill.s),
+                    var_prefill_length=prefill.variance(),
+                    num_decode_requests=decode.n,
+                    sum_decode_kv_tokens=int(decode.s),
+                    var_decode_kv_tokens=decode.variance(),
+                ),
+                queued_requests=QueuedRequestMetrics(
+                    num_prefill_requests=waiting.n,
+                    sum_prefill_tokens=int(waiting.s),
+                    var_prefill_length=waiting.variance(),
+                    num_decode_requests=preempted,
+                ),
+            )
+        publish_forward_pass = getattr(publisher, "publish_forward_pass", None)
+        if publish_forward_pass is not None:
+            publish_forward_pass(metrics)
+        publisher.publish(
+            0,
+            ComponentSnapshot(
+                kv_used_blocks=used_blocks,
+                kv_total_blocks=TOTAL_KV_BLOCKS,
+                gpu_cache_usage=used_blocks / TOTAL_KV_BLOCKS,
+                dp_rank=0,
+                kv_cache_hit_rate=(
+                    self._prefix_hits / self._prefix_queries if self._prefix_queries else None
+                ),
+            ),
+        )
 
     # -- admin controls ----------------------------------------------------------------
 
@@ -555,6 +691,11 @@ class SampleLLMEngine(LLMEngine):
 
     async def cleanup(self) -> None:
         self.started = False
+        passes, self._passes = self._passes, None
+        if passes is not None:
+            passes.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await passes
 
 
 class _BadBody(ValueError):

@@ -1,7 +1,10 @@
 """``sample-diffusion``: an image engine that needs no model, for trying the raw path.
 
 Every image is the same valid 1x1 PNG; ``delay`` seconds pass before the answer (not for
-health canaries). It ignores cancellation: the answer is one object, produced at once.
+health canaries). With ``--steps N`` that delay is split into N simulated denoising steps,
+each reported as a progress object (``status`` ``in_progress``, ``progress``, ``step``,
+``total_steps``) before the answer, as a real diffusion engine reports them; a request
+cancelled meanwhile ends after the current step.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--component", default="sample")
     parser.add_argument("--endpoint", default="generate")
     parser.add_argument("--delay", type=float, default=0.05, help="seconds before each answer")
+    parser.add_argument(
+        "--steps", type=int, default=0, help="simulated denoising steps reported as progress"
+    )
     parser.add_argument("--endpoint-types", default="images")
     parser.add_argument("--health-check-payload", default=None)
     return parser
@@ -69,18 +75,21 @@ def _image_count(request: RawRequest) -> int:
 class SampleDiffusionEngine(DiffusionEngine):
     """Answers ``n`` copies of a 1x1 PNG, as ``b64_json`` or a ``data:`` URL."""
 
-    def __init__(self, model: str, *, delay: float = 0.05) -> None:
+    def __init__(self, model: str, *, delay: float = 0.05, steps: int = 0) -> None:
         if delay < 0:
             raise ValueError("--delay must be >= 0")
+        if steps < 0:
+            raise ValueError("--steps must be >= 0")
         self.model = model
         self.delay = delay
+        self.steps = steps
 
     @classmethod
     async def from_args(
         cls, argv: list[str] | None = None
     ) -> tuple[SampleDiffusionEngine, WorkerConfig]:
         args = _parser().parse_args(argv)
-        engine = cls(args.model, delay=args.delay)
+        engine = cls(args.model, delay=args.delay, steps=args.steps)
         config = WorkerConfig(
             namespace=args.namespace,
             component=args.component,
@@ -101,8 +110,20 @@ class SampleDiffusionEngine(DiffusionEngine):
     ) -> AsyncGenerator[RawResponseChunk, None]:
         count = _image_count(request)
         response_format = request.get("response_format") or "url"
-        if not is_probe(request) and self.delay:
-            await asyncio.sleep(self.delay)
+        if not is_probe(request):
+            if self.steps:
+                for step in range(1, self.steps + 1):
+                    await asyncio.sleep(self.delay / self.steps)
+                    if context.is_stopped():
+                        return
+                    yield {
+                        "status": "in_progress",
+                        "progress": step * 100 // (self.steps + 1),
+                        "step": step,
+                        "total_steps": self.steps,
+                    }
+            elif self.delay:
+                await asyncio.sleep(self.delay)
         if response_format == "b64_json":
             item = {"b64_json": _PIXEL_PNG_B64}
         else:

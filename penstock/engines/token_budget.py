@@ -1,8 +1,14 @@
 """Which token overflows a frontend may reject before the engine sees a request.
 
-Seed parity: :class:`TokenBudget` is the ``dynamo.common.token_budget`` API, kept for
-engines written against Dynamo; this gateway does not read it: it checks every request
-against the model's context length itself (:mod:`penstock.preprocess.budget`).
+Seed parity: :class:`TokenBudget` is the ``dynamo.common.token_budget`` API. An engine
+advertises one as ``EngineConfig.runtime_data[TOKEN_BUDGET_RUNTIME_KEY] =
+budget.as_runtime_data()`` (or, as Dynamo's ``publish_token_budget`` writes it, that dict
+as JSON text). The gateway then checks prompts against ``combined_limit`` instead of the
+context length and rejects only the overflows whose flag is set
+(:func:`penstock.serving.requests.check_budget`); ``/metrics`` shows the limit and the
+flags (``penstock_frontend_model_context_length``,
+``penstock_frontend_model_token_budget_enforced``). Without one, the context length is the
+limit and both overflows are rejected.
 """
 
 from dataclasses import dataclass

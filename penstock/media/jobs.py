@@ -177,6 +177,10 @@ class JobStore:
         ).fetchall()
         return [_row_to_job(r) for r in rows[:limit]], len(rows) > limit
 
+    def count_by_status(self) -> dict[str, int]:
+        rows = self._db.execute("SELECT status, COUNT(*) FROM video_jobs GROUP BY status")
+        return {status: count for status, count in rows.fetchall()}
+
     def unfinished(self) -> list[VideoJob]:
         rows = self._db.execute(
             "SELECT * FROM video_jobs WHERE status IN (?, ?) ORDER BY seq ASC", UNFINISHED

@@ -57,6 +57,14 @@ class WorkerPool:
                 return index
         return None
 
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
     def is_running(self, key: str) -> bool:
         return key in self._running
 

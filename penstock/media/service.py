@@ -42,6 +42,7 @@ CANCEL_WAIT_S = 30.0
 INTERRUPTED_REASON = "the server stopped while this job was running; create it again"
 SHUTDOWN_REASON = "the server shut down while this job was running; create it again"
 _PROGRESS_STATUSES = frozenset({QUEUED, IN_PROGRESS})
+CANCELLED = "cancelled"
 _FORMAT_RE = re.compile(r"^[a-z0-9]{1,8}$")
 
 
@@ -57,6 +58,9 @@ class _Run:
     context: Context
     started: float = field(default_factory=time.monotonic)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # The latest denoising step reported and when, to time the steps between reports.
+    step: int | None = None
+    step_at: float = 0.0
 
 
 @dataclass
@@ -90,6 +94,10 @@ class MediaService:
         self.pool = WorkerPool(workers)
         self._runs: dict[str, _Run] = {}
         self._subscribers: dict[str, list[asyncio.Queue[JobEvent]]] = {}
+        self.metrics = gateway.media_metrics
+        self.metrics.watch(
+            self.jobs.count_by_status, lambda: self.pool.waiting, lambda: self.pool.running
+        )
 
     def start(self) -> None:
         """Settle the jobs a previous process left unfinished, then start the workers."""
@@ -193,6 +201,23 @@ class MediaService:
         finally:
             self._runs.pop(job_id, None)
             run.done.set()
+        ended = self.jobs.get(job_id)
+        if ended is not None and ended.finished:
+            status = CANCELLED if ended.error_code == CANCELLED else ended.status
+            self._record_end(run, "video", status)
+
+    def _record_end(self, run: _Run, kind: str, status: str) -> None:
+        self.metrics.generation_done(run.served.name, kind, status, time.monotonic() - run.started)
+
+    def _record_step(self, run: _Run, step: Any) -> None:
+        """Time the denoising steps since the previous report; the first report only
+        starts the clock, as it also covers the work before the first step."""
+        if not isinstance(step, int) or isinstance(step, bool):
+            return
+        now = time.monotonic()
+        if run.step is not None and step > run.step:
+            self.metrics.steps_done(run.served.name, step - run.step, now - run.step_at)
+        run.step, run.step_at = step, now
 
     async def _execute_video(self, job: VideoJob, run: _Run) -> None:
         self.jobs.update(job.id, status=IN_PROGRESS, progress=0)
@@ -233,6 +258,7 @@ class MediaService:
         except (TypeError, ValueError):
             progress = job.progress
         step, total = chunk.get("step"), chunk.get("total_steps")
+        self._record_step(run, step)
         elapsed = time.monotonic() - run.started
         eta: float | None = None
         if isinstance(step, int) and isinstance(total, int) and 0 < step <= total:
@@ -315,21 +341,28 @@ class MediaService:
         async def work() -> None:
             if result.done():
                 return
+            run = _Run(served, context)
             terminal: dict[str, Any] | None = None
             try:
                 async for chunk in served.host.generate(request, context):
                     terminal = chunk
+                    if isinstance(chunk, dict) and is_progress(chunk):
+                        self._record_step(run, chunk.get("step"))
             except BaseException as exc:
+                self._record_end(run, "image", CANCELLED if context.is_stopped() else FAILED)
                 if not result.done():
                     result.set_exception(exc)
                 if isinstance(exc, asyncio.CancelledError):
                     raise
                 return
             if result.done():
+                self._record_end(run, "image", CANCELLED)
                 return
             if terminal is None or is_progress(terminal):
+                self._record_end(run, "image", FAILED)
                 result.set_exception(EngineError("the engine ended without a result"))
             else:
+                self._record_end(run, "image", COMPLETED)
                 result.set_result(terminal)
 
         self.pool.submit(key, work)

@@ -1,4 +1,11 @@
-"""What the host hands an engine for metrics: text callbacks and a snapshot publisher."""
+"""What the host hands an engine for metrics: text callbacks and a snapshot publisher.
+
+The publisher is Penstock's stand-in for Dynamo's Rust-owned ``SnapshotPublisher``: besides
+the seed's ``publish(rank, snapshot)`` for KV snapshots, it takes one
+:class:`~penstock.metrics.forward_pass.ForwardPassMetrics` per scheduler iteration through
+``publish_forward_pass`` (Dynamo ships those over ZMQ to its event plane; in one process
+they go straight into Prometheus families). Both are called from engine threads.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from penstock.metrics.forward_pass import ForwardPassMetrics
+from penstock.metrics.frontend import log_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +48,39 @@ class EngineMetrics:
         return "".join(parts)
 
 
+class _RankFamilies:
+    """The forward-pass children of one dp rank, bound once."""
+
+    __slots__ = (
+        "batch_size",
+        "decode_tokens",
+        "duration",
+        "passes",
+        "prefill_tokens",
+        "queued_decode",
+        "queued_prefill",
+        "queued_prompt_tokens",
+        "scheduled_decode",
+        "scheduled_prefill",
+        "tokens",
+    )
+
+    def __init__(self, publisher: SnapshotPublisher, labels: tuple[str, str]) -> None:
+        self.passes = publisher.passes.labels(*labels)
+        self.duration = publisher.pass_duration.labels(*labels)
+        self.batch_size = publisher.batch_size.labels(*labels)
+        self.tokens = publisher.pass_tokens.labels(*labels)
+        self.prefill_tokens = publisher.scheduled_tokens.labels(*labels, "prefill")
+        self.decode_tokens = publisher.scheduled_tokens.labels(*labels, "decode")
+        self.scheduled_prefill = publisher.scheduled.labels(*labels, "prefill")
+        self.scheduled_decode = publisher.scheduled.labels(*labels, "decode")
+        self.queued_prefill = publisher.queued.labels(*labels, "prefill")
+        self.queued_decode = publisher.queued.labels(*labels, "decode")
+        self.queued_prompt_tokens = publisher.queued_prompt_tokens.labels(*labels)
+
+
 class SnapshotPublisher:
-    """Receives per-rank KV snapshots from an engine thread and keeps them as gauges."""
+    """Keeps an engine's per-rank KV snapshots and forward passes as Prometheus families."""
 
     def __init__(self, ranks: list[int], model: str, registry: CollectorRegistry) -> None:
         self.ranks = set(ranks)
@@ -64,6 +105,82 @@ class SnapshotPublisher:
             labels,
             registry=registry,
         )
+        self.passes = Counter(
+            "penstock_component_forward_passes",
+            "Forward passes (scheduler iterations), idle heartbeats excluded",
+            labels,
+            registry=registry,
+        )
+        self.pass_duration = Histogram(
+            "penstock_component_forward_pass_duration_seconds",
+            "Wall time of one forward pass",
+            labels,
+            buckets=log_buckets(0.0001, 10.0, 16),
+            registry=registry,
+        )
+        self.batch_size = Histogram(
+            "penstock_component_forward_pass_batch_size",
+            "Requests scheduled in one forward pass (prefill + decode)",
+            labels,
+            buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+            registry=registry,
+        )
+        self.pass_tokens = Histogram(
+            "penstock_component_forward_pass_tokens",
+            "Tokens computed in one forward pass (prompt tokens prefilled + one per decode)",
+            labels,
+            buckets=[1, 4, 16, 64, 256, 1024, 4096, 16384, 65536],
+            registry=registry,
+        )
+        self.scheduled_tokens = Counter(
+            "penstock_component_scheduled_tokens",
+            "Tokens computed: prompt tokens prefilled, tokens decoded",
+            [*labels, "phase"],
+            registry=registry,
+        )
+        self.scheduled = Gauge(
+            "penstock_component_scheduled_requests",
+            "Requests scheduled in the latest forward pass",
+            [*labels, "phase"],
+            registry=registry,
+        )
+        self.queued = Gauge(
+            "penstock_component_queued_requests",
+            "Requests waiting after the latest forward pass (decode: preempted)",
+            [*labels, "phase"],
+            registry=registry,
+        )
+        self.queued_prompt_tokens = Gauge(
+            "penstock_component_queued_prompt_tokens",
+            "Prompt tokens of the requests waiting to be prefilled",
+            labels,
+            registry=registry,
+        )
+        self._ranks = {rank: _RankFamilies(self, (model, str(rank))) for rank in self.ranks}
+
+    def publish_forward_pass(self, metrics: ForwardPassMetrics) -> None:
+        """Record one forward pass; a heartbeat only zeroes the latest-pass gauges."""
+        families = self._ranks.get(metrics.dp_rank)
+        if families is None:
+            logger.warning("forward pass for undeclared dp rank %s ignored", metrics.dp_rank)
+            return
+        scheduled = metrics.scheduled_requests
+        queued = metrics.queued_requests
+        families.scheduled_prefill.set(scheduled.num_prefill_requests)
+        families.scheduled_decode.set(scheduled.num_decode_requests)
+        families.queued_prefill.set(queued.num_prefill_requests)
+        families.queued_decode.set(queued.num_decode_requests)
+        families.queued_prompt_tokens.set(queued.sum_prefill_tokens)
+        if metrics.is_heartbeat:
+            return
+        families.passes.inc()
+        families.duration.observe(metrics.wall_time)
+        families.batch_size.observe(scheduled.num_prefill_requests + scheduled.num_decode_requests)
+        families.tokens.observe(scheduled.sum_prefill_tokens + scheduled.num_decode_requests)
+        if scheduled.sum_prefill_tokens:
+            families.prefill_tokens.inc(scheduled.sum_prefill_tokens)
+        if scheduled.num_decode_requests:
+            families.decode_tokens.inc(scheduled.num_decode_requests)
 
     def publish(self, rank: int, snapshot: Any) -> None:
         if rank not in self.ranks:

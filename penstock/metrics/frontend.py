@@ -1,13 +1,30 @@
-"""The gateway's own Prometheus metrics: requests, latency, tokens, in flight."""
+"""The gateway's own Prometheus metrics: requests, latency, tokens, in flight.
+
+Also the process collectors, so one registry answers ``/metrics``, and the completion
+tokens of each weight version (the one family besides the version info that carries a
+version as a label: only the :data:`MAX_WEIGHT_VERSIONS` most recent keep their series).
+"""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+)
 
 PREFIX = "penstock_frontend_"
+MAX_WEIGHT_VERSIONS = 8
+NO_WEIGHT_VERSION = "none"
 
 
 def log_buckets(low: float, high: float, count: int) -> list[float]:
@@ -91,7 +108,29 @@ class FrontendMetrics:
         self.output_tokens_total = Counter(
             f"{PREFIX}output_tokens", "Completion tokens streamed", ["model"], registry=r
         )
+        self.context_length = Gauge(
+            f"{PREFIX}model_context_length",
+            "Token limit prompts are checked against (TokenBudget or context length)",
+            ["model"],
+            registry=r,
+        )
+        self.token_budget_enforced = Gauge(
+            f"{PREFIX}model_token_budget_enforced",
+            "1 when the gateway rejects this overflow, 0 when the engine owns it",
+            ["model", "overflow"],
+            registry=r,
+        )
+        self.version_tokens = Counter(
+            "penstock_weight_version_output_tokens",
+            f"Completion tokens per weight version (the {MAX_WEIGHT_VERSIONS} most recent)",
+            ["model", "weight_version"],
+            registry=r,
+        )
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)
         self._per_model: dict[str, ModelMetrics] = {}
+        self._versions: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._versions_lock = threading.Lock()
 
     def for_model(self, model: str) -> ModelMetrics:
         children = self._per_model.get(model)
@@ -108,3 +147,30 @@ class FrontendMetrics:
             )
             self._per_model[model] = children
         return children
+
+    def set_token_limits(
+        self, model: str, limit: int | None, reject_prompt: bool, reject_total: bool
+    ) -> None:
+        """Show the token limit the gateway applies to ``model`` and which overflows act;
+        nothing for a model with no limit (the gateway checks nothing then)."""
+        if limit is None:
+            return
+        self.context_length.labels(model).set(limit)
+        self.token_budget_enforced.labels(model, "prompt").set(int(reject_prompt))
+        self.token_budget_enforced.labels(model, "total").set(int(reject_total))
+
+    def count_version_tokens(self, model: str, version: str | None, tokens: int) -> None:
+        """Add ``tokens`` to ``version``; the least recently seen version past the bound
+        loses its series."""
+        key = (model, version or NO_WEIGHT_VERSION)
+        with self._versions_lock:
+            child = self._versions.get(key)
+            if child is None:
+                child = self.version_tokens.labels(*key)
+                self._versions[key] = child
+                while len(self._versions) > MAX_WEIGHT_VERSIONS:
+                    old, _ = self._versions.popitem(last=False)
+                    self.version_tokens.remove(*old)
+            else:
+                self._versions.move_to_end(key)
+        child.inc(tokens)

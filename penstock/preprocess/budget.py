@@ -13,13 +13,17 @@ def check_token_budget(
     context_length: int | None,
     *,
     prompt_param: str = "messages",
+    reject_prompt_overflow: bool = True,
+    reject_total_overflow: bool = True,
 ) -> int | None:
     """The effective ``max_tokens``: the request's own, else whatever room the context leaves.
 
     Raises :class:`InvalidRequestError` when the prompt fills the context by itself
     (``param`` is ``prompt_param``) or prompt plus completion overflow it (``param`` is
     ``max_tokens``). With no known context length the request's ``max_tokens`` stands,
-    None included: the engine then decides when to stop.
+    None included: the engine then decides when to stop. An overflow whose
+    ``reject_*_overflow`` flag is False (an engine's ``TokenBudget`` delegating it) passes
+    with the request's ``max_tokens`` unchanged: the engine clamps or rejects it.
     """
     if max_tokens is not None and max_tokens < 1:
         raise InvalidRequestError(
@@ -29,6 +33,8 @@ def check_token_budget(
         return max_tokens
     prompt_name = _WHAT_THE_PROMPT_IS.get(prompt_param, f"the {prompt_param}")
     if prompt_tokens >= context_length:
+        if not reject_prompt_overflow:
+            return max_tokens
         if max_tokens is None:
             requested = (
                 f"{prompt_tokens} tokens in {prompt_name}, which leaves no room for the completion"
@@ -45,7 +51,7 @@ def check_token_budget(
         )
     if max_tokens is None:
         return context_length - prompt_tokens
-    if prompt_tokens + max_tokens > context_length:
+    if prompt_tokens + max_tokens > context_length and reject_total_overflow:
         raise InvalidRequestError(
             f"This model's maximum context length is {context_length} tokens. However, "
             f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in "

@@ -51,6 +51,7 @@ async def install_admin_plane(gateway: Gateway) -> AdminPlane:
         publish_version=publish,
         weight_version=initial,
         timeout_s=gateway.settings.admin_timeout_s,
+        metrics=gateway.admin_metrics,
     )
     gateway.weight_version = initial
     adapters = LoadedAdapters(gateway, state)

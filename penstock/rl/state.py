@@ -44,6 +44,7 @@ from penstock.errors import (
     PenstockError,
     ServiceUnavailableError,
 )
+from penstock.metrics.admin import AdminMetrics
 from penstock.settings import DEFAULT_ADMIN_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,25 @@ def default_sleep_tags(level: int) -> frozenset[str]:
     return frozenset({"kv_cache"}) if level == 0 else frozenset(SLEEP_TAGS)
 
 
+def aborted_count(result: dict[str, Any]) -> int:
+    """How many requests an engine's answer says it ended (``aborted``: ids or a count)."""
+    aborted = result.get("aborted")
+    if isinstance(aborted, list):
+        return len(aborted)
+    if isinstance(aborted, int) and not isinstance(aborted, bool):
+        return aborted
+    return 0
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The ``reason`` label of a failed weight update."""
+    if isinstance(exc, ConflictError) and exc.code == "admin_timeout":
+        return "timeout"
+    if isinstance(exc, PenstockError) and exc.status_code < 500:
+        return "rejected"
+    return "error"
+
+
 def is_error_response(result: dict[str, Any]) -> bool:
     status = result.get("status")
     return (isinstance(status, str) and status.lower() == "error") or result.get("success") is False
@@ -87,8 +107,10 @@ class AdminStateMachine:
         publish_version: Callable[[str | None], None] = lambda version: None,
         weight_version: str | None = None,
         timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S,
+        metrics: AdminMetrics | None = None,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics
         self.timeout_s = timeout_s
         self._is_draining = is_draining
         self._publish_version = publish_version
@@ -258,12 +280,21 @@ class AdminStateMachine:
             logger.exception("engine %s after a timed-out admin operation failed", control)
 
     def _set_version(self, version: str | None) -> None:
+        if self.metrics is not None and version != self.weight_version:
+            self.metrics.version_changed()
         self.weight_version = version
         self.version_declared = version is not None
         self._publish_version(version)
 
     def _touch(self) -> None:
         self.since = time.time()
+
+    def _record(self, operation: str, started: float, result: dict[str, Any] | None = None) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.operation_done(operation, time.perf_counter() - started)
+        if result is not None:
+            self.metrics.requests_aborted(operation, aborted_count(result))
 
     # -- transitions ------------------------------------------------------------------
 
@@ -285,6 +316,7 @@ class AdminStateMachine:
                 await self._restore("resume_generation", {})
 
             # Paused from the start, so readiness says so while a wait-mode pause drains.
+            started = time.perf_counter()
             self.pause_mode = mode
             try:
                 result = await self._bounded_call(
@@ -300,6 +332,7 @@ class AdminStateMachine:
                 self.pause_mode = None
                 raise
             self._touch()
+            self._record("pause", started, result)
             return Outcome(True, result)
 
     async def resume(self) -> Outcome:
@@ -308,11 +341,13 @@ class AdminStateMachine:
                 raise self.conflict("the engine is sleeping: wake_up before resuming")
             if self.pause_mode is None:
                 return Outcome(False, {"status": "resumed"})
+            started = time.perf_counter()
             result = await self._bounded_call(
                 deadline, "resume", "control", "resume_generation", {}
             )
             self.pause_mode = None
             self._touch()
+            self._record("resume", started)
             return Outcome(True, result)
 
     async def sleep(self, level: int, mode: str, tags: list[str] | None) -> Outcome:
@@ -331,6 +366,7 @@ class AdminStateMachine:
                 await self._restore("wake_up", {"tags": added})
 
             body: dict[str, Any] = {"level": level, "mode": engine_mode, "tags": sorted(wanted)}
+            started = time.perf_counter()
             result = await self._bounded_call(
                 deadline,
                 operation,
@@ -344,6 +380,7 @@ class AdminStateMachine:
                 self.sleep_level = level
             self.sleep_tags = self.sleep_tags | wanted
             self._touch()
+            self._record("sleep", started, result)
             return Outcome(True, result)
 
     async def wake_up(self, tags: list[str] | None) -> Outcome:
@@ -351,6 +388,7 @@ class AdminStateMachine:
             if not self.is_sleeping:
                 return Outcome(False, {"status": "awake"})
             body: dict[str, Any] = {} if tags is None else {"tags": list(tags)}
+            started = time.perf_counter()
             result = await self._bounded_call(deadline, "wake_up", "control", "wake_up", body)
             remaining = self.sleep_tags - frozenset(tags if tags is not None else SLEEP_TAGS)
             if result.get("is_sleeping") is False or result.get("status") == "awake":
@@ -359,6 +397,7 @@ class AdminStateMachine:
             if not remaining:
                 self.sleep_level = None
             self._touch()
+            self._record("wake_up", started)
             return Outcome(True, result)
 
     async def update_weights(
@@ -383,12 +422,20 @@ class AdminStateMachine:
 
             self.updating, self.update_target = update, version
             self._touch()
+            started = time.perf_counter()
             try:
                 result = await self._bounded_call(
                     deadline, update, "update", update, body, param=param, undo=undo
                 )
                 if version is not None:
                     await self._sync_engine_version(deadline, version, result, undo)
+            except Exception as exc:
+                if self.metrics is not None:
+                    self.metrics.update_failed(update, failure_reason(exc))
+                raise
+            else:
+                if self.metrics is not None:
+                    self.metrics.update_done(update, time.perf_counter() - started)
             finally:
                 self.updating = self.update_target = None
                 self._touch()
@@ -437,7 +484,10 @@ class AdminStateMachine:
     async def run_control(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """An engine control with no state transition of its own (flush, profile, ...)."""
         if name in UNSERIALIZED_CONTROLS or name == "abort_request":
-            return await self._bounded_call(self._deadline(), name, "control", name, body)
+            result = await self._bounded_call(self._deadline(), name, "control", name, body)
+            if name == "abort_request" and self.metrics is not None:
+                self.metrics.requests_aborted(name, aborted_count(result))
+            return result
         async with self._exclusive(name) as deadline:
             return await self._bounded_call(deadline, name, "control", name, body)
 

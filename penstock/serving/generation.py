@@ -133,6 +133,7 @@ class Generation:
             metrics.active.dec()
             metrics.duration.observe(time.perf_counter() - started)
             metrics.output_tokens.observe(self.completion_tokens)
+            self._count_version_tokens()
             families.requests.labels(
                 self.model.name,
                 self.endpoint,
@@ -170,6 +171,22 @@ class Generation:
                     exc_info=True,
                 )
                 raise MetadataUploadError() from exc
+
+    def _count_version_tokens(self) -> None:
+        """Credit each weight version with the tokens it produced (once per request)."""
+        produced: dict[str | None, int] = {}
+        for choice in self.choices:
+            segments = choice.versions
+            if not segments:
+                # Ended before its first token (shed, cancelled): nothing to credit.
+                continue
+            ends = [segment.start_token for segment in segments[1:]] + [len(choice.token_ids)]
+            for segment, end in zip(segments, ends, strict=True):
+                if end > segment.start_token:
+                    version = segment.weight_version
+                    produced[version] = produced.get(version, 0) + end - segment.start_token
+        for version, tokens in produced.items():
+            self.gateway.metrics.count_version_tokens(self.model.name, version, tokens)
 
     def _record_usage(self, chunk: dict[str, Any]) -> None:
         usage = chunk.get("completion_usage")

@@ -137,13 +137,25 @@ def check_token_ids(token_ids: list[int], model: ServedModel, param: str) -> Non
 
 
 def check_budget(prompt_len: int, max_tokens: int | None, model: ServedModel, param: str) -> None:
-    """Prompt + requested tokens must fit the context; the engine decides when none asked."""
-    limit = model.context_length
+    """Prompt + requested tokens must fit the context; the engine decides when none asked.
+
+    An engine's ``TokenBudget`` replaces the context length with its ``combined_limit``
+    and may leave either overflow to the engine.
+    """
+    budget = model.token_budget
+    limit = budget.combined_limit if budget is not None else model.context_length
     if limit is None:
         return
     from penstock.preprocess import check_token_budget
 
-    check_token_budget(prompt_len, max_tokens, limit, prompt_param=param)
+    check_token_budget(
+        prompt_len,
+        max_tokens,
+        limit,
+        prompt_param=param,
+        reject_prompt_overflow=budget is None or budget.reject_prompt_overflow,
+        reject_total_overflow=budget is None or budget.reject_total_overflow,
+    )
 
 
 def _sampling_options(body: SamplingFields) -> dict[str, Any]:

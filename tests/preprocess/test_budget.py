@@ -63,3 +63,14 @@ def test_max_tokens_below_one_is_rejected(max_tokens: int) -> None:
     with pytest.raises(InvalidRequestError, match=f"at least 1, got {max_tokens}") as caught:
         check_token_budget(10, max_tokens, 2048)
     assert caught.value.param == "max_tokens"
+
+
+def test_a_token_budget_may_leave_either_overflow_to_the_engine() -> None:
+    assert check_token_budget(1900, 200, 2048, reject_total_overflow=False) == 200
+    assert check_token_budget(2048, 10, 2048, reject_prompt_overflow=False) == 10
+    with pytest.raises(InvalidRequestError) as caught:
+        check_token_budget(2048, 10, 2048, reject_total_overflow=False)
+    assert caught.value.param == "messages"
+    with pytest.raises(InvalidRequestError) as caught:
+        check_token_budget(1900, 200, 2048, reject_prompt_overflow=False)
+    assert caught.value.param == "max_tokens"

@@ -153,6 +153,7 @@ class TransformersEngine(LLMEngine):
         self.latest_forward_pass_metrics: ForwardPassMetrics | None = None
         self._weights_source: Path | None = None
         self._snapshot_publisher: Any = None
+        self._publish_forward_pass: Callable[[ForwardPassMetrics], None] | None = None
         self._sleeping: set[str] = set()
         self._paused_by_sleep = False
         self._memory_lock = asyncio.Lock()
@@ -344,6 +345,12 @@ class TransformersEngine(LLMEngine):
         publisher = self._snapshot_publisher
         if publisher is None:
             return
+        publish_forward_pass = self._publish_forward_pass
+        if publish_forward_pass is not None:
+            try:
+                publish_forward_pass(metrics)
+            except Exception:
+                logger.exception("forward-pass publisher failed")
         snapshot = ComponentSnapshot(
             kv_used_blocks=usage.used_blocks,
             kv_total_blocks=usage.total_blocks,
@@ -359,6 +366,8 @@ class TransformersEngine(LLMEngine):
         return [0]
 
     def attach_snapshot_publisher(self, publisher: Any) -> None:
+        # Forward passes go to Penstock's publisher only; Dynamo's has no such method.
+        self._publish_forward_pass = getattr(publisher, "publish_forward_pass", None)
         self._snapshot_publisher = publisher
 
     async def register_prometheus(self, metrics: Any) -> None:
@@ -384,7 +393,27 @@ class TransformersEngine(LLMEngine):
                 f"# TYPE {name} gauge",
                 f'{name}{{model="{label}"}} {value}',
             ]
+        lines += [
+            "# HELP penstock_engine_memory_bytes Memory the engine holds, by kind",
+            "# TYPE penstock_engine_memory_bytes gauge",
+        ]
+        for kind, value in self.memory_bytes().items():
+            lines.append(f'penstock_engine_memory_bytes{{model="{label}",kind="{kind}"}} {value}')
         return "\n".join(lines) + "\n"
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of the loaded weights (on the host while asleep, 0 once a sleep dropped them);
+        on CUDA also what the allocator holds on the device."""
+        model = self.model
+        weights = 0
+        if model is not None:
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        found = {"weights": weights}
+        device = self.device
+        if device is not None and device.type == "cuda":
+            found["device_allocated"] = torch.cuda.memory_allocated(device)
+            found["device_reserved"] = torch.cuda.memory_reserved(device)
+        return found
 
     # -- controls and updates ---------------------------------------------------------------
 

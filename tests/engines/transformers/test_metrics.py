@@ -24,7 +24,11 @@ class RecordingPublisher:
 
     def __init__(self) -> None:
         self.snapshots: list[tuple[int, ComponentSnapshot]] = []
+        self.passes: list[ForwardPassMetrics] = []
         self.threads: set[str] = set()
+
+    def publish_forward_pass(self, metrics: ForwardPassMetrics) -> None:
+        self.passes.append(metrics)
 
     def publish(self, rank: int, snapshot: ComponentSnapshot) -> None:
         self.snapshots.append((rank, snapshot))
@@ -103,6 +107,8 @@ async def test_snapshots_report_kv_blocks_for_rank_zero(engine: TransformersEngi
     assert all(0 < s.gpu_cache_usage <= 1 and s.kv_cache_hit_rate is None for s in busy)
     assert publisher.snapshots[-1][1].kv_used_blocks == 0
     assert publisher.threads == {"penstock-batch"}
+    assert len(publisher.passes) == len(publisher.snapshots), "one pass per snapshot"
+    assert publisher.passes[-1].is_heartbeat
 
 
 async def test_prometheus_gauges(engine: TransformersEngine) -> None:
@@ -114,8 +120,11 @@ async def test_prometheus_gauges(engine: TransformersEngine) -> None:
     assert f'penstock_engine_kv_total_blocks{{model="{engine.served_model_name}"}} {blocks}' in (
         text
     )
-    for name in ("kv_used_blocks", "num_running", "num_waiting"):
+    for name in ("kv_used_blocks", "num_running", "num_waiting", "memory_bytes"):
         assert f"# TYPE penstock_engine_{name} gauge" in text
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    label = f'model="{engine.served_model_name}",kind="weights"'
+    assert f"penstock_engine_memory_bytes{{{label}}} {weights}" in text
     await engine.register_prometheus(object())
 
 

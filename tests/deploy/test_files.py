@@ -1,0 +1,167 @@
+"""The deployment files are valid for the tools that read them, checked offline.
+
+``docker-compose config`` (Debian's docker-compose 1.29) and the compose-spec JSON schema
+read the compose files; ``promtool`` reads the Prometheus configuration and rules and
+runs the alert tests; the dashboards are what the generator makes and parse as Grafana
+dashboards, and every panel query is valid PromQL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from grafana_foundation_sdk.models.dashboard import Dashboard
+
+from deploy import dashboards
+from tests.deploy.support import (
+    COMPOSE_FILES,
+    DASHBOARD_DIR,
+    PROMETHEUS_DIR,
+    panel_queries,
+    tool,
+)
+from tests.support.server import REPO_ROOT
+
+COMPOSE_SCHEMA = REPO_ROOT.parent / "shared" / "reference" / "compose-spec.schema.json"
+ENV_EXAMPLE = REPO_ROOT / ".env.example"
+
+
+def compose_config(*files: Path, env_file: Path = ENV_EXAMPLE) -> subprocess.CompletedProcess[str]:
+    """``docker-compose config`` reading ``env_file`` instead of a developer's own ``.env``."""
+    command = [tool("docker-compose"), "--project-directory", str(REPO_ROOT)]
+    command += ["--env-file", str(env_file)]
+    for path in files:
+        command += ["-f", str(path)]
+    # Only PATH and HOME from the caller: no stray GRAFANA_* or PENSTOCK_* variables.
+    clean = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
+    return subprocess.run(
+        [*command, "config"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT, env=clean
+    )
+
+
+def env_example() -> dict[str, str]:
+    values = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key] = value
+    return values
+
+
+def test_compose_validates_with_the_env_example_and_the_gpu_override() -> None:
+    result = compose_config(*COMPOSE_FILES)
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    services = config["services"]
+    assert set(services) == {"gateway", "gateway-media", "prometheus", "grafana"}
+    for name, service in services.items():
+        assert service.get("healthcheck", {}).get("test"), f"{name} has no health check"
+    assert "/health" in " ".join(services["gateway"]["healthcheck"]["test"])
+    devices = services["gateway"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
+    assert grafana["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == env_example()["GRAFANA_ADMIN_PASSWORD"]
+    assert services["gateway"]["environment"]["PENSTOCK_API_KEYS"]
+
+
+def test_state_lives_on_named_volumes() -> None:
+    result = compose_config(COMPOSE_FILES[0])
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    mounts = {
+        volume.split(":")[1]: volume.split(":")[0]
+        for volume in config["services"]["gateway"]["volumes"]
+    }
+    for folder in ("models", "media", "jobs"):
+        assert mounts[f"/var/lib/penstock/{folder}"] in config["volumes"]
+    assert "devices" not in json.dumps(config["services"]["gateway"])
+
+
+def test_compose_refuses_to_start_grafana_without_an_admin_password(tmp_path: Path) -> None:
+    env_file = tmp_path / ".env"
+    env_file.write_text(
+        "".join(f"{k}={v}\n" for k, v in env_example().items() if k != "GRAFANA_ADMIN_PASSWORD")
+    )
+    result = compose_config(COMPOSE_FILES[0], env_file=env_file)
+    assert result.returncode != 0
+    assert "GRAFANA_ADMIN_PASSWORD" in result.stderr
+
+
+def test_compose_files_match_the_compose_spec_schema() -> None:
+    if not COMPOSE_SCHEMA.is_file():
+        pytest.skip(f"{COMPOSE_SCHEMA} is not there")
+    schema = json.loads(COMPOSE_SCHEMA.read_text())
+    for path in COMPOSE_FILES:
+        jsonschema.Draft7Validator(schema).validate(yaml.safe_load(path.read_text()))
+
+
+def test_prometheus_config_and_rules_pass_promtool() -> None:
+    promtool = tool("promtool")
+    for args in (
+        ["check", "config", "prometheus.yml"],
+        ["check", "rules", "rules.yml"],
+        ["test", "rules", "rules_test.yml"],
+    ):
+        result = subprocess.run(
+            [promtool, *args], capture_output=True, text=True, timeout=60, cwd=PROMETHEUS_DIR
+        )
+        assert result.returncode == 0, f"promtool {' '.join(args)}:\n{result.stdout}{result.stderr}"
+
+
+def test_committed_dashboards_are_what_the_generator_makes() -> None:
+    generated = dashboards.render()
+    committed = {path.name: path.read_text() for path in DASHBOARD_DIR.glob("*.json")}
+    assert set(committed) == set(generated)
+    for name, text in generated.items():
+        assert committed[name] == text, f"{name} is stale: run python -m deploy.dashboards"
+
+
+def test_dashboards_parse_as_grafana_dashboards_with_unique_panel_ids() -> None:
+    uids = set()
+    for path in DASHBOARD_DIR.glob("*.json"):
+        raw = json.loads(path.read_text())
+        model = Dashboard.from_json(raw)
+        assert model.title and model.uid == raw["uid"]
+        uids.add(model.uid)
+        ids = [panel["id"] for panel in raw["panels"]]
+        assert len(ids) == len(set(ids)), path.name
+    assert len(uids) == len(dashboards.DASHBOARDS)
+
+
+def test_every_panel_query_is_valid_promql(tmp_path: Path) -> None:
+    """promtool parses each query as a recording rule; a typo fails here with its panel."""
+    queries = panel_queries()
+    rules = {
+        "groups": [
+            {
+                "name": "panels",
+                "rules": [
+                    {"record": f"panel:query:{n}", "expr": query.evaluable()}
+                    for n, query in enumerate(queries)
+                ],
+            }
+        ]
+    }
+    path = tmp_path / "panels.yml"
+    path.write_text(yaml.safe_dump(rules))
+    result = subprocess.run(
+        [tool("promtool"), "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_panel_reads_families_that_docs_metrics_lists() -> None:
+    documented = set(re.findall(r"`([a-z_]+)`", (REPO_ROOT / "docs" / "metrics.md").read_text()))
+    for query in panel_queries():
+        for name in re.findall(r"\b((?:penstock|http|process)_[a-z_]+)\b", query.expr):
+            family = re.sub(r"_(bucket|sum|count)$", "", name)
+            assert family in documented, f"{query}: {name} is not in docs/metrics.md"
