@@ -77,6 +77,9 @@ class Settings(BaseSettings):
     media_max_width: int = 1920
     media_max_height: int = 1920
 
+    # At most one line per this many seconds sums up the requests refused as overloaded.
+    overload_log_interval_s: float = Field(10.0, gt=0)
+
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)

@@ -160,6 +160,12 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         help="one line per request on the penstock.access logger: method, route, status, "
         "duration, request id, tokens (default: on)",
     )
+    serve.add_argument(
+        "--overload-log-interval-s",
+        type=float,
+        help="requests refused as overloaded are summed up in one WARNING line at most this "
+        f"often, not logged one by one (default: {_default('overload_log_interval_s'):g})",
+    )
     return parser
 
 

@@ -15,6 +15,7 @@ from penstock.errors import (
     InternalServerError,
     InvalidRequestError,
     NotFoundError,
+    OverloadedError,
     PayloadTooLargeError,
     PenstockError,
 )
@@ -87,7 +88,8 @@ def validation_error_from(exc: RequestValidationError) -> InvalidRequestError:
 
 async def _penstock_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, PenstockError)
-    if exc.status_code >= 500:
+    # Shed requests are summed up by the admission gate, not logged one by one.
+    if exc.status_code >= 500 and not isinstance(exc, OverloadedError):
         logger.error("request failed: %s", exc.message)
     return error_response(exc)
 

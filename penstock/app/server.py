@@ -87,7 +87,10 @@ async def build_gateway(
     )
     host = EngineHost(engine, worker_config, health_check_override=override)
     host.admission = AdmissionGate(
-        settings.max_concurrency, settings.max_queue, settings.overload_status
+        settings.max_concurrency,
+        settings.max_queue,
+        settings.overload_status,
+        shed_log_interval_s=settings.overload_log_interval_s,
     )
     started = time.monotonic()
     await host.start()
