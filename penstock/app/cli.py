@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from penstock.app.logs import configure_logging
 from penstock.engines.loading import BUILTIN_ENGINES, engine_options_help
-from penstock.errors import EngineLoadError, ListenError
+from penstock.errors import EngineLoadError, ListenError, MediaStoreError
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import MODEL_CACHE_ENV, Settings
 
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     except EngineLoadError as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 2
-    except ListenError as exc:
+    except (ListenError, MediaStoreError) as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -24,6 +24,7 @@ from penstock.engines.host import EngineHost
 from penstock.engines.loading import load_engine_class
 from penstock.errors import ListenError
 from penstock.gateway import Gateway, ServedModel
+from penstock.media.artifacts import check_location
 from penstock.metrics.engine_bridge import SnapshotPublisher
 from penstock.preprocess import Preprocessor
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
@@ -219,6 +220,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 async def serve(settings: Settings) -> None:
     """Run the gateway until a shutdown signal; the engine is always cleaned up."""
+    if settings.media_store:
+        check_location(settings.media_store)
     sock = bind_socket(settings.host, settings.port)
     try:
         gateway = await build_gateway(settings)

@@ -159,10 +159,15 @@ def _row_to_job(row: sqlite3.Row) -> VideoJob:
 class JobStore:
     """CRUD over the ``video_jobs`` table; newest first means highest insertion order."""
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: Path | None) -> None:
+        """``path`` None keeps the jobs in memory only, for stores that don't outlive the
+        process either."""
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db = sqlite3.connect(
+            path if path is not None else ":memory:", isolation_level=None, check_same_thread=False
+        )
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")

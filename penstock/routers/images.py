@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from penstock.engines.context import Context
-from penstock.errors import EngineError, InvalidRequestError, NotFoundError
+from penstock.errors import EngineError, InvalidRequestError, NotFoundError, clip
 from penstock.gateway import Gateway
 from penstock.media.requests import (
     fill_default_model,
@@ -113,7 +113,7 @@ async def generate_images(request: Request) -> dict[str, Any]:
 @router.get("/v1/images/{image_id}/content", name="download_image_content")
 async def download_image_content(image_id: str, request: Request) -> Response:
     missing = NotFoundError(
-        f"No image found with id '{image_id}'", param="image_id", code="image_not_found"
+        f"No image found with id '{clip(image_id)}'", param="image_id", code="image_not_found"
     )
     if not _IMAGE_ID_RE.match(image_id):
         raise missing

@@ -41,6 +41,7 @@ from penstock.errors import (
     InvalidRequestError,
     NotFoundError,
     PenstockError,
+    clip,
 )
 from penstock.gateway import Gateway
 from penstock.media.jobs import COMPLETED, FAILED, QUEUED, Owner, VideoJob
@@ -78,7 +79,7 @@ def _job_or_404(request: Request, service: MediaService, video_id: str) -> Video
     job = service.jobs.get(video_id, _owner(request, service))
     if job is None:
         raise NotFoundError(
-            f"No video found with id '{video_id}'", param="video_id", code="video_not_found"
+            f"No video found with id '{clip(video_id)}'", param="video_id", code="video_not_found"
         )
     return job
 
@@ -110,7 +111,7 @@ async def _new_job(request: Request) -> tuple[VideoJob, bool, str]:
         raise InvalidRequestError(exc.message, param=exc.param) from exc
     if video.output_format not in (None, *VIDEO_CONTENT_TYPES):
         raise InvalidRequestError(
-            f"output_format: '{video.output_format}' is not supported: use "
+            f"output_format: '{clip(video.output_format)}' is not supported: use "
             + ", ".join(VIDEO_CONTENT_TYPES),
             param="output_format",
         )
@@ -182,7 +183,7 @@ async def list_videos(
         )
     except KeyError as exc:
         raise InvalidRequestError(
-            f"after: no video with id '{after}'", param="after", code="invalid_cursor"
+            f"after: no video with id '{clip(after)}'", param="after", code="invalid_cursor"
         ) from exc
     data = [service.video_object(job) for job in jobs]
     return {
@@ -241,7 +242,7 @@ async def download_video_content(
     job = _job_or_404(request, service, video_id)
     if variant != "video":
         raise InvalidRequestError(
-            f"variant: '{variant}' is not available; supported: video", param="variant"
+            f"variant: '{clip(variant)}' is not available; supported: video", param="variant"
         )
     if job.status != COMPLETED or not job.artifact:
         reason = f" ({job.error_message})" if job.status == FAILED and job.error_message else ""
