@@ -8,6 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
+# Values a client sent (model names, ids, field values) are cut to this in messages, and
+# ``param`` too; a whole message to the longer bound, so no input is echoed back whole.
+MAX_ECHO_CHARS = 256
+MAX_MESSAGE_CHARS = 2048
+
+
+def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """``value`` as an error message may show it: at most ``limit`` characters, with an
+    ellipsis where it was cut."""
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
 
 class PenstockError(Exception):
     """Base of every client-visible error."""
@@ -25,9 +37,10 @@ class PenstockError(Exception):
         headers: dict[str, str] | None = None,
         extra: dict[str, Any] | None = None,
     ) -> None:
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = clip(param) if param is not None else None
         self.code = code or self.default_code
         self.headers = headers or {}
         self.extra = extra or {}
@@ -71,7 +84,7 @@ class ModelNotFoundError(NotFoundError):
     default_code = "model_not_found"
 
     def __init__(self, model: str) -> None:
-        super().__init__(f"The model '{model}' does not exist", param="model")
+        super().__init__(f"The model '{clip(model)}' does not exist", param="model")
 
 
 class ConflictError(PenstockError):
@@ -170,6 +183,10 @@ class EngineLoadError(StartupError):
 
 class PreprocessorLoadError(StartupError):
     """A tokenizer folder is missing, incomplete or unreadable; the message names the file."""
+
+
+class MediaStoreError(StartupError):
+    """``--media-store`` can't hold generated media (a file, an uncreatable folder)."""
 
 
 class ListenError(StartupError):

@@ -143,6 +143,9 @@ class Settings(BaseSettings):
     # The OpenAPI schema and its pages without an inference key even when keys are set.
     public_docs: bool = False
 
+    # At most one line per this many seconds sums up the requests refused as overloaded.
+    overload_log_interval_s: float = Field(10.0, gt=0)
+
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from penstock.app.logs import configure_logging
 from penstock.engines.loading import BUILTIN_ENGINES, engine_options_help
-from penstock.errors import EngineLoadError, ListenError
+from penstock.errors import EngineLoadError, ListenError, MediaStoreError
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import MODEL_CACHE_ENV, Settings
 
@@ -204,6 +204,12 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         help="serve /docs, /redoc and /openapi.json without an inference key (default: "
         "behind the inference key when keys are set)",
     )
+    serve.add_argument(
+        "--overload-log-interval-s",
+        type=float,
+        help="requests refused as overloaded are summed up in one WARNING line at most this "
+        f"often, not logged one by one (default: {_default('overload_log_interval_s'):g})",
+    )
     return parser
 
 
@@ -258,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     except EngineLoadError as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 2
-    except ListenError as exc:
+    except (ListenError, MediaStoreError) as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

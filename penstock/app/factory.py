@@ -16,7 +16,7 @@ from penstock import __version__
 from penstock.app.handlers import install_error_handlers
 from penstock.app.middleware import GatewayMiddleware, OpenRequests
 from penstock.gateway import Gateway
-from penstock.media.artifacts import local_folder
+from penstock.media.artifacts import in_memory, local_folder
 from penstock.media.service import MediaService
 from penstock.metrics.http import HttpMetricsMiddleware
 from penstock.rl.plane import install_admin_plane
@@ -55,13 +55,16 @@ def media_store_location(settings: Settings, model: str) -> str:
     return settings.media_store or str(Path(settings.cache_dir) / "media" / filesystem_name(model))
 
 
-def job_db_path(settings: Settings, store: str, model: str) -> Path:
+def job_db_path(settings: Settings, store: str, model: str) -> Path | None:
     """Next to the media files when they are local (a store folder is then
-    self-contained); in the cache folder, one per served model, otherwise; ``media_db``
-    overrides both."""
+    self-contained); in memory (None) for an in-memory store, whose jobs would outlive
+    their files anywhere else; in the cache folder, one per served model, otherwise;
+    ``media_db`` overrides them all."""
     override = (settings.media_db or "").strip()
     if override:
         return Path(override)
+    if in_memory(store):
+        return None
     folder = local_folder(store)
     if folder is not None:
         return folder / "jobs.sqlite3"
@@ -83,7 +86,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         store = media_store_location(settings, model)
         db_path = job_db_path(settings, store, model)
         media = MediaService(gateway, store=store, db_path=db_path, workers=settings.media_workers)
-        logger.info("video jobs kept in %s, generated media in %s", db_path, store)
+        logger.info("video jobs kept in %s, generated media in %s", db_path or "memory", store)
         app.state.media = media
         try:
             media.start()

@@ -15,8 +15,10 @@ from penstock.errors import (
     InternalServerError,
     InvalidRequestError,
     NotFoundError,
+    OverloadedError,
     PayloadTooLargeError,
     PenstockError,
+    clip,
 )
 
 logger = logging.getLogger(__name__)
@@ -73,21 +75,26 @@ def validation_error_from(exc: RequestValidationError) -> InvalidRequestError:
             _field_path(tuple(e.get("loc", ()))) for e in errors if e.get("type") == kind
         )
         return InvalidRequestError(
-            f"Unknown field(s): {', '.join(unknown)}", param=unknown[0], code="unknown_field"
+            f"Unknown field(s): {', '.join(clip(name) for name in unknown)}",
+            param=unknown[0],
+            code="unknown_field",
         )
     message = first.get("msg", "invalid value")
     if kind == "missing":
         message = "Field required"
     elif isinstance(first.get("input"), str | int | float | bool) and kind != "value_error":
-        message += f"; got {first['input']!r}"[:200]
+        message += f"; got {clip(repr(first['input']))}"
     return InvalidRequestError(
-        f"{field}: {message}" if field else message, param=field or None, code="invalid_value"
+        f"{clip(field)}: {message}" if field else message,
+        param=field or None,
+        code="invalid_value",
     )
 
 
 async def _penstock_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, PenstockError)
-    if exc.status_code >= 500:
+    # Shed requests are summed up by the admission gate, not logged one by one.
+    if exc.status_code >= 500 and not isinstance(exc, OverloadedError):
         logger.error("request failed: %s", exc.message)
     return error_response(exc)
 

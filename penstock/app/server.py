@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 
 from penstock.app.connections import ConnectionLimits, guarded_protocol, raise_open_file_limit
-from penstock.app.factory import create_app
+from penstock.app.factory import create_app, media_store_location
 from penstock.app.middleware import OpenRequests
 from penstock.engines.admission import AdmissionGate
 from penstock.engines.contract import parse_endpoint_types
@@ -27,6 +27,7 @@ from penstock.engines.host import EngineHost
 from penstock.engines.loading import load_engine_class
 from penstock.errors import ListenError
 from penstock.gateway import Gateway, ServedModel
+from penstock.media.artifacts import check_location
 from penstock.metrics.engine_bridge import SnapshotPublisher
 from penstock.preprocess import Preprocessor
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
@@ -93,7 +94,10 @@ async def build_gateway(
     )
     host = EngineHost(engine, worker_config, health_check_override=override)
     host.admission = AdmissionGate(
-        settings.max_concurrency, settings.max_queue, settings.overload_status
+        settings.max_concurrency,
+        settings.max_queue,
+        settings.overload_status,
+        shed_log_interval_s=settings.overload_log_interval_s,
     )
     started = time.monotonic()
     await host.start()
@@ -281,11 +285,15 @@ async def serve(settings: Settings) -> int:
     Returns how many requests were cut because the grace period ran out.
     """
     raise_open_file_limit(settings.max_connections)
+    if settings.media_store:
+        check_location(settings.media_store)
     sock = bind_socket(settings.host, settings.port)
     try:
         warn_if_exposed(settings)
         gateway = await build_gateway(settings)
         try:
+            # The default store is named after the served model, known only now.
+            check_location(media_store_location(settings, gateway.listed_models()[0].name))
             app = create_app(gateway)
             limits = ConnectionLimits(
                 header_timeout_s=settings.header_timeout_s,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from penstock.errors import ConflictError, InvalidRequestError, NotFoundError
+from penstock.errors import ConflictError, InvalidRequestError, NotFoundError, clip
 from penstock.gateway import ServedModel
 from penstock.lora.manager import LoRAInfo, LoRAManager
 
@@ -85,12 +85,14 @@ class LoadedAdapters:
                 if existing.source == uri:
                     return existing, False
                 raise ConflictError(
-                    f"LoRA adapter '{name}' is already loaded from {existing.source}; "
+                    f"LoRA adapter '{clip(name)}' is already loaded from {existing.source}; "
                     "unload it first",
                     param="lora_name",
                 )
             if name in self.gateway.models:
-                raise ConflictError(f"'{name}' is already a served model name", param="lora_name")
+                raise ConflictError(
+                    f"'{clip(name)}' is already a served model name", param="lora_name"
+                )
             fetched = await self.manager.download_lora(uri)
             if fetched.get("status") != "success":
                 raise InvalidRequestError(str(fetched.get("message")), param=field)
@@ -116,7 +118,7 @@ class LoadedAdapters:
             if adapter is None:
                 loaded = ", ".join(sorted(self.adapters)) or "none"
                 raise NotFoundError(
-                    f"LoRA adapter '{name}' is not loaded (loaded: {loaded})",
+                    f"LoRA adapter '{clip(name)}' is not loaded (loaded: {loaded})",
                     param="lora_name",
                     code="lora_not_found",
                 )

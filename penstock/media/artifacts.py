@@ -12,6 +12,7 @@ from pathlib import Path
 
 import fsspec
 
+from penstock.errors import MediaStoreError
 from penstock.settings import local_path
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
@@ -27,6 +28,32 @@ def local_folder(location: str) -> Path | None:
     """The folder ``location`` names on this machine; None for a remote or in-memory store."""
     fs, root = fsspec.core.url_to_fs(local_path(location))
     return Path(root) if _is_local(fs) else None
+
+
+def in_memory(location: str) -> bool:
+    """Whether ``location`` names fsspec's in-memory store (gone when the process ends)."""
+    fs, _ = fsspec.core.url_to_fs(location)
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return "memory" in protocols
+
+
+def check_location(location: str) -> None:
+    """Create a local store folder now, so a bad ``--media-store`` fails before a model
+    loads, in one line; raises :class:`MediaStoreError` saying what is wrong."""
+    folder = local_folder(location)
+    if folder is None:
+        return
+    if folder.exists() and not folder.is_dir():
+        raise MediaStoreError(
+            f"--media-store {location} is a file; name a folder (created if missing) "
+            "or an fsspec URL"
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MediaStoreError(
+            f"--media-store {location}: cannot create the folder: {exc.strerror or exc}"
+        ) from exc
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:

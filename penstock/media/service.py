@@ -83,11 +83,11 @@ class MediaService:
     """Video jobs and one-shot generations on the engines of ``gateway``.
 
     ``store`` is a folder or fsspec URL for the generated files, ``db_path`` the SQLite file
-    of the job records, ``workers`` how many generations run at once. :meth:`start` once
-    before serving, :meth:`stop` once after.
+    of the job records (None: in memory), ``workers`` how many generations run at once.
+    :meth:`start` once before serving, :meth:`stop` once after.
     """
 
-    def __init__(self, gateway: Gateway, *, store: str, db_path: Path, workers: int) -> None:
+    def __init__(self, gateway: Gateway, *, store: str, db_path: Path | None, workers: int) -> None:
         self.gateway = gateway
         self.artifacts = ArtifactStore(store)
         self.jobs = JobStore(db_path)

@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from penstock.errors import MediaParamError
+from penstock.errors import MediaParamError, clip
 
 RUNTIME_DATA_KEY = "media"
 
@@ -90,17 +90,21 @@ def parse_size(
     """``"WxH"`` to ``(width, height)``, checked against the model and the server."""
     match = _SIZE_RE.match(value)
     if match is None:
-        raise MediaParamError(param, f"'{value}' is not a size: use WIDTHxHEIGHT, e.g. 832x480")
+        raise MediaParamError(
+            param, f"'{clip(value)}' is not a size: use WIDTHxHEIGHT, e.g. 832x480"
+        )
     width, height = int(match.group(1)), int(match.group(2))
     if width < 1 or height < 1:
-        raise MediaParamError(param, f"'{value}': width and height must be positive")
+        raise MediaParamError(param, f"'{clip(value)}': width and height must be positive")
     step = max(multiple, 2)
     if width % step or height % step:
         kind = "even" if step == 2 else f"multiples of {step}"
-        raise MediaParamError(param, f"'{value}': width and height must be {kind} for this model")
+        raise MediaParamError(
+            param, f"'{clip(value)}': width and height must be {kind} for this model"
+        )
     if width > max_width or height > max_height:
         raise MediaParamError(
-            param, f"'{value}' is larger than this server allows ({max_width}x{max_height})"
+            param, f"'{clip(value)}' is larger than this server allows ({max_width}x{max_height})"
         )
     return width, height
 

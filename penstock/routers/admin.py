@@ -70,7 +70,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from penstock.errors import NotFoundError
+from penstock.errors import NotFoundError, clip
 from penstock.rl.fields import (
     bool_field,
     int_field,
@@ -122,7 +122,7 @@ VLLM_ROUTES = (
 def unknown(kind: str, name: str, supported: list[str]) -> NotFoundError:
     listed = ", ".join(supported) or "none"
     return NotFoundError(
-        f"unknown {kind} '{name}'; supported: {listed}",
+        f"unknown {kind} '{clip(name)}'; supported: {listed}",
         code="unknown_route",
         extra={"supported": supported},
     )

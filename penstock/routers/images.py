@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from penstock.engines.context import Context
-from penstock.errors import EngineError, InvalidRequestError, NotFoundError
+from penstock.errors import EngineError, InvalidRequestError, NotFoundError, clip
 from penstock.gateway import Gateway
 from penstock.media.requests import (
     fill_default_model,
@@ -30,6 +30,7 @@ from penstock.media.requests import (
 from penstock.multimodal.encoding import IMAGE_CONTENT_TYPES, data_url_bytes
 from penstock.multimodal.limits import MediaParamError, VideoLimits, parse_size
 from penstock.routers.deps import media_service
+from penstock.routers.security import media_owner
 from penstock.schemas.images import ImageData, NvCreateImageRequest, NvImagesResponse
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, MediaPassthroughRejected
 from penstock.serving.framing import unless_disconnected
@@ -86,6 +87,7 @@ async def generate_images(request: Request) -> dict[str, Any]:
     if output_format not in IMAGE_CONTENT_TYPES:
         raise EngineError(f"the engine answered an unknown image format '{output_format}'")
     data: list[ImageData] = []
+    owner = media_owner(request, service.jobs.owner_tag).tag
     for index, item in enumerate(terminal.get("data") or []):
         encoded = item.get("b64_json") or item.get("url") or ""
         payload = data_url_bytes(encoded) if isinstance(encoded, str) else None
@@ -95,6 +97,8 @@ async def generate_images(request: Request) -> dict[str, Any]:
             data.append(ImageData(b64_json=encoded.rpartition(",")[2]))
             continue
         name = f"{image_id}-{index}"
+        # Recorded first: a stored image without its row would be shared.
+        service.jobs.add_image(name, owner)
         await asyncio.to_thread(service.artifacts.put, f"images/{name}.{output_format}", payload)
         data.append(ImageData(url=str(request.url_for("download_image_content", image_id=name))))
     created = terminal.get("created")
@@ -109,11 +113,13 @@ async def generate_images(request: Request) -> dict[str, Any]:
 @router.get("/v1/images/{image_id}/content", name="download_image_content")
 async def download_image_content(image_id: str, request: Request) -> Response:
     missing = NotFoundError(
-        f"No image found with id '{image_id}'", param="image_id", code="image_not_found"
+        f"No image found with id '{clip(image_id)}'", param="image_id", code="image_not_found"
     )
     if not _IMAGE_ID_RE.match(image_id):
         raise missing
     service = media_service(request)
+    if not service.jobs.image_visible(image_id, media_owner(request, service.jobs.owner_tag)):
+        raise missing
     for extension, content_type in IMAGE_CONTENT_TYPES.items():
         key = f"images/{image_id}.{extension}"
         if await asyncio.to_thread(service.artifacts.size, key) is not None:

@@ -1,12 +1,15 @@
-"""API-key checks. Inference keys and admin keys are separate sets."""
+"""API-key checks. Inference keys and admin keys are separate sets; an admin key is
+accepted on the inference routes too."""
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from fastapi import Request
 
 from penstock.errors import AuthenticationError, PermissionDeniedError
+from penstock.media.jobs import Owner
 
 ADMIN_TAG = "admin"
 
@@ -36,7 +39,8 @@ async def require_inference_key(request: Request) -> None:
     """App-wide dependency guarding every route with the inference keys.
 
     Skipped for paths in ``auth_exempt_paths`` and for admin routes (tag ``admin``), which
-    check the admin keys themselves. No keys configured means open access.
+    check the admin keys themselves. No keys configured means open access. An admin key
+    passes too (it is the stronger credential, and sees every caller's media jobs).
     """
     settings = request.app.state.gateway.settings
     if not settings.api_keys or request.url.path in settings.auth_exempt_paths:
@@ -50,8 +54,26 @@ async def require_inference_key(request: Request) -> None:
             "Missing API key: send 'Authorization: Bearer <key>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    if not key_matches(token, settings.api_keys):
+    if not key_matches(token, settings.api_keys) and not key_matches(
+        token, settings.admin_api_keys
+    ):
         raise AuthenticationError("Invalid API key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def media_owner(request: Request, tag_of: Callable[[str], str]) -> Owner:
+    """Whose media jobs and images the caller creates and sees.
+
+    Admin keys see everyone's; each inference key its own and the shared ones; with no
+    inference keys configured every caller is in the one shared scope. ``tag_of`` turns
+    a key into the owner tag that is stored.
+    """
+    settings = request.app.state.gateway.settings
+    token = bearer_token(request)
+    if token is not None and key_matches(token, settings.admin_api_keys):
+        return Owner(tag_of(token), sees_all=True)
+    if token is not None and settings.api_keys:
+        return Owner(tag_of(token))
+    return Owner()
 
 
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})

@@ -40,6 +40,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
+from penstock.errors import clip
 from penstock.rl.fields import (
     bool_field,
     invalid,
@@ -85,7 +86,9 @@ async def pause_generation(request: Request) -> dict[str, Any]:
     body = await json_object_body(request)
     requested = body.get("mode", "abort")
     if requested not in SGLANG_PAUSE_MODES:
-        raise invalid("mode", f"must be one of {', '.join(SGLANG_PAUSE_MODES)}; got {requested!r}")
+        raise invalid(
+            "mode", f"must be one of {', '.join(SGLANG_PAUSE_MODES)}; got {clip(repr(requested))}"
+        )
     await plane.state.pause(SGLANG_PAUSE_MODES[requested])
     return {
         "status": "ok",

@@ -41,9 +41,10 @@ from penstock.errors import (
     InvalidRequestError,
     NotFoundError,
     PenstockError,
+    clip,
 )
 from penstock.gateway import Gateway
-from penstock.media.jobs import COMPLETED, FAILED, QUEUED, VideoJob
+from penstock.media.jobs import COMPLETED, FAILED, QUEUED, Owner, VideoJob
 from penstock.media.requests import (
     fill_default_model,
     read_media_body,
@@ -55,6 +56,7 @@ from penstock.media.service import JobEvent, MediaService
 from penstock.multimodal.encoding import VIDEO_CONTENT_TYPES
 from penstock.multimodal.limits import MediaParamError, VideoLimits, plan_video
 from penstock.routers.deps import media_service
+from penstock.routers.security import media_owner
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, MediaPassthroughRejected
 from penstock.schemas.video import NvCreateVideoRequest, NvVideosResponse, VideoData
 from penstock.serving.framing import unless_disconnected
@@ -68,11 +70,16 @@ CONTENT_CHUNK = 1 << 20
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
-def _job_or_404(service: MediaService, video_id: str) -> VideoJob:
-    job = service.jobs.get(video_id)
+def _owner(request: Request, service: MediaService) -> Owner:
+    return media_owner(request, service.jobs.owner_tag)
+
+
+def _job_or_404(request: Request, service: MediaService, video_id: str) -> VideoJob:
+    """The job if the caller may see it; another key's job is as missing as no job."""
+    job = service.jobs.get(video_id, _owner(request, service))
     if job is None:
         raise NotFoundError(
-            f"No video found with id '{video_id}'", param="video_id", code="video_not_found"
+            f"No video found with id '{clip(video_id)}'", param="video_id", code="video_not_found"
         )
     return job
 
@@ -104,7 +111,7 @@ async def _new_job(request: Request) -> tuple[VideoJob, bool, str]:
         raise InvalidRequestError(exc.message, param=exc.param) from exc
     if video.output_format not in (None, *VIDEO_CONTENT_TYPES):
         raise InvalidRequestError(
-            f"output_format: '{video.output_format}' is not supported: use "
+            f"output_format: '{clip(video.output_format)}' is not supported: use "
             + ", ".join(VIDEO_CONTENT_TYPES),
             param="output_format",
         )
@@ -140,6 +147,7 @@ async def _new_job(request: Request) -> tuple[VideoJob, bool, str]:
         seconds=plan.seconds,
         size=plan.size,
         request=engine_request,
+        owner=_owner(request, media_service(request)).tag,
     )
     return job, bool(video.stream), video.response_format or "url"
 
@@ -167,10 +175,15 @@ async def list_videos(
 ) -> dict[str, Any]:
     service = media_service(request)
     try:
-        jobs, has_more = service.jobs.page(limit=limit, after=after, newest_first=order == "desc")
+        jobs, has_more = service.jobs.page(
+            limit=limit,
+            after=after,
+            newest_first=order == "desc",
+            owner=_owner(request, service),
+        )
     except KeyError as exc:
         raise InvalidRequestError(
-            f"after: no video with id '{after}'", param="after", code="invalid_cursor"
+            f"after: no video with id '{clip(after)}'", param="after", code="invalid_cursor"
         ) from exc
     data = [service.video_object(job) for job in jobs]
     return {
@@ -185,13 +198,13 @@ async def list_videos(
 @router.get("/v1/videos/{video_id}")
 async def retrieve_video(video_id: str, request: Request) -> dict[str, Any]:
     service = media_service(request)
-    return service.video_object(_job_or_404(service, video_id))
+    return service.video_object(_job_or_404(request, service, video_id))
 
 
 @router.delete("/v1/videos/{video_id}")
 async def delete_video(video_id: str, request: Request) -> dict[str, Any]:
     service = media_service(request)
-    _job_or_404(service, video_id)
+    _job_or_404(request, service, video_id)
     await service.delete_video(video_id)
     return {"id": video_id, "object": "video.deleted", "deleted": True}
 
@@ -226,10 +239,10 @@ async def download_video_content(
     video_id: str, request: Request, variant: str = "video"
 ) -> Response:
     service = media_service(request)
-    job = _job_or_404(service, video_id)
+    job = _job_or_404(request, service, video_id)
     if variant != "video":
         raise InvalidRequestError(
-            f"variant: '{variant}' is not available; supported: video", param="variant"
+            f"variant: '{clip(variant)}' is not available; supported: video", param="variant"
         )
     if job.status != COMPLETED or not job.artifact:
         reason = f" ({job.error_message})" if job.status == FAILED and job.error_message else ""

@@ -124,6 +124,20 @@ def _check_unsupported(body: CompletionRequest) -> None:
         raise InvalidRequestError("best_of must be equal to n when given", param="best_of")
 
 
+def _check_batch_fits(prompts: list[list[int]], model: ServedModel) -> None:
+    """Each prompt is one engine request: a batch the gate can never hold is a bad request,
+    not an overload, since retrying it later would never help."""
+    gate = model.host.admission
+    if gate is not None and len(prompts) > gate.capacity:
+        raise InvalidRequestError(
+            f"prompt: {len(prompts)} prompts in one request, but this server holds at most "
+            f"{gate.capacity} (max_concurrency {gate.max_active} + max_queue "
+            f"{gate.max_queued}); send fewer prompts per request",
+            param="prompt",
+            code="invalid_value",
+        )
+
+
 def _echoes(
     body: CompletionRequest, model: ServedModel, generations: list[Generation]
 ) -> dict[int, str]:
@@ -148,6 +162,7 @@ async def create_completion(
     _check_unsupported(body)
     uploader = metadata_uploader(body, gateway.settings)
     prompts = completion_prompts(body, model)
+    _check_batch_fits(prompts, model)
     for ids in prompts:
         check_budget(len(ids), body.max_tokens, model, "prompt")
     generations = [

@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from penstock.engines.context import Context
 from penstock.engines.contract import GenerateRequest
-from penstock.errors import InvalidRequestError
+from penstock.errors import InvalidRequestError, clip
 from penstock.gateway import Gateway, ServedModel
 from penstock.metadata_upload import MetadataUploader, under_root
 from penstock.schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -73,7 +73,9 @@ def check_common_limits(body: SamplingFields, settings: Settings, model: ServedM
     if body.model_extra and not settings.allow_unknown_fields:
         unknown = sorted(body.model_extra)
         raise InvalidRequestError(
-            f"Unknown field(s): {', '.join(unknown)}", param=unknown[0], code="unknown_field"
+            f"Unknown field(s): {', '.join(clip(name) for name in unknown)}",
+            param=unknown[0],
+            code="unknown_field",
         )
     if body.n > settings.max_n:
         raise InvalidRequestError(

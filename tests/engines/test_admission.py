@@ -72,3 +72,19 @@ def test_requests_beyond_cap_and_queue_get_the_overload_status(tmp_path: Path) -
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "overloaded_error"
         assert httpx.post(f"{server.base_url}/v1/completions", json=body).status_code == 200
+
+
+async def test_a_waiter_cancelled_after_a_release_skipped_it_is_still_cancelled() -> None:
+    gate = AdmissionGate(max_active=1, max_queued=2)
+    await gate.acquire()
+    leaving = asyncio.create_task(gate.acquire())
+    staying = asyncio.create_task(gate.acquire())
+    await asyncio.sleep(0)
+    # The cancel reaches the waiter at once but its task only resumes later, after the
+    # release has already dropped the dead waiter and handed the slot on.
+    leaving.cancel()
+    gate.release()
+    await staying
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    assert (gate.active, gate.queued) == (1, 0)

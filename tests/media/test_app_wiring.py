@@ -69,8 +69,9 @@ async def test_the_lifespan_starts_and_stops_the_media_service_once(
 def test_the_job_database_sits_next_to_a_local_store_unless_configured(tmp_path: Path) -> None:
     local = str(tmp_path / "media")
     assert job_db_path(Settings(), local, "m") == tmp_path / "media" / "jobs.sqlite3"
-    remote = job_db_path(Settings(cache_dir=tmp_path), "memory://penstock-media", "org/m")
+    remote = job_db_path(Settings(cache_dir=tmp_path), "http://127.0.0.1:9/media", "org/m")
     assert remote == tmp_path / "media-jobs" / "org_m.sqlite3"
+    assert job_db_path(Settings(cache_dir=tmp_path), "memory://penstock-media", "m") is None
     chosen = tmp_path / "elsewhere.sqlite3"
     assert job_db_path(Settings(media_db=str(chosen)), local, "m") == chosen
 
