@@ -156,7 +156,9 @@ async def get_weight_version(request: Request) -> dict[str, Any]:
     return {"weight_version": admin_plane(request).state.weight_version}
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+# One route per method: a GET+POST route gives both the same OpenAPI operation id.
+@router.get("/flush_cache", operation_id="flush_cache_get")
+@router.post("/flush_cache", operation_id="flush_cache_post")
 async def flush_cache(request: Request) -> PlainTextResponse:
     plane = admin_plane(request)
     await plane.state.run_control("flush_cache", {})
@@ -174,7 +176,8 @@ async def abort_request(request: Request) -> dict[str, Any]:
     return {"status": "ok", "aborted": list(result.get("aborted", []))}
 
 
-@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+@router.get("/release_memory_occupation", operation_id="release_memory_occupation_get")
+@router.post("/release_memory_occupation", operation_id="release_memory_occupation_post")
 async def release_memory_occupation(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
     body = await json_object_body(request)
@@ -184,7 +187,8 @@ async def release_memory_occupation(request: Request) -> dict[str, Any]:
     return _memory_response(plane, "Memory released.")
 
 
-@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+@router.get("/resume_memory_occupation", operation_id="resume_memory_occupation_get")
+@router.post("/resume_memory_occupation", operation_id="resume_memory_occupation_post")
 async def resume_memory_occupation(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
     body = await json_object_body(request)
