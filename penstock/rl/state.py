@@ -315,8 +315,8 @@ class AdminStateMachine:
                 self.pause_mode = None
                 await self._restore("resume_generation", {})
 
-            # Paused from the start, so readiness says so while a wait-mode pause drains.
             started = time.perf_counter()
+            # Paused from the start, so readiness says so while a wait-mode pause drains.
             self.pause_mode = mode
             try:
                 result = await self._bounded_call(

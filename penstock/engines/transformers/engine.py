@@ -483,13 +483,15 @@ class TransformersEngine(LLMEngine):
             return _error(f"Invalid mode '{mode}' for {operation}; expected abort|wait|keep")
         return str(mode)
 
-    async def _pause(self, mode: str) -> None:
+    async def _pause(self, mode: str) -> list[str]:
+        """Pause in ``mode``; the ids of the requests an ``abort`` pause ended."""
         scheduler = self._require_scheduler()
         in_flight = await asyncio.to_thread(
             scheduler.pause, abort=mode == "abort", freeze=mode == "keep"
         )
         if mode != "keep":
             await asyncio.to_thread(scheduler.wait_until_done, in_flight)
+        return sorted(s.request_id for s in in_flight) if mode == "abort" else []
 
     async def _pause_generation(self, body: Body) -> Body:
         mode = self._mode(body, "pause_generation")
@@ -498,7 +500,7 @@ class TransformersEngine(LLMEngine):
         clear_cache = body.get("clear_cache", False)
         if not isinstance(clear_cache, bool):
             return _error("`clear_cache` must be a boolean")
-        await self._pause(mode)
+        aborted = await self._pause(mode)
         if clear_cache:
             await self._flush_cache({})
         return {
@@ -506,6 +508,7 @@ class TransformersEngine(LLMEngine):
             "message": "Engine paused",
             "mode": mode,
             "clear_cache": clear_cache,
+            "aborted": aborted,
         }
 
     async def _resume_generation(self, body: Body) -> Body:
@@ -533,7 +536,7 @@ class TransformersEngine(LLMEngine):
             return {"status": "sleeping", "message": "Engine already sleeping", "is_sleeping": True}
         scheduler = self._require_scheduler()
         was_paused = scheduler.paused
-        await self._pause(mode)
+        aborted = await self._pause(mode)
         self._paused_by_sleep = not was_paused
         await asyncio.to_thread(scheduler.set_sleeping, True)
         await asyncio.to_thread(self._release_memory, level)
@@ -543,6 +546,7 @@ class TransformersEngine(LLMEngine):
             "message": f"Engine slept (level={level})",
             "level": level,
             "is_sleeping": True,
+            "aborted": aborted,
         }
 
     def _release_memory(self, level: int) -> None:

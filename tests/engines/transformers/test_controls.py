@@ -47,6 +47,7 @@ async def test_pause_abort_cancels_in_flight_and_holds_new_requests(
         "message": "Engine paused",
         "mode": "abort",
         "clear_cache": False,
+        "aborted": ["in-flight"],
     }
     rest = [chunk async for chunk in in_flight]
     assert rest[-1]["finish_reason"] == "cancelled"
