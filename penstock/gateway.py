@@ -10,6 +10,7 @@ from penstock.engines.host import EngineHost
 from penstock.errors import ModelNotFoundError
 from penstock.metrics.engine_bridge import EngineMetrics
 from penstock.metrics.frontend import FrontendMetrics
+from penstock.preprocess.offload import PreprocessPool
 from penstock.settings import Settings
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class Gateway:
         self.weight_version: str | None = None
         self.metrics = FrontendMetrics()
         self.engine_metrics = EngineMetrics()
+        self.preprocess = PreprocessPool(settings.preprocess_workers)
 
     def add_model(self, model: ServedModel) -> None:
         for name in (model.name, *model.aliases):

@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "penstock"
 DEFAULT_ADMIN_TIMEOUT_S = 30.0
+DEFAULT_PREPROCESS_WORKERS = 4
 
 # Where the transformers engine keeps converted models; the CLI points it under cache_dir.
 MODEL_CACHE_ENV = "PENSTOCK_MODEL_CACHE"
@@ -76,6 +77,24 @@ class Settings(BaseSettings):
     media_workers: int = 1
     media_max_width: int = 1920
     media_max_height: int = 1920
+
+    # Deadlines of chat and completions requests, in seconds; None: none.
+    request_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_request_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # Threads that render chat templates and tokenize large inputs off the event loop.
+    preprocess_workers: int = Field(DEFAULT_PREPROCESS_WORKERS, ge=1)
+    # A prompt longer than context length x this many characters is refused before it is
+    # tokenized; None: the longest token of the model's vocabulary, in characters.
+    max_chars_per_token: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _default_timeout_within_the_max(self) -> Settings:
+        default, cap = self.request_timeout_s, self.max_request_timeout_s
+        if default is not None and cap is not None and default > cap:
+            raise ValueError(
+                f"request_timeout_s ({default:g}) must not exceed max_request_timeout_s ({cap:g})"
+            )
+        return self
 
     @property
     def max_body_bytes(self) -> int:
