@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, model_validator
 from penstock.errors import InvalidRequestError
 from penstock.gateway import ServedModel
 from penstock.preprocess import Preprocessor
+from penstock.routers.json_body import FastJSONRoute
 from penstock.schemas.openai import ChatMessage, NonNegativeInt
 from penstock.schemas.unicode import RequestModel
 from penstock.serving.requests import (
@@ -26,7 +27,7 @@ from penstock.serving.requests import (
     render_and_tokenize,
 )
 
-router = APIRouter(tags=["tokenize"])
+router = APIRouter(tags=["tokenize"], route_class=FastJSONRoute)
 
 
 class TokenizeRequest(RequestModel):
