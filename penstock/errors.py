@@ -142,6 +142,19 @@ class ClientClosedRequest(PenstockError):
     default_code = "request_cancelled"
 
 
+class RequestTimeoutError(PenstockError):
+    """The request's deadline passed before its answer was complete.
+
+    408, as LiteLLM answers its request timeouts and vLLM its step-barrier timeout: the
+    deadline is one the client asked for (or the operator set for every client), not an
+    upstream failure a 504 would report.
+    """
+
+    status_code = 408
+    error_type = "timeout_error"
+    default_code = "request_timeout"
+
+
 class MediaParamError(InvalidRequestError, ValueError):
     """A media request value the model can't honour; ``param`` names the field."""
 

@@ -15,6 +15,7 @@ from penstock.metrics.admin import AdminMetrics
 from penstock.metrics.engine_bridge import EngineMetrics
 from penstock.metrics.frontend import FrontendMetrics
 from penstock.metrics.media import MediaMetrics
+from penstock.preprocess.offload import PreprocessPool
 from penstock.settings import Settings
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class Gateway:
         self.admin_metrics = AdminMetrics(self.metrics.registry)
         self.admin_metrics.watch(self._admin_state, lambda: self.weight_version)
         self.media_metrics = MediaMetrics(self.metrics.registry)
+        self.preprocess = PreprocessPool(settings.preprocess_workers)
 
     def add_model(self, model: ServedModel) -> None:
         for name in (model.name, *model.aliases):

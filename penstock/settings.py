@@ -7,11 +7,12 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import unquote, urlsplit
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "penstock"
 DEFAULT_ADMIN_TIMEOUT_S = 30.0
+DEFAULT_PREPROCESS_WORKERS = 4
 
 # Where the transformers engine keeps converted models; the CLI points it under cache_dir.
 MODEL_CACHE_ENV = "PENSTOCK_MODEL_CACHE"
@@ -145,6 +146,24 @@ class Settings(BaseSettings):
 
     # At most one line per this many seconds sums up the requests refused as overloaded.
     overload_log_interval_s: float = Field(10.0, gt=0)
+
+    # Deadlines of chat and completions requests, in seconds; None: none.
+    request_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_request_timeout_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # Threads that render chat templates and tokenize large inputs off the event loop.
+    preprocess_workers: int = Field(DEFAULT_PREPROCESS_WORKERS, ge=1)
+    # A prompt longer than context length x this many characters is refused before it is
+    # tokenized; None: the longest token of the model's vocabulary, in characters.
+    max_chars_per_token: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _default_timeout_within_the_max(self) -> Settings:
+        default, cap = self.request_timeout_s, self.max_request_timeout_s
+        if default is not None and cap is not None and default > cap:
+            raise ValueError(
+                f"request_timeout_s ({default:g}) must not exceed max_request_timeout_s ({cap:g})"
+            )
+        return self
 
     @property
     def max_body_bytes(self) -> int:

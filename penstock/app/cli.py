@@ -210,6 +210,31 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         help="requests refused as overloaded are summed up in one WARNING line at most this "
         f"often, not logged one by one (default: {_default('overload_log_interval_s'):g})",
     )
+    serve.add_argument(
+        "--request-timeout-s",
+        type=float,
+        help="deadline of a chat or completions request, admission queue included; past it "
+        "408 (or an error frame once streaming); a request's X-Request-Timeout header "
+        "overrides it (default: none)",
+    )
+    serve.add_argument(
+        "--max-request-timeout-s",
+        type=float,
+        help="largest X-Request-Timeout honoured; larger values are lowered to it "
+        "(default: none, any)",
+    )
+    serve.add_argument(
+        "--preprocess-workers",
+        type=int,
+        help="threads rendering chat templates and tokenizing large prompts off the event "
+        f"loop (default: {_default('preprocess_workers')})",
+    )
+    serve.add_argument(
+        "--max-chars-per-token",
+        type=float,
+        help="prompts longer than context length x this many characters get 400 before "
+        "tokenizing (default: the longest token of the model's vocabulary, in characters)",
+    )
     return parser
 
 

@@ -2,7 +2,7 @@
 token budget."""
 
 from penstock.errors import PreprocessorLoadError
-from penstock.preprocess.budget import check_token_budget
+from penstock.preprocess.budget import check_prompt_chars, check_token_budget, prompt_char_limit
 from penstock.preprocess.detokenizer import IncrementalDetokenizer
 from penstock.preprocess.preprocessor import Preprocessor
 from penstock.preprocess.stop_strings import StopStringMatcher
@@ -12,5 +12,7 @@ __all__ = [
     "Preprocessor",
     "PreprocessorLoadError",
     "StopStringMatcher",
+    "check_prompt_chars",
     "check_token_budget",
+    "prompt_char_limit",
 ]

@@ -1,10 +1,54 @@
-"""The context-length check every prompt passes before it reaches an engine."""
+"""The context-length checks every prompt passes: by characters before it is tokenized,
+by tokens before it reaches an engine.
+
+The character check needs no tokenizer run: no token is longer than ``chars_per_token``
+characters, so a prompt of more than ``context_length * chars_per_token`` characters
+needs more tokens than the context holds, and is refused before any work is spent on it.
+With ``chars_per_token`` the longest token of the vocabulary, the bound refuses only
+prompts that can never fit (unless the tokenizer's normalizer deletes characters, or an
+unknown-token rule folds a run of characters into one token).
+"""
 
 from __future__ import annotations
+
+import math
 
 from penstock.errors import InvalidRequestError
 
 _WHAT_THE_PROMPT_IS = {"messages": "the messages", "prompt": "the prompt"}
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def prompt_char_limit(context_length: int | None, chars_per_token: float) -> int | None:
+    """The most characters a prompt may have and still fit ``context_length`` tokens.
+
+    None when the context length is unknown: nothing can be ruled out.
+    """
+    if context_length is None:
+        return None
+    return math.floor(context_length * chars_per_token)
+
+
+def check_prompt_chars(
+    chars: int,
+    context_length: int | None,
+    chars_per_token: float,
+    *,
+    prompt_param: str = "messages",
+) -> None:
+    """Refuse a prompt of ``chars`` characters that can't fit the context (400)."""
+    limit = prompt_char_limit(context_length, chars_per_token)
+    if limit is None or chars <= limit:
+        return
+    prompt_name = _WHAT_THE_PROMPT_IS.get(prompt_param, f"the {prompt_param}")
+    raise InvalidRequestError(
+        f"This model's maximum context length is {context_length} tokens. However, "
+        f"you sent {chars} characters in {prompt_name}, more than the {limit} that can "
+        f"fit (at most {chars_per_token:g} characters per token). Please reduce the "
+        f"length of {prompt_name}.",
+        param=prompt_param,
+        code=CONTEXT_LENGTH_EXCEEDED,
+    )
 
 
 def check_token_budget(
@@ -48,6 +92,7 @@ def check_token_budget(
             f"This model's maximum context length is {context_length} tokens. However, "
             f"you requested {requested}. Please reduce the length of {prompt_name}.",
             param=prompt_param,
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
     if max_tokens is None:
         return context_length - prompt_tokens
@@ -58,5 +103,6 @@ def check_token_budget(
             f"{prompt_name}, {max_tokens} in the completion). Please reduce the length of "
             f"{prompt_name} or completion.",
             param="max_tokens",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
     return max_tokens

@@ -21,6 +21,11 @@ from penstock.preprocess.tokenizer_files import (
     read_tokenizer_folder,
 )
 
+# Past this many characters (or token ids), text goes through the tokenizer's batch calls,
+# which release the GIL while they work, so a worker thread tokenizing a long prompt
+# leaves the event loop running; the single calls hold it, and are quicker on short input.
+RELEASE_GIL_SIZE = 4096
+
 
 class Preprocessor:
     """Tokenizer + chat template of one model, loaded from a local folder."""
@@ -45,6 +50,12 @@ class Preprocessor:
         }
         self._read_token_bytes = token_bytes_reader(self._tokenizer)
         self._token_texts: dict[int, str] = {}
+        # An upper bound on any token's length in characters: byte-level entries count
+        # bytes, word-piece entries their "##", so the stored form is never shorter.
+        self.max_token_chars: int = max(
+            (len(token) for token in self._tokenizer.get_vocab(with_added_tokens=True)),
+            default=1,
+        )
 
     @classmethod
     def from_folder(cls, path: str | os.PathLike[str]) -> Preprocessor:
@@ -57,9 +68,15 @@ class Preprocessor:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in the text are parsed as special,
         none are added."""
+        if len(text) > RELEASE_GIL_SIZE:
+            return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        if len(token_ids) > RELEASE_GIL_SIZE:
+            return self._tokenizer.decode_batch(
+                [token_ids], skip_special_tokens=skip_special_tokens
+            )[0]
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(

@@ -13,10 +13,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from penstock.routers.json_body import FastJSONRoute
 from penstock.schemas.openai import ChatCompletionRequest
 from penstock.serving.chat import create_chat_completion as serve_chat_completion
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], route_class=FastJSONRoute)
 
 
 @router.post("/v1/chat/completions", response_model=None)

@@ -10,10 +10,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from penstock.routers.json_body import FastJSONRoute
 from penstock.schemas.openai import CompletionRequest
 from penstock.serving.completions import create_completion as serve_completion
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], route_class=FastJSONRoute)
 
 
 @router.post("/v1/completions", response_model=None)

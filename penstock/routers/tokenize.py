@@ -1,7 +1,9 @@
 """``POST /tokenize`` and ``POST /detokenize`` with vLLM's request and response shapes.
 
 RL trainers use them to build and check token-level rollouts with exactly the tokenizer
-and chat template the server applies.
+and chat template the server applies. Input too long to fit the model's context is
+refused by its length before tokenizing, as on the generation routes; large inputs are
+tokenized (or decoded) off the event loop.
 """
 
 from __future__ import annotations
@@ -14,11 +16,18 @@ from pydantic import ConfigDict, Field, model_validator
 from penstock.errors import InvalidRequestError
 from penstock.gateway import ServedModel
 from penstock.preprocess import Preprocessor
+from penstock.routers.json_body import FastJSONRoute
 from penstock.schemas.openai import ChatMessage, NonNegativeInt
 from penstock.schemas.unicode import RequestModel
-from penstock.serving.requests import check_token_ids
+from penstock.serving.requests import (
+    body_size,
+    check_prompt_length,
+    check_token_ids,
+    off_loop,
+    render_and_tokenize,
+)
 
-router = APIRouter(tags=["tokenize"])
+router = APIRouter(tags=["tokenize"], route_class=FastJSONRoute)
 
 
 class TokenizeRequest(RequestModel):
@@ -54,28 +63,59 @@ def _preprocessor(model: ServedModel, param: str) -> Preprocessor:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-    model = request.app.state.gateway.resolve(body.model)
-    pre = _preprocessor(model, "prompt" if body.prompt is not None else "messages")
+    gateway = request.app.state.gateway
+    model = gateway.resolve(body.model)
+    param = "prompt" if body.prompt is not None else "messages"
+    pre = _preprocessor(model, param)
+    settings = gateway.settings
     if body.messages is not None:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        tokens = pre.tokenize_chat(
+        chars = sum(_content_chars(message.get("content")) for message in messages)
+        check_prompt_length(settings, model, pre, chars, param)
+        tokens = await off_loop(
+            gateway,
+            None,
+            max(chars, body_size(request)),
+            render_and_tokenize,
+            settings,
+            model,
+            pre,
             messages,
             add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs=body.chat_template_kwargs,
         )
     else:
-        tokens = pre.encode(body.prompt or "")
+        text = body.prompt or ""
+        check_prompt_length(settings, model, pre, len(text), param)
+        tokens = await off_loop(gateway, None, len(text), pre.encode, text)
+    token_strs = await off_loop(gateway, None, len(tokens), _token_strs, pre, tokens)
     return {
         "count": len(tokens),
         "max_model_len": model.context_length,
         "tokens": tokens,
-        "token_strs": [pre.token_text(t) for t in tokens],
+        "token_strs": token_strs,
     }
+
+
+def _content_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.get("text") or "") for part in content or [])
+
+
+def _token_strs(pre: Preprocessor, tokens: list[int]) -> list[str]:
+    return [pre.token_text(t) for t in tokens]
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-    model = request.app.state.gateway.resolve(body.model)
+    gateway = request.app.state.gateway
+    model = gateway.resolve(body.model)
     pre = _preprocessor(model, "tokens")
-    check_token_ids(body.tokens, model, "tokens")
-    return {"prompt": pre.decode(body.tokens, skip_special_tokens=False)}
+    text = await off_loop(gateway, None, len(body.tokens), _checked_decode, model, pre, body.tokens)
+    return {"prompt": text}
+
+
+def _checked_decode(model: ServedModel, pre: Preprocessor, tokens: list[int]) -> str:
+    check_token_ids(tokens, model, "tokens")
+    return pre.decode(tokens, skip_special_tokens=False)

@@ -16,6 +16,7 @@ from penstock.errors import InvalidRequestError
 from penstock.gateway import Gateway, ServedModel
 from penstock.schemas.openai import ChatCompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
+from penstock.serving.deadline import request_deadline
 from penstock.serving.generation import Generation
 from penstock.serving.requests import (
     chat_prompt,
@@ -130,9 +131,10 @@ def _parse_tool_calls(body: ChatCompletionRequest, model: ServedModel) -> bool:
 async def create_chat_completion(
     gateway: Gateway, body: ChatCompletionRequest, request: Request
 ) -> Response:
+    deadline = request_deadline(request, gateway.settings)
     model = served_model(gateway, body, "chat", "chat completions")
     uploader = metadata_uploader(body, gateway.settings)
-    prompt = chat_prompt(body, model)
+    prompt = await chat_prompt(gateway, body, model, deadline, request)
     max_tokens = body.max_new_tokens
     check_budget(len(prompt.token_ids), max_tokens, model, "messages")
     engine_request = generate_request(
@@ -156,6 +158,8 @@ async def create_chat_completion(
         endpoint="chat_completions",
         streaming=body.stream,
         parse_tool_calls=_parse_tool_calls(body, model),
+        deadline=deadline,
     )
     chat_format = ChatFormat(model, return_token_ids=body.return_token_ids)
-    return await respond(request, ResponsePlan(chat_format, [generation], body, uploader))
+    plan = ResponsePlan(chat_format, [generation], body, uploader, deadline)
+    return await respond(request, plan)

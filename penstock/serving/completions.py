@@ -16,9 +16,9 @@ from penstock.errors import InvalidRequestError
 from penstock.gateway import Gateway, ServedModel
 from penstock.schemas.openai import CompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
+from penstock.serving.deadline import request_deadline
 from penstock.serving.generation import Generation
 from penstock.serving.requests import (
-    check_budget,
     completion_prompts,
     engine_context,
     generate_request,
@@ -158,13 +158,12 @@ def _echoes(
 async def create_completion(
     gateway: Gateway, body: CompletionRequest, request: Request
 ) -> Response:
+    deadline = request_deadline(request, gateway.settings)
     model = served_model(gateway, body, "completions", "completions")
     _check_unsupported(body)
     uploader = metadata_uploader(body, gateway.settings)
-    prompts = completion_prompts(body, model)
+    prompts = await completion_prompts(gateway, body, model, deadline)
     _check_batch_fits(prompts, model)
-    for ids in prompts:
-        check_budget(len(ids), body.max_tokens, model, "prompt")
     generations = [
         Generation(
             gateway,
@@ -184,10 +183,12 @@ async def create_completion(
             endpoint="completions",
             streaming=body.stream,
             index_offset=i * body.n,
+            deadline=deadline,
         )
         for i, ids in enumerate(prompts)
     ]
     completion_format = CompletionFormat(
         model, _echoes(body, model, generations), return_token_ids=body.return_token_ids
     )
-    return await respond(request, ResponsePlan(completion_format, generations, body, uploader))
+    plan = ResponsePlan(completion_format, generations, body, uploader, deadline)
+    return await respond(request, plan)

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from penstock.engines.context import Context
@@ -18,6 +18,7 @@ from penstock.engines.contract import GenerateRequest
 from penstock.errors import EngineError, MetadataUploadError, OverloadedError, PenstockError
 from penstock.metadata_upload import MetadataUploader
 from penstock.serving.choice import ChoiceState, Delta
+from penstock.serving.deadline import Deadline
 
 if TYPE_CHECKING:
     from penstock.gateway import Gateway, ServedModel
@@ -44,8 +45,10 @@ class Generation:
         streaming: bool,
         index_offset: int = 0,
         parse_tool_calls: bool = False,
+        deadline: Deadline | None = None,
     ) -> None:
         self.gateway = gateway
+        self.deadline = deadline
         self.endpoint = endpoint
         self.streaming = streaming
         self.model = model
@@ -119,7 +122,9 @@ class Generation:
                     status, error_type = "success", ""
                     return
         except (asyncio.CancelledError, GeneratorExit):
-            error_type = "cancelled"
+            deadline = self.deadline
+            # Dynamo's label for a response that ran out of time.
+            error_type = "response_timeout" if deadline and deadline.expired else "cancelled"
             raise
         except OverloadedError:
             error_type = "overload"
@@ -213,7 +218,7 @@ def usage(generations: Sequence[Generation]) -> dict[str, Any]:
     return total
 
 
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncGenerator[T, None]:
     """Interleave several async iterators as items arrive (batched completion prompts)."""
     if len(streams) == 1:
         async for item in streams[0]:

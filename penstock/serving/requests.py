@@ -6,7 +6,8 @@ context length, what the engine can honour) live here, so the routes stay thin.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 from starlette.requests import Request
 
@@ -15,8 +16,13 @@ from penstock.engines.contract import GenerateRequest
 from penstock.errors import InvalidRequestError, clip
 from penstock.gateway import Gateway, ServedModel
 from penstock.metadata_upload import MetadataUploader, under_root
+from penstock.preprocess import Preprocessor, check_prompt_chars
 from penstock.schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from penstock.serving.deadline import Deadline
 from penstock.settings import Settings
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 # Fields an engine's runtime_data may advertise to accept requests the gateway would
 # otherwise refuse rather than let the engine ignore silently.
@@ -138,6 +144,47 @@ def check_token_ids(token_ids: list[int], model: ServedModel, param: str) -> Non
             )
 
 
+def chars_per_token(settings: Settings, preprocessor: Preprocessor) -> float:
+    """The factor of the prompt-length bound: the operator's, else the vocabulary's."""
+    if settings.max_chars_per_token is not None:
+        return settings.max_chars_per_token
+    return preprocessor.max_token_chars
+
+
+def check_prompt_length(
+    settings: Settings, model: ServedModel, preprocessor: Preprocessor, chars: int, param: str
+) -> None:
+    """400 for a prompt too long to fit the context, judged by its length alone."""
+    check_prompt_chars(
+        chars,
+        model.context_length,
+        chars_per_token(settings, preprocessor),
+        prompt_param=param,
+    )
+
+
+def body_size(request: Request) -> int:
+    """The request body's declared length (0 when it came chunked)."""
+    try:
+        return int(request.headers.get("content-length", 0))
+    except ValueError:
+        return 0
+
+
+async def off_loop(
+    gateway: Gateway,
+    deadline: Deadline | None,
+    size: int,
+    fn: Callable[P, T],
+    *args: P.args,
+    **kwargs: P.kwargs,
+) -> T:
+    """``fn`` on the preprocessing threads when ``size`` says it is heavy; within the
+    request's deadline."""
+    work = gateway.preprocess.run(size, fn, *args, **kwargs)
+    return await (work if deadline is None else deadline.within(work))
+
+
 def check_budget(prompt_len: int, max_tokens: int | None, model: ServedModel, param: str) -> None:
     """Prompt + requested tokens must fit the context; the engine decides when none asked.
 
@@ -233,9 +280,20 @@ def _flatten_content(content: Any) -> str:
     return "\n".join(part.text for part in content if part.type == "text")
 
 
-def chat_prompt(body: ChatCompletionRequest, model: ServedModel) -> ChatPrompt:
-    """Render and tokenize the conversation, checking what the engine can take."""
-    if model.preprocessor is None:
+async def chat_prompt(
+    gateway: Gateway,
+    body: ChatCompletionRequest,
+    model: ServedModel,
+    deadline: Deadline | None,
+    request: Request,
+) -> ChatPrompt:
+    """Render and tokenize the conversation, checking what the engine can take.
+
+    Messages too long to fit are refused by their length before any rendering; the
+    rendering and the tokenizing of a large request run off the event loop.
+    """
+    pre = model.preprocessor
+    if pre is None:
         raise InvalidRequestError(
             f"The model '{body.model}' has no tokenizer or chat template configured; "
             "start the server with --tokenizer PATH, or send token ids to /v1/completions",
@@ -243,6 +301,7 @@ def chat_prompt(body: ChatCompletionRequest, model: ServedModel) -> ChatPrompt:
         )
     images: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = []
+    chars = 0
     for message in body.messages:
         if isinstance(message.content, list):
             images += [
@@ -252,7 +311,9 @@ def chat_prompt(body: ChatCompletionRequest, model: ServedModel) -> ChatPrompt:
             ]
         rendered = message.model_dump(exclude_none=True)
         rendered["content"] = _flatten_content(message.content)
+        chars += len(rendered["content"])
         messages.append(rendered)
+    check_prompt_length(gateway.settings, model, pre, chars, "messages")
     multi_modal_data: dict[str, Any] | None = None
     if images:
         if not engine_capability(model, SUPPORTS_IMAGE_INPUT):
@@ -273,7 +334,14 @@ def chat_prompt(body: ChatCompletionRequest, model: ServedModel) -> ChatPrompt:
             )
         response_format = body.response_format.model_dump(by_alias=True)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    token_ids = model.preprocessor.tokenize_chat(
+    token_ids = await off_loop(
+        gateway,
+        deadline,
+        max(chars, body_size(request)),
+        render_and_tokenize,
+        gateway.settings,
+        model,
+        pre,
         messages,
         add_generation_prompt=body.add_generation_prompt,
         tools=tools,
@@ -282,19 +350,68 @@ def chat_prompt(body: ChatCompletionRequest, model: ServedModel) -> ChatPrompt:
     return ChatPrompt(token_ids, multi_modal_data, response_format)
 
 
-def completion_prompts(body: CompletionRequest, model: ServedModel) -> list[list[int]]:
+def render_and_tokenize(
+    settings: Settings,
+    model: ServedModel,
+    preprocessor: Preprocessor,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """The conversation's token ids; the rendered text passes the length bound first, so
+    what the messages alone don't show (tools, tool-call arguments) can't slip past it."""
+    text = preprocessor.render_chat(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    check_prompt_length(settings, model, preprocessor, len(text), "messages")
+    return preprocessor.encode(text)
+
+
+async def completion_prompts(
+    gateway: Gateway, body: CompletionRequest, model: ServedModel, deadline: Deadline | None
+) -> list[list[int]]:
+    """Each prompt's token ids, checked against the vocabulary and the context.
+
+    Text prompts too long to fit are refused by their length before any tokenizing;
+    tokenizing many characters, or checking many ids, runs off the event loop.
+    """
     prompts = body.prompts()
     if isinstance(prompts[0], str):
-        if model.preprocessor is None:
+        pre = model.preprocessor
+        if pre is None:
             raise InvalidRequestError(
                 f"The model '{body.model}' has no tokenizer configured; start the server with "
                 "--tokenizer PATH, or send the prompt as token ids",
                 param="prompt",
             )
-        encoded = [model.preprocessor.encode(text) for text in prompts]  # type: ignore[arg-type]
+        texts: list[str] = prompts  # type: ignore[assignment]
+        for text in texts:
+            check_prompt_length(gateway.settings, model, pre, len(text), "prompt")
+        size = sum(len(text) for text in texts)
+        encoded = await off_loop(gateway, deadline, size, _encode_all, pre, texts)
         if any(not ids for ids in encoded):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
+        for ids in encoded:
+            check_budget(len(ids), body.max_tokens, model, "prompt")
         return encoded
+    id_prompts: list[list[int]] = prompts  # type: ignore[assignment]
+    # The budget first: it needs only the lengths, the vocabulary check every id.
+    for ids in id_prompts:
+        check_budget(len(ids), body.max_tokens, model, "prompt")
+    size = sum(len(ids) for ids in id_prompts)
+    await off_loop(gateway, deadline, size, _check_all_token_ids, id_prompts, model)
+    return id_prompts
+
+
+def _encode_all(preprocessor: Preprocessor, texts: list[str]) -> list[list[int]]:
+    return [preprocessor.encode(text) for text in texts]
+
+
+def _check_all_token_ids(prompts: list[list[int]], model: ServedModel) -> None:
     for ids in prompts:
-        check_token_ids(ids, model, "prompt")  # type: ignore[arg-type]
-    return prompts  # type: ignore[return-value]
+        check_token_ids(ids, model, "prompt")

@@ -21,6 +21,7 @@ from starlette.responses import Response
 from penstock.metadata_upload import MetadataUploader
 from penstock.schemas.openai import SamplingFields
 from penstock.serving.choice import ChoiceState, Delta
+from penstock.serving.deadline import Deadline
 from penstock.serving.framing import (
     ChunkEncoder,
     json_response,
@@ -64,6 +65,7 @@ class ResponsePlan:
     generations: list[Generation]
     body: SamplingFields
     uploader: MetadataUploader | None
+    deadline: Deadline | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     response_id: str = field(init=False)
 
@@ -77,7 +79,13 @@ async def respond(request: Request, plan: ResponsePlan) -> Response:
     request.state.usage = partial(usage, plan.generations)
     if plan.body.stream:
         return await _stream(plan)
-    return json_response(await unless_disconnected(request, _fold(plan)))
+    deadline = plan.deadline
+    if deadline is None:
+        return json_response(await unless_disconnected(request, _fold(plan)))
+    try:
+        return json_response(await unless_disconnected(request, deadline.within(_fold(plan))))
+    finally:
+        deadline.close()
 
 
 async def _stream(plan: ResponsePlan) -> Response:
@@ -88,20 +96,35 @@ async def _stream(plan: ResponsePlan) -> Response:
     include_usage = bool(options and options.include_usage)
     continuous_usage = bool(options and options.continuous_usage_stats)
     deltas = merge([generation.deltas() for generation in generations])
+    deadline = plan.deadline
     # Wait for the engine's first output before committing to 200, so errors the engine
-    # raises at once (bad parameters) still get their real status.
-    first = await anext(deltas, None)
+    # raises at once (bad parameters) and a deadline passing in the queue still get their
+    # real status.
+    if deadline is None:
+        first = await anext(deltas, None)
+    else:
+        first = await deadline.within(anext(deltas, None))
 
     async def frames() -> AsyncIterator[bytes]:
         for item in fmt.prelude(generations):
             yield encoder.frame([item], generations[-1].weight_version)
         delta = first
-        while delta is not None:
-            item = fmt.chunk_choice(delta)
-            if item is not None:
-                running = usage(generations) if continuous_usage else None
-                yield encoder.frame([item], delta.weight_version, running)
-            delta = await anext(deltas, None)
+        try:
+            while delta is not None:
+                item = fmt.chunk_choice(delta)
+                if item is not None:
+                    running = usage(generations) if continuous_usage else None
+                    yield encoder.frame([item], delta.weight_version, running)
+                if deadline is None:
+                    delta = await anext(deltas, None)
+                else:
+                    delta = await deadline.within(anext(deltas, None))
+        finally:
+            if deadline is not None:
+                deadline.close()
+            # A deadline can end the loop between waits, with the engine request still
+            # open: close it now rather than whenever the generator is collected.
+            await deltas.aclose()
         await _upload_metadata(plan)
         if include_usage:
             yield encoder.frame([], generations[-1].weight_version, usage(generations))

@@ -45,8 +45,10 @@ def test_a_file_where_the_default_store_goes_fails_at_startup_in_one_line(tmp_pa
         cwd=REPO_ROOT,
     )
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        f"penstock: error: --media-store {default_store} is a file"
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"penstock: error: --media-store {default_store} is a file")
     )
     assert "Traceback" not in result.stdout + result.stderr
 

@@ -3,7 +3,12 @@ from __future__ import annotations
 import pytest
 
 from penstock.errors import InvalidRequestError
-from penstock.preprocess import check_token_budget
+from penstock.preprocess import (
+    Preprocessor,
+    check_prompt_chars,
+    check_token_budget,
+    prompt_char_limit,
+)
 
 
 def test_requested_max_tokens_that_fit_are_kept() -> None:
@@ -74,3 +79,36 @@ def test_a_token_budget_may_leave_either_overflow_to_the_engine() -> None:
     with pytest.raises(InvalidRequestError) as caught:
         check_token_budget(1900, 200, 2048, reject_prompt_overflow=False)
     assert caught.value.param == "max_tokens"
+
+
+def test_the_character_bound_is_context_length_times_chars_per_token() -> None:
+    assert prompt_char_limit(2048, 35) == 71_680
+    assert prompt_char_limit(2048, 3.5) == 7168
+    assert prompt_char_limit(None, 35) is None
+
+
+def test_a_prompt_at_the_character_bound_passes_and_one_more_is_refused() -> None:
+    check_prompt_chars(71_680, 2048, 35, prompt_param="prompt")
+    check_prompt_chars(10**9, None, 35)
+    with pytest.raises(InvalidRequestError) as caught:
+        check_prompt_chars(71_681, 2048, 35, prompt_param="prompt")
+    error = caught.value
+    assert (error.status_code, error.param, error.code) == (
+        400,
+        "prompt",
+        "context_length_exceeded",
+    )
+    assert error.message == (
+        "This model's maximum context length is 2048 tokens. However, you sent 71681 "
+        "characters in the prompt, more than the 71680 that can fit (at most 35 characters "
+        "per token). Please reduce the length of the prompt."
+    )
+
+
+@pytest.mark.parametrize("tokenizer", ["preprocessor", "sentencepiece_style"])
+def test_no_token_holds_more_characters_than_the_bound_assumes(
+    tokenizer: str, request: pytest.FixtureRequest
+) -> None:
+    pre: Preprocessor = request.getfixturevalue(tokenizer)
+    for text in (" " * 5000, "#" * 5000, "ab" * 2500, "<|im_start|>" * 400, "日本" * 2000):
+        assert len(text) <= pre.max_token_chars * len(pre.encode(text))
