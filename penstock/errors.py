@@ -235,3 +235,64 @@ class SlowClientError(PenstockError):
     status_code = 408
     error_type = "request_timeout"
     default_code = "request_timeout"
+
+
+class UrlValidationError(InvalidRequestError, ValueError):
+    """A media URL the SSRF policy refuses, or media over its size limit.
+
+    A ``ValueError`` too, as in ``dynamo.common.http``, so callers written for Dynamo catch it.
+    """
+
+    default_code = "invalid_media_url"
+
+
+class HttpError(PenstockError):
+    """A media fetch failed. Callers never see the HTTP library's own exceptions."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    default_code = "media_fetch_failed"
+
+
+class HttpTimeoutError(HttpError):
+    """Connecting, reading or the whole fetch took longer than allowed."""
+
+    status_code = 408
+    default_code = "media_fetch_timeout"
+
+
+class HttpConnectionError(HttpError):
+    """The media host could not be reached: DNS, refused, reset, closed early."""
+
+
+class HttpConfigurationError(HttpError):
+    """The deployment is set up wrong; never the client's fault, so never a 4xx."""
+
+    status_code = 500
+    error_type = "internal_server_error"
+    default_code = "internal_error"
+
+
+class HttpStatusError(HttpError):
+    """The media host answered with a non-2xx status (``status``); a 4xx is passed on to the
+    client as is, anything else becomes 502."""
+
+    _MESSAGE_LIMIT = 8192
+
+    def __init__(self, status: int, message: str, url: str) -> None:
+        if len(message) > self._MESSAGE_LIMIT:
+            half = self._MESSAGE_LIMIT // 2
+            message = f"{message[:half]} ... ({len(message)} chars) ... {message[-half:]}"
+        self.status = status
+        self.url = url
+        self.status_code = status if 400 <= status < 500 else 502
+        label = url if len(url) <= 120 else f"{url[:120]}... ({len(url)} chars)"
+        if url[:5].lower() == "data:":
+            label = f"data:{url[5:].split(',', 1)[0].split(';', 1)[0][:40]} (payload elided)"
+        super().__init__(f"HTTP {status} for {label}: {message}")
+        self.message = message
+
+    def envelope(self) -> dict[str, Any]:
+        body = super().envelope()
+        body["error"]["message"] = str(self)
+        return body

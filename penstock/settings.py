@@ -129,6 +129,40 @@ class Settings(BaseSettings):
     # unset: a request asking for an upload gets 400.
     metadata_upload_url: str | None = None
 
+    # Media fetched for multimodal requests (penstock.http): what a media URL may reach.
+    media_allow_http: bool = False
+    # Hosts media may come from (and their subdomains); empty: any public host.
+    allowed_media_domains: CsvList = Field(default_factory=list)
+    # CIDR ranges exempt from the private/internal address block.
+    allowed_media_networks: CsvList = Field(default_factory=list)
+    # Folders file:// media may be read from; empty: no local files.
+    allowed_local_media_paths: CsvList = Field(default_factory=list)
+    media_fetch_timeout_s: float = Field(30.0, gt=0)
+    media_fetch_max_mb: float = Field(64.0, gt=0)
+    media_max_data_url_mb: float = Field(16.0, gt=0)
+    http_backend: Literal["httpx", "aiohttp"] = "httpx"
+    http_max_connections: int = Field(100, gt=0)
+    # Replaces every fetch's own total timeout when set.
+    http_timeout_s: float | None = Field(None, gt=0)
+    http_connect_timeout_s: float = Field(5.0, gt=0)
+    http_keepalive_timeout_s: float = Field(15.0, gt=0)
+
+    @field_validator("allowed_media_networks")
+    @classmethod
+    def _cidr_ranges(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"allowed media network {cidr!r} is not a CIDR range") from exc
+        return value
+
+    @property
+    def media_fetch_max_bytes(self) -> int:
+        return int(self.media_fetch_max_mb * 1024 * 1024)
+
     @field_validator("metadata_upload_url")
     @classmethod
     def _metadata_upload_root(cls, value: str | None) -> str | None:

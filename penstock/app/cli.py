@@ -235,7 +235,60 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         help="prompts longer than context length x this many characters get 400 before "
         "tokenizing (default: the longest token of the model's vocabulary, in characters)",
     )
+    _add_media_fetch_flags(serve)
     return parser
+
+
+def _add_media_fetch_flags(serve: argparse.ArgumentParser) -> None:
+    """Where media URLs in requests may be fetched from, and how (penstock.http)."""
+    serve.add_argument(
+        "--media-allow-http",
+        action="store_const",
+        const=True,
+        help="let media URLs use plain http (default: https only)",
+    )
+    for flag, dest, what in (
+        (
+            "--allowed-media-domain",
+            "allowed_media_domains",
+            "host media may come from, with its subdomains, repeatable (default: any public host)",
+        ),
+        (
+            "--allowed-media-network",
+            "allowed_media_networks",
+            "CIDR range exempt from the private/internal address block, repeatable (default: none)",
+        ),
+        (
+            "--allowed-local-media-path",
+            "allowed_local_media_paths",
+            "folder file:// media may "
+            "be read from, repeatable (default: none, local files are refused)",
+        ),
+    ):
+        serve.add_argument(flag, dest=dest, action="append", metavar="VALUE", help=what)
+    for flag, field, what in (
+        ("--media-fetch-timeout-s", "media_fetch_timeout_s", "bound on one media fetch"),
+        ("--media-fetch-max-mb", "media_fetch_max_mb", "larger media downloads fail"),
+        ("--media-max-data-url-mb", "media_max_data_url_mb", "larger data: URLs are refused"),
+        ("--http-connect-timeout-s", "http_connect_timeout_s", "media fetch connect timeout"),
+        ("--http-keepalive-timeout-s", "http_keepalive_timeout_s", "idle pooled connection"),
+    ):
+        serve.add_argument(flag, type=float, help=f"{what} (default: {_default(field):g})")
+    serve.add_argument(
+        "--http-timeout-s",
+        type=float,
+        help="replaces every media fetch's total timeout (default: none)",
+    )
+    serve.add_argument(
+        "--http-max-connections",
+        type=int,
+        help=f"media fetch connection pool size (default: {_default('http_max_connections')})",
+    )
+    serve.add_argument(
+        "--http-backend",
+        choices=["httpx", "aiohttp"],
+        help=f"media fetch library (default: {_default('http_backend')})",
+    )
 
 
 def _engine_help(own: list[str]) -> str | None:

@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"gateway"},
     {"engines"},
     {"preprocess", "multimodal"},
+    {"http", "memory"},
     {"schemas", "metrics", "errors", "settings", "__init__"},
 ]
 

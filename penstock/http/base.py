@@ -1,0 +1,249 @@
+"""The backend-neutral media fetch: :class:`HttpClient` and what every backend shares.
+
+``fetch_bytes`` with a policy is the SSRF-safe path, the same for every backend:
+
+1. :func:`~penstock.http.urls.check_url` judges the URL and resolves its host once;
+2. the checked addresses are *pinned* for the request (a context variable the backend's
+   connect step reads), so the connection goes to an address that was checked, never to a
+   second DNS answer; TLS still verifies the certificate of the host name;
+3. redirects are not followed by the library: each ``Location`` is checked the same way,
+   at most ``_MAX_REDIRECTS`` hops;
+4. the body is read in chunks and the fetch fails as soon as it passes ``max_bytes``; the
+   whole fetch, redirects and body included, runs under one deadline, so a server that
+   trickles bytes can't hold it past ``timeout``.
+
+Without a policy the library follows redirects itself, and the backend's connect step
+still checks every address (literal or resolved) against the client's configured policy.
+Clients keep one connection pool per kind of network permission, so a connection opened
+under a permissive policy is never reused by a strict one. No environment proxy is used:
+a proxy would resolve and connect on our behalf, past every check here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import ipaddress
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urljoin
+
+from penstock.errors import (
+    HttpConnectionError,
+    HttpError,
+    HttpStatusError,
+    HttpTimeoutError,
+    UrlValidationError,
+)
+from penstock.http import urls
+from penstock.http.urls import UrlValidationPolicy, describe_media_source
+
+if TYPE_CHECKING:
+    from penstock.settings import Settings
+
+_MAX_REDIRECTS = 3
+_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+CHUNK_SIZE = 64 * 1024
+
+
+@dataclass(frozen=True)
+class HttpConfigBase:
+    """Connection settings shared by the backends (``--http-*`` flags)."""
+
+    max_connections: int = 100
+    # Replaces every caller's total timeout when set.
+    timeout: float | None = None
+    connect_timeout: float = 5.0
+    keepalive_timeout: float = 15.0
+    # Checked at connect time when a fetch names no policy.
+    policy: UrlValidationPolicy = field(default_factory=UrlValidationPolicy)
+    user_agent: str = "penstock-media-fetch"
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HttpConfigBase:
+        return cls(
+            max_connections=settings.http_max_connections,
+            timeout=settings.http_timeout_s,
+            connect_timeout=settings.http_connect_timeout_s,
+            keepalive_timeout=settings.http_keepalive_timeout_s,
+            policy=UrlValidationPolicy.from_settings(settings),
+        )
+
+
+@dataclass(frozen=True)
+class _Pin:
+    policy: UrlValidationPolicy
+    host: str | None = None
+    addresses: tuple[str, ...] = ()
+
+
+_PIN: contextvars.ContextVar[_Pin | None] = contextvars.ContextVar(
+    "penstock_http_pin", default=None
+)
+
+
+async def connect_addresses(host: str, port: int, fallback: UrlValidationPolicy) -> list[str]:
+    """The addresses a backend may connect to for ``host``: the pinned ones when the fetch
+    checked this host, else those it resolves to, each checked against the policy."""
+    pin = _PIN.get()
+    policy = pin.policy if pin is not None else fallback
+    bare = host.strip("[]").lower()
+    if pin is not None and pin.host is not None and pin.host.strip("[]") == bare:
+        return list(pin.addresses)
+    try:
+        literal = ipaddress.ip_address(bare)
+    except ValueError:
+        literal = None
+    if literal is None and (legacy := urls.legacy_ipv4(bare)) is not None:
+        raise UrlValidationError(f"host {bare} is a non-canonical spelling of {legacy}")
+    if literal is not None:
+        if not policy.address_allowed(literal):
+            raise HttpConnectionError(f"host {bare} is a blocked address")
+        return [bare]
+    if not policy.domain_allowed(bare.rstrip(".")):
+        raise HttpConnectionError(f"host {bare} is not in the allowed media domains")
+    try:
+        addresses = await urls.resolve_host(bare, port)
+    except OSError as exc:
+        raise HttpConnectionError(f"Could not resolve host {bare}") from exc
+    if not addresses or not all(policy.address_allowed(ipaddress.ip_address(a)) for a in addresses):
+        raise HttpConnectionError(f"host {bare} resolves to blocked addresses")
+    return addresses
+
+
+@dataclass
+class Response:
+    """What a backend hands back: status, headers, and the body as chunks."""
+
+    status: int
+    reason: str
+    headers: dict[str, str]
+    chunks: AsyncIterator[bytes]
+
+
+class HttpClient(ABC):
+    """Backend-neutral HTTP client.
+
+    Subclasses own a backend-specific session/client on the instance. Callers use
+    :meth:`fetch_bytes` and the unified exceptions of :mod:`penstock.errors`
+    (``HttpError`` and its subclasses, ``UrlValidationError``); the backend's own
+    exceptions never escape.
+    """
+
+    def __init__(self, config: HttpConfigBase | None = None) -> None:
+        self.config = config or HttpConfigBase()
+
+    async def fetch_bytes(
+        self,
+        url: str,
+        timeout: float,  # noqa: ASYNC109 (the seed signature)
+        *,
+        policy: UrlValidationPolicy | None = None,
+        max_bytes: int | None = None,
+        read_timeout: float | None = None,
+    ) -> bytes:
+        """Fetch ``url`` and return the response body.
+
+        Single-shot: no retries. ``policy=None``: the backend follows redirects itself
+        (every connection is still checked against the client's configured policy).
+        ``policy`` set: redirects are followed here, each hop revalidated against the
+        policy; :class:`UrlValidationError` when a hop fails or the chain is longer than
+        ``_MAX_REDIRECTS``.
+        """
+        total = self.config.timeout if self.config.timeout is not None else timeout
+        try:
+            async with asyncio.timeout(total):
+                if policy is None:
+                    token = _PIN.set(_Pin(self.config.policy))
+                    try:
+                        return await self._fetch_once(url, max_bytes, read_timeout, None, True)
+                    finally:
+                        _PIN.reset(token)
+                return await self._fetch_checked(url, policy, max_bytes, read_timeout)
+        except TimeoutError as exc:
+            raise HttpTimeoutError(
+                f"Fetching {describe_media_source(url)} took longer than {total:g}s"
+            ) from exc
+
+    async def _fetch_checked(
+        self,
+        url: str,
+        policy: UrlValidationPolicy,
+        max_bytes: int | None,
+        read_timeout: float | None,
+    ) -> bytes:
+        chain = [url]
+        while True:
+            checked = await urls.check_url(url, policy)
+            token = _PIN.set(_Pin(policy, checked.host, checked.addresses))
+            try:
+                body = await self._fetch_once(url, max_bytes, read_timeout, policy, False)
+            finally:
+                _PIN.reset(token)
+            if isinstance(body, bytes):
+                return body
+            if len(chain) > _MAX_REDIRECTS:
+                hops = ", ".join(describe_media_source(hop) for hop in chain)
+                raise UrlValidationError(
+                    f"Too many redirects (max={_MAX_REDIRECTS}); chain=[{hops}]"
+                )
+            url = urljoin(url, body)
+            chain.append(url)
+
+    async def _fetch_once(
+        self,
+        url: str,
+        max_bytes: int | None,
+        read_timeout: float | None,
+        policy: UrlValidationPolicy | None,
+        follow_redirects: bool,
+    ) -> Any:
+        """The body, or (with redirects off) the ``Location`` of a redirect, a str."""
+        key = (policy or self.config.policy).network_key()
+        try:
+            async with self._request(url, key, follow_redirects, read_timeout) as response:
+                location = response.headers.get("location")
+                if not follow_redirects and response.status in _REDIRECT_STATUSES and location:
+                    return location
+                if response.status >= 400:
+                    raise HttpStatusError(response.status, response.reason, url)
+                return await self._read_body(response, url, max_bytes)
+        except (HttpError, UrlValidationError, TimeoutError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise self._translate(exc, url) from exc
+
+    @staticmethod
+    async def _read_body(response: Response, url: str, max_bytes: int | None) -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in response.chunks:
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                raise UrlValidationError(
+                    f"Media exceeds the {max_bytes} byte download limit: "
+                    f"{describe_media_source(url)}"
+                )
+            parts.append(chunk)
+        return b"".join(parts)
+
+    @abstractmethod
+    def _request(
+        self,
+        url: str,
+        pool_key: object,
+        follow_redirects: bool,
+        read_timeout: float | None,
+    ) -> contextlib.AbstractAsyncContextManager[Response]:
+        """Send a GET through the pool for ``pool_key``; the body is read lazily."""
+
+    @abstractmethod
+    def _translate(self, exc: Exception, url: str) -> HttpError | UrlValidationError:
+        """The unified exception for one of the backend's own."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Close the backend session/client. Idempotent."""

@@ -1,0 +1,117 @@
+"""The httpx backend of :class:`~penstock.http.base.HttpClient`.
+
+Connections are pinned by wrapping httpcore's network backend: its ``connect_tcp`` gets
+the host name of the URL and connects to an address from
+:func:`~penstock.http.base.connect_addresses` instead; TLS is then started by httpcore
+with the host name, so certificates are still checked against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import httpcore
+import httpx
+
+from penstock.errors import HttpConnectionError, HttpError, HttpTimeoutError, UrlValidationError
+from penstock.http.base import CHUNK_SIZE, HttpClient, HttpConfigBase, Response, connect_addresses
+from penstock.http.urls import UrlValidationPolicy, describe_media_source
+
+
+class _PinnedBackend(httpcore.AsyncNetworkBackend):
+    def __init__(self, fallback: UrlValidationPolicy) -> None:
+        self._inner = httpcore.AnyIOBackend()
+        self._fallback = fallback
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 (httpcore signature)
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        addresses = await connect_addresses(host, port, self._fallback)
+        last: Exception | None = None
+        for address in addresses:
+            try:
+                return await self._inner.connect_tcp(
+                    address, port, timeout, local_address, socket_options
+                )
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                last = exc
+        assert last is not None
+        raise last
+
+    async def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
+        raise HttpConnectionError("unix sockets are not used for media fetches")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class HttpxClient(HttpClient):
+    """httpx-backed concrete client."""
+
+    def __init__(self, config: HttpConfigBase | None = None) -> None:
+        super().__init__(config)
+        self._clients: dict[object, httpx.AsyncClient] = {}
+
+    def _client(self, pool_key: object) -> httpx.AsyncClient:
+        client = self._clients.get(pool_key)
+        if client is None:
+            config = self.config
+            limits = httpx.Limits(
+                max_connections=config.max_connections,
+                keepalive_expiry=config.keepalive_timeout,
+            )
+            transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+            # httpx has no public way to hand its pool a network backend.
+            transport._pool._network_backend = _PinnedBackend(config.policy)
+            client = httpx.AsyncClient(
+                transport=transport,
+                trust_env=False,
+                max_redirects=3,
+                headers={"user-agent": config.user_agent},
+            )
+            self._clients[pool_key] = client
+        return client
+
+    @contextlib.asynccontextmanager
+    async def _request(
+        self,
+        url: str,
+        pool_key: object,
+        follow_redirects: bool,
+        read_timeout: float | None,
+    ) -> AsyncIterator[Response]:
+        timeout = httpx.Timeout(None, connect=self.config.connect_timeout, read=read_timeout)
+        client = self._client(pool_key)
+        request = client.build_request("GET", url, timeout=timeout)
+        response = await client.send(request, stream=True, follow_redirects=follow_redirects)
+        try:
+            yield Response(
+                response.status_code,
+                response.reason_phrase,
+                {k.lower(): v for k, v in response.headers.items()},
+                response.aiter_bytes(CHUNK_SIZE),
+            )
+        finally:
+            await response.aclose()
+
+    def _translate(self, exc: Exception, url: str) -> HttpError | UrlValidationError:
+        url = describe_media_source(url)
+        if isinstance(exc, httpx.TimeoutException):
+            return HttpTimeoutError(f"Timed out fetching {url}: {type(exc).__name__}")
+        if isinstance(exc, httpx.TooManyRedirects):
+            return UrlValidationError(f"Too many redirects (max=3) fetching {url}")
+        if isinstance(exc, httpx.InvalidURL | httpx.UnsupportedProtocol):
+            return UrlValidationError(f"Invalid URL {url}: {exc}")
+        return HttpConnectionError(f"Could not fetch {url}: {type(exc).__name__}: {exc}")
+
+    async def close(self) -> None:
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            await client.aclose()

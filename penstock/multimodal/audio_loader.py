@@ -1,0 +1,162 @@
+"""Audio of multimodal requests, from reference to a mono float32 waveform (``AudioLoader``).
+
+References are resolved as for images (:mod:`penstock.multimodal.media_source`: data
+URLs, http(s) through the SSRF-safe client, ``file://`` or bare paths under an
+operator-allowed folder). PyAV decodes any container and codec it knows; the audio is
+mixed down to mono float32 and, when ``sample_rate`` is given, resampled to it (else it
+keeps its native rate, as upstream). The duration limit is checked from the container's
+header and again while decoding, so a long file is refused without decoding it whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from typing import Any
+
+import av
+import numpy as np
+
+from penstock.errors import (
+    HttpConfigurationError,
+    HttpConnectionError,
+    HttpError,
+    HttpStatusError,
+    HttpTimeoutError,
+    UrlValidationError,
+)
+from penstock.http import HttpClient, UrlValidationPolicy, describe_media_source
+from penstock.multimodal.image_loader import gather_media
+from penstock.multimodal.media_source import DEFAULT_MAX_MEDIA_BYTES, read_media
+
+DEFAULT_MAX_DURATION_S = 600.0
+
+
+def _too_long(seconds: float, limit: float, label: str) -> HttpStatusError:
+    return HttpStatusError(413, f"audio lasts {seconds:.1f}s, over the limit of {limit:g}s", label)
+
+
+def decode_audio(
+    data: bytes, label: str, *, sample_rate: int | None, max_duration_s: float
+) -> tuple[np.ndarray, float]:
+    """Mono float32 samples and their rate; ValueError when PyAV can't decode ``data``."""
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.audio:
+                raise ValueError(f"no audio stream in {label}")
+            stream = container.streams.audio[0]
+            if stream.duration is not None and stream.time_base is not None:
+                declared = float(stream.duration * stream.time_base)
+                if declared > max_duration_s:
+                    raise _too_long(declared, max_duration_s, label)
+            rate = sample_rate or stream.rate
+            if not rate:
+                raise ValueError(f"audio in {label} has no sample rate")
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+            parts: list[np.ndarray] = []
+            samples = 0
+            for frame in container.decode(stream):
+                for out in resampler.resample(frame):
+                    parts.append(out.to_ndarray().reshape(-1))
+                    samples += parts[-1].size
+                if samples > max_duration_s * rate:
+                    raise _too_long(samples / rate, max_duration_s, label)
+            parts.extend(out.to_ndarray().reshape(-1) for out in resampler.resample(None))
+    except (av.FFmpegError, UnicodeDecodeError) as exc:
+        raise ValueError(f"Failed to load audio from {label}: {exc}") from exc
+    waveform = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
+    if waveform.size == 0:
+        raise ValueError(f"audio from {label} is empty")
+    return waveform, float(rate)
+
+
+class AudioLoader:
+    """Async audio loader for multimodal pipelines."""
+
+    def __init__(
+        self,
+        http_timeout: float = 30.0,
+        enable_frontend_decoding: bool = False,
+        url_policy: UrlValidationPolicy | None = None,
+        *,
+        http_client: HttpClient | None = None,
+        max_bytes: int | None = DEFAULT_MAX_MEDIA_BYTES,
+        max_duration_s: float = DEFAULT_MAX_DURATION_S,
+        sample_rate: int | None = None,
+    ) -> None:
+        if http_timeout <= 0:
+            raise ValueError(f"http_timeout must be > 0, got {http_timeout}")
+        self.http_timeout = http_timeout
+        self.url_policy = url_policy or UrlValidationPolicy.from_env()
+        self.max_bytes = max_bytes
+        self.max_duration_s = max_duration_s
+        self.sample_rate = sample_rate
+        self._client = http_client
+        self._receiver: Any = None
+        if enable_frontend_decoding:
+            from penstock.multimodal.transfer import NixlReadEmbeddingReceiver, nixl_api
+
+            nixl_api()
+            self._receiver = NixlReadEmbeddingReceiver(max_items=0)
+
+    def _http(self) -> HttpClient:
+        if self._client is None:
+            from penstock.http import get_default_client
+
+            self._client = get_default_client()
+        return self._client
+
+    async def load_audio(self, audio_url: str) -> tuple[np.ndarray, float]:
+        """``(waveform, sample_rate)``: mono float32 at the native rate, or at
+        ``sample_rate`` when the loader was given one."""
+        label = describe_media_source(audio_url)
+        try:
+            media = await read_media(
+                audio_url,
+                policy=self.url_policy,
+                client=self._http(),
+                fetch_timeout_s=self.http_timeout,
+                max_bytes=self.max_bytes,
+            )
+        except (UrlValidationError, HttpStatusError, HttpConfigurationError):
+            raise
+        except HttpTimeoutError as exc:
+            raise HttpStatusError(408, f"Timed out fetching the audio: {exc}", label) from exc
+        except (HttpConnectionError, HttpError) as exc:
+            raise HttpStatusError(400, f"Could not fetch the audio: {exc}", label) from exc
+        if media.mime is not None and not media.mime.startswith(("audio/", "video/")):
+            raise ValueError(f"data URL must hold audio, not {media.mime}")
+        return await asyncio.to_thread(
+            decode_audio,
+            media.data,
+            label,
+            sample_rate=self.sample_rate,
+            max_duration_s=self.max_duration_s,
+        )
+
+    async def _load_decoded(self, metadata: Any) -> tuple[np.ndarray, float]:
+        from penstock.multimodal.transfer import TransferRequest
+
+        if self._receiver is None:
+            raise ValueError("Could not load decoded media from frontend")
+        request = TransferRequest.model_validate(metadata)
+        tensor_id, samples = await self._receiver.receive_embeddings(request)
+        try:
+            rate = float((metadata.get("metadata") or {}).get("sample_rate", 16000))
+            return samples.cpu().numpy().astype(np.float32).reshape(-1), rate
+        finally:
+            self._receiver.release_tensor(tensor_id)
+
+    async def load_audio_batch(
+        self, audio_mm_items: list[dict[str, Any]]
+    ) -> list[tuple[np.ndarray, float]]:
+        """Load audio from multimodal data items (``Url`` or ``Decoded``), concurrently, in
+        order; errors are chosen as for images."""
+        for index, item in enumerate(audio_mm_items):
+            if not isinstance(item, dict) or set(item) not in ({"Url"}, {"Decoded"}):
+                raise ValueError(f"audio item {index} must have exactly one of Url, Decoded")
+        jobs = [
+            self.load_audio(item["Url"]) if "Url" in item else self._load_decoded(item["Decoded"])
+            for item in audio_mm_items
+        ]
+        return await gather_media(jobs, jobs)

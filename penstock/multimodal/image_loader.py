@@ -1,0 +1,218 @@
+"""Images of multimodal requests, from reference to RGB pixels (``ImageLoader``).
+
+References are data URLs (``image/*;base64``), http(s) URLs fetched through the SSRF-safe
+:class:`~penstock.http.HttpClient`, or ``file://`` paths under an operator-allowed folder.
+Decoding is Pillow's, restricted to JPEG, PNG and WEBP, in a worker thread; the pixel
+count is checked from the header before any pixel is decoded, the byte count while the
+bytes arrive.
+
+Failures carry the status a client should get: the fetch's ``HttpStatusError`` as is, a
+timeout 408, an unreachable host 400, an undecodable image 415 or 400, too many pixels
+413; a refused URL stays a ``UrlValidationError`` (400).
+
+Decoded images are kept in a small LRU keyed by the normalized URL, and concurrent loads
+of one URL share one fetch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import warnings
+from collections import OrderedDict
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from PIL import Image, UnidentifiedImageError
+
+from penstock.errors import (
+    HttpConnectionError,
+    HttpError,
+    HttpStatusError,
+    HttpTimeoutError,
+    UrlValidationError,
+)
+from penstock.http import HttpClient, UrlValidationPolicy, describe_media_source
+from penstock.multimodal.media_source import DEFAULT_MAX_MEDIA_BYTES, read_media
+
+CACHE_SIZE_MAXIMUM = int(os.environ.get("PENSTOCK_MM_IMAGE_CACHE_SIZE", "8"))
+DEFAULT_MAX_PIXELS = 32 * 1024 * 1024
+_FORMATS = ("JPEG", "PNG", "WEBP")
+
+
+def normalize_url(url: str) -> str:
+    """The cache key: scheme and host lower-cased, fragment dropped, the rest as given."""
+    if url[:5].lower() == "data:":
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), parts.path, parts.query, ""))
+
+
+def _decode(data: bytes, url: str, max_pixels: int) -> Image.Image:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=_FORMATS)
+    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise HttpStatusError(415, "Unsupported Media Type", url) from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise HttpStatusError(
+            413, f"image is {width}x{height}, over the limit of {max_pixels} pixels", url
+        )
+    try:
+        return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise HttpStatusError(400, "Invalid or truncated image data", url) from exc
+
+
+class ImageLoader:
+    CACHE_SIZE_MAXIMUM = CACHE_SIZE_MAXIMUM
+
+    def __init__(
+        self,
+        cache_size: int = CACHE_SIZE_MAXIMUM,
+        http_timeout: float = 30.0,
+        enable_frontend_decoding: bool = False,
+        url_policy: UrlValidationPolicy | None = None,
+        *,
+        http_client: HttpClient | None = None,
+        max_bytes: int | None = DEFAULT_MAX_MEDIA_BYTES,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+    ) -> None:
+        """``url_policy`` None: the policy of the ``PENSTOCK_*`` settings; ``http_client``
+        None: the process-wide client. ``enable_frontend_decoding`` accepts ``Decoded``
+        items (images already decoded elsewhere, read over NIXL) and needs NIXL."""
+        if http_timeout <= 0:
+            raise ValueError(f"http_timeout must be > 0, got {http_timeout}")
+        self.cache_size = cache_size
+        self.http_timeout = http_timeout
+        self.url_policy = url_policy or UrlValidationPolicy.from_env()
+        self.max_bytes = max_bytes
+        self.max_pixels = max_pixels
+        self._client = http_client
+        self._cache: OrderedDict[str, Image.Image] = OrderedDict()
+        self._in_flight: dict[str, asyncio.Future[Image.Image]] = {}
+        self._receiver: Any = None
+        if enable_frontend_decoding:
+            from penstock.multimodal.transfer import NixlReadEmbeddingReceiver, nixl_api
+
+            nixl_api()
+            self._receiver = NixlReadEmbeddingReceiver(max_items=0)
+
+    @property
+    def cache_entries(self) -> int:
+        return len(self._cache)
+
+    def _http(self) -> HttpClient:
+        if self._client is None:
+            from penstock.http import get_default_client
+
+            self._client = get_default_client()
+        return self._client
+
+    async def load_image(self, image_url: str) -> Image.Image:
+        key = normalize_url(image_url) if isinstance(image_url, str) else ""
+        if self.cache_size > 0 and key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        running = self._in_flight.get(key)
+        if running is None:
+            running = asyncio.ensure_future(self._load(image_url))
+            self._in_flight[key] = running
+            running.add_done_callback(lambda _: self._in_flight.pop(key, None))
+        image = await asyncio.shield(running)
+        if self.cache_size > 0:
+            self._cache[key] = image
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return image
+
+    async def _load(self, url: str) -> Image.Image:
+        label = describe_media_source(url)
+        try:
+            media = await read_media(
+                url,
+                policy=self.url_policy,
+                client=self._http(),
+                fetch_timeout_s=self.http_timeout,
+                max_bytes=self.max_bytes,
+            )
+        except (UrlValidationError, HttpStatusError):
+            raise
+        except HttpTimeoutError as exc:
+            raise HttpStatusError(408, f"Timed out fetching the image: {exc}", label) from exc
+        except (HttpConnectionError, HttpError) as exc:
+            raise HttpStatusError(400, f"Could not fetch the image: {exc}", label) from exc
+        if media.mime is not None and not media.mime.startswith("image/"):
+            raise ValueError(f"data URL must hold an image, not {media.mime}")
+        if not media.data:
+            raise ValueError(f"image is empty: {label}")
+        return await asyncio.to_thread(_decode, media.data, label, self.max_pixels)
+
+    async def _load_decoded(self, metadata: Any) -> Image.Image:
+        from penstock.multimodal.transfer import TransferRequest
+
+        if self._receiver is None:
+            raise ValueError("Could not load decoded media from frontend")
+        request = TransferRequest.model_validate(metadata)
+        tensor_id, pixels = await self._receiver.receive_embeddings(request)
+        try:
+            return Image.fromarray(pixels.cpu().numpy().copy(), mode="RGB")
+        finally:
+            self._receiver.release_tensor(tensor_id)
+
+    async def load_image_batch(
+        self, image_mm_items: list[dict[str, Any]], *, preserve_uuid_slots: bool = False
+    ) -> list[Any]:
+        """Load images from multimodal data items, concurrently, in order.
+
+        Each item has exactly one key: ``Url`` (a reference, loaded as by
+        :meth:`load_image`), ``Decoded`` (a ``TransferRequest`` of a ``(height, width, 3)``
+        uint8 tensor; needs ``enable_frontend_decoding``) or ``UuidOnly`` (an empty slot,
+        None in the result, for a backend cache lookup; needs ``preserve_uuid_slots``).
+
+        The first ``HttpStatusError`` wins, then the first ``UrlValidationError``, then
+        the first ``ValueError``; other failures are reported together.
+        """
+        kinds: list[str] = []
+        for index, item in enumerate(image_mm_items):
+            keys = set(item) if isinstance(item, dict) else set()
+            if keys not in ({"Url"}, {"Decoded"}, {"UuidOnly"}):
+                raise ValueError(
+                    f"image item {index} must have exactly one of Url, Decoded, UuidOnly"
+                )
+            if keys == {"UuidOnly"} and not preserve_uuid_slots:
+                raise ValueError(f"image item {index} is UuidOnly, which this call refuses")
+            kinds.append(keys.pop())
+        jobs = [
+            self.load_image(item["Url"])
+            if kind == "Url"
+            else self._load_decoded(item["Decoded"])
+            if kind == "Decoded"
+            else None
+            for kind, item in zip(kinds, image_mm_items, strict=True)
+        ]
+        return await gather_media([job for job in jobs if job is not None], jobs)
+
+
+async def gather_media(running: list[Any], slots: list[Any]) -> list[Any]:
+    """Run the loads; results in slot order (None slots kept); the most telling error."""
+    outcomes = iter(await asyncio.gather(*running, return_exceptions=True))
+    results = [None if slot is None else next(outcomes) for slot in slots]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    for error in errors:
+        if isinstance(error, asyncio.CancelledError):
+            raise error
+    for kind in (HttpStatusError, UrlValidationError, ValueError):
+        for error in errors:
+            if isinstance(error, kind):
+                raise error
+    if errors:
+        raise Exception("; ".join(f"{type(e).__name__}: {e}" for e in errors))
+    return results
