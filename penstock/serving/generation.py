@@ -18,6 +18,7 @@ from penstock.engines.contract import GenerateRequest
 from penstock.errors import EngineError, MetadataUploadError, OverloadedError, PenstockError
 from penstock.metadata_upload import MetadataUploader
 from penstock.serving.choice import ChoiceState, Delta
+from penstock.tracing import active as active_tracing
 
 if TYPE_CHECKING:
     from penstock.gateway import Gateway, ServedModel
@@ -88,6 +89,9 @@ class Generation:
         first_token = True
         status, error_type = "error", "internal"
         stream = self.model.host.generate(self.request, self.context)
+        tracing = active_tracing()
+        if tracing is not None:
+            stream = tracing.engine_call(stream, self)
         try:
             async for chunk in stream:
                 choice = choices[chunk.get("index", 0)]

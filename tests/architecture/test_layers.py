@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"gateway"},
     {"engines"},
     {"preprocess", "multimodal"},
-    {"schemas", "metrics", "errors", "settings", "__init__"},
+    {"schemas", "metrics", "tracing", "errors", "settings", "__init__"},
 ]
 
 
