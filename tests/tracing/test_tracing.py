@@ -128,7 +128,15 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traced]:
     thread.start()
     log_dir = tmp_path_factory.mktemp("tracing")
     server = start_server(
-        ["--engine", "sample", "--otlp-endpoint", collector.url, "--", "--delay", "0.001"],
+        [
+            "--engine",
+            "tests.tracing.engines:SpanningEngine",
+            "--otlp-endpoint",
+            collector.url,
+            "--",
+            "--delay",
+            "0.001",
+        ],
         log_dir,
         env={"OTEL_SERVICE_NAME": "rollouts"},
     )
@@ -196,11 +204,20 @@ def test_the_engine_call_is_a_child_span(traced: Traced) -> None:
         assert engine.attributes["ttft_ms"] > 0
 
 
+def test_the_engine_is_handed_its_span(traced: Traced) -> None:
+    server = traced.server_span("chat")
+    [engine] = traced.children(server)
+    [step] = traced.children(engine)
+    assert step.name == "engine.step"
+    assert step.attributes["seen.traceparent"] == f"00-{engine.trace_id}-{engine.span_id}-01"
+
+
 def test_a_request_without_traceparent_starts_a_trace(traced: Traced) -> None:
     [span] = [s for s in traced.spans if s.name == "POST /v1/completions"]
     assert span.parent_span_id == ""
     assert span.trace_id not in {trace_id for trace_id, _ in traced.parents.values()}
-    assert [child.name for child in traced.children(span)] == ["engine.generate"]
+    [engine] = traced.children(span)
+    assert engine.name == "engine.generate"
     assert span.attributes["gen_ai.operation.name"] == "text_completion"
 
 
