@@ -206,6 +206,10 @@ class ListenError(StartupError):
     """The address to serve on can't be bound (a busy port, an unknown host)."""
 
 
+class TracingSetupError(StartupError):
+    """Tracing is configured but can't run (the ``tracing`` extra is not installed)."""
+
+
 class MetadataUploadError(PenstockError):
     """A rollout record could not be stored. The message is generic on purpose: paths, URLs
     and OS errors stay in the server log."""

@@ -199,6 +199,23 @@ class Settings(BaseSettings):
             )
         return self
 
+    # OTLP/HTTP collector base URL (``/v1/traces`` is appended); unset: tracing is off
+    # unless the standard OTEL_EXPORTER_OTLP_*ENDPOINT variables are set.
+    otlp_endpoint: str | None = None
+    # Unset: OTEL_SERVICE_NAME, else "penstock".
+    otlp_service_name: str | None = None
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_endpoint(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        value = value.strip()
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"the OTLP endpoint must be an http:// or https:// URL, got {value!r}")
+        return value
+
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)

@@ -15,9 +15,10 @@ from pydantic import ValidationError
 
 from penstock.app.logs import configure_logging
 from penstock.engines.loading import BUILTIN_ENGINES, engine_options_help
-from penstock.errors import EngineLoadError, ListenError, MediaStoreError
+from penstock.errors import EngineLoadError, ListenError, MediaStoreError, TracingSetupError
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import MODEL_CACHE_ENV, Settings
+from penstock.tracing import DEFAULT_SERVICE_NAME
 
 # The exit status when the grace period of a shutdown ran out and open requests were cut;
 # a second signal exits with 128 + its number instead (130 for SIGINT).
@@ -236,6 +237,18 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         "tokenizing (default: the longest token of the model's vocabulary, in characters)",
     )
     _add_media_fetch_flags(serve)
+    serve.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="export traces over OTLP/HTTP to this collector (e.g. http://127.0.0.1:4318; "
+        "/v1/traces is appended); OTEL_EXPORTER_OTLP_ENDPOINT also turns tracing on; needs "
+        "pip install 'penstock[tracing]' (default: off)",
+    )
+    serve.add_argument(
+        "--otlp-service-name",
+        help="service.name of the exported spans (default: $OTEL_SERVICE_NAME, else "
+        f"{DEFAULT_SERVICE_NAME})",
+    )
     return parser
 
 
@@ -342,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     except EngineLoadError as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 2
-    except (ListenError, MediaStoreError) as exc:
+    except (ListenError, MediaStoreError, TracingSetupError) as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -36,6 +36,7 @@ from penstock.routers import (
 )
 from penstock.routers.security import require_inference_key
 from penstock.settings import Settings
+from penstock.tracing import active as active_tracing
 
 ALWAYS_OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})
 _UNSAFE_RUN = re.compile(r"[^A-Za-z0-9._-]+")
@@ -126,6 +127,17 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.include_router(vllm_compat.router)
     app.include_router(videos.router)
     app.include_router(images.router)
+    tracing = active_tracing()
+    if tracing is not None:
+        # Inside the gateway middleware: the request id is known when the span starts.
+        from penstock.tracing.otel import TracingMiddleware
+
+        app.add_middleware(
+            TracingMiddleware,
+            tracing=tracing,
+            skip_paths=ALWAYS_OPEN_PATHS,
+            weight_version=lambda: gateway.weight_version,
+        )
     app.add_middleware(
         GatewayMiddleware,
         gateway=gateway,

@@ -17,6 +17,7 @@ from typing import Any
 
 import uvicorn
 
+from penstock import tracing
 from penstock.app.connections import ConnectionLimits, guarded_protocol, raise_open_file_limit
 from penstock.app.factory import create_app, media_store_location
 from penstock.app.middleware import OpenRequests
@@ -287,6 +288,16 @@ async def serve(settings: Settings) -> int:
     raise_open_file_limit(settings.max_connections)
     if settings.media_store:
         check_location(settings.media_store)
+    # Before the socket and the engine: a missing tracing extra fails in one line.
+    tracing.install(settings)
+    try:
+        return await _serve(settings)
+    finally:
+        # Exports the spans still batched.
+        tracing.shutdown()
+
+
+async def _serve(settings: Settings) -> int:
     sock = bind_socket(settings.host, settings.port)
     try:
         warn_if_exposed(settings)

@@ -228,6 +228,7 @@ class EngineHost:
         gate = None if is_probe(request) else self.admission
         if gate is not None:
             await gate.acquire()
+            context.current_span().add_event("admitted")
         self._inflight += 1
         self._last_activity = time.monotonic()
         raw = self.is_raw

@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from penstock import tracing
 from penstock.errors import (
     ConflictError,
     InternalServerError,
@@ -238,6 +239,7 @@ class AdminStateMachine:
                 code="admin_busy",
             ) from None
         self._holder = operation
+        tracing.annotate("penstock.admin.operation", operation)
         try:
             self._refuse_if_draining()
             yield deadline

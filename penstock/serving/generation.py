@@ -19,6 +19,7 @@ from penstock.errors import EngineError, MetadataUploadError, OverloadedError, P
 from penstock.metadata_upload import MetadataUploader
 from penstock.serving.choice import ChoiceState, Delta
 from penstock.serving.deadline import Deadline
+from penstock.tracing import active as active_tracing
 
 if TYPE_CHECKING:
     from penstock.gateway import Gateway, ServedModel
@@ -91,6 +92,9 @@ class Generation:
         first_token = True
         status, error_type = "error", "internal"
         stream = self.model.host.generate(self.request, self.context)
+        tracing = active_tracing()
+        if tracing is not None:
+            stream = tracing.engine_call(stream, self)
         try:
             async for chunk in stream:
                 choice = choices[chunk.get("index", 0)]

@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"engines"},
     {"preprocess", "multimodal"},
     {"http", "memory"},
-    {"schemas", "metrics", "errors", "settings", "__init__"},
+    {"schemas", "metrics", "tracing", "errors", "settings", "__init__"},
 ]
 
 
