@@ -2,7 +2,8 @@
 
 Same process, same admin state machine and engine as ``/engine/*`` (see
 :mod:`penstock.routers.admin` for auth, states and error statuses). Parameters travel in
-the query string, as vLLM takes them:
+the query string, as vLLM takes them, or in a JSON body (as SkyRL sends them); a field
+in the query string wins over the same field in the body:
 
 * ``POST /pause?mode=abort|wait|keep&clear_cache=false`` -> ``{"status": "paused", "mode"}``
 * ``POST /resume`` -> ``{"status": "resumed"}``
@@ -22,22 +23,50 @@ LoRA (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) is in
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 
-from penstock.rl.fields import json_object_body, mode_field, str_list_field, tags_field
+from penstock.rl.fields import (
+    bool_field,
+    int_field,
+    json_object_body,
+    mode_field,
+    str_list_field,
+    tags_field,
+)
 from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
 
 router = APIRouter(tags=[ADMIN_TAG], dependencies=[Depends(require_admin_key)])
 
 
+async def _params(request: Request, *, lists: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON body overlaid with the query string; query values are parsed as JSON
+    scalars (``level=2`` is 2, ``clear_cache=true`` is True), ``lists`` repeat."""
+    params = dict(await json_object_body(request))
+    query = request.query_params
+    for name in query:
+        if name in lists:
+            params[name] = query.getlist(name)
+            continue
+        raw = query[name]
+        lowered = raw.lower()
+        if lowered in ("true", "false"):
+            params[name] = lowered == "true"
+        elif raw.lstrip("-").isdigit():
+            params[name] = int(raw)
+        else:
+            params[name] = raw
+    return params
+
+
 @router.post("/pause")
-async def pause(request: Request, mode: str = "abort", clear_cache: bool = False) -> dict[str, Any]:
+async def pause(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
-    checked = mode_field({"mode": mode}, "mode", "abort")
-    await plane.state.pause(checked, clear_cache)
+    params = await _params(request)
+    checked = mode_field(params, "mode", "abort")
+    await plane.state.pause(checked, bool_field(params, "clear_cache", False))
     return {"status": "paused", "mode": checked}
 
 
@@ -53,13 +82,12 @@ async def is_paused(request: Request) -> dict[str, Any]:
 
 
 @router.post("/sleep")
-async def sleep(
-    request: Request,
-    level: Annotated[int, Query(ge=0, le=2)] = 1,
-    mode: str = "abort",
-) -> dict[str, Any]:
+async def sleep(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
-    await plane.state.sleep(level, mode_field({"mode": mode}, "mode", "abort"), None)
+    params = await _params(request, lists=("tags",))
+    level = int_field(params, "level", 1, low=0, high=2)
+    mode = mode_field(params, "mode", "abort")
+    await plane.state.sleep(level, mode, tags_field(params))
     return {
         "status": "sleeping",
         "level": plane.state.sleep_level,
@@ -68,11 +96,10 @@ async def sleep(
 
 
 @router.post("/wake_up")
-async def wake_up(
-    request: Request, tags: Annotated[list[str] | None, Query()] = None
-) -> dict[str, Any]:
+async def wake_up(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
-    await plane.state.wake_up(tags_field({"tags": tags}))
+    params = await _params(request, lists=("tags",))
+    await plane.state.wake_up(tags_field(params))
     if plane.state.is_sleeping:
         return {
             "status": "partially_awake",
