@@ -146,6 +146,10 @@ class Settings(BaseSettings):
     # At most one line per this many seconds sums up the requests refused as overloaded.
     overload_log_interval_s: float = Field(10.0, gt=0)
 
+    # Unpickle weight payloads (update_weights_from_tensor as verl/slime send them): an
+    # admin key is not a licence to run code, so the operator opts in.
+    trust_weight_payloads: bool = False
+
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)

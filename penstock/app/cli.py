@@ -210,6 +210,14 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         help="requests refused as overloaded are summed up in one WARNING line at most this "
         f"often, not logged one by one (default: {_default('overload_log_interval_s'):g})",
     )
+    serve.add_argument(
+        "--trust-weight-payloads",
+        action="store_const",
+        const=True,
+        help="accept pickled update_weights_from_tensor payloads (verl/slime's "
+        "MultiprocessingSerializer); unpickling runs code the sender chose, so only for "
+        "trainers you trust (default: off, safetensors payloads only; pickled ones get 400)",
+    )
     return parser
 
 

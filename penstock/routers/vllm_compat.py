@@ -16,6 +16,15 @@ in the query string wins over the same field in the body:
 * ``POST /abort_requests {request_ids?}`` (missing or empty: all) -> ``{"status":
   "aborted", "aborted": <count>}``
 * ``GET /weight_info`` -> ``{"weight_version"}``
+* weight transfer (JSON bodies): ``POST /init_weight_transfer_engine {init_info:
+  {master_address, master_port, rank_offset, world_size, backend?, group_name?}}`` ->
+  ``{"message": "Weight transfer initialized"}``; ``POST /start_weight_update`` (needs the
+  paused state) -> ``{"message": "Weight update started"}``; ``POST /update_weights
+  {update_info: {names, dtype_names, shapes, packed?}}`` (repeatable, one bucket each;
+  ``packed`` is SGLang's ``flattened_bucket``) -> ``{"message": "Weights updated",
+  "checksum"}``; ``POST /finish_weight_update {weight_version?}`` publishes the version
+  -> ``{"message": "Weight update finished"}``
+* ``POST /weight_checker {action, baseline?}``: as SGLang's ``/weights_checker``
 
 LoRA (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) is in
 :mod:`penstock.routers.lora`.
@@ -27,11 +36,14 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from penstock.errors import ConflictError
 from penstock.rl.fields import (
     bool_field,
     int_field,
+    invalid,
     json_object_body,
     mode_field,
+    str_field,
     str_list_field,
     tags_field,
 )
@@ -133,3 +145,76 @@ async def abort_requests(request: Request) -> dict[str, Any]:
 @router.get("/weight_info")
 async def weight_info(request: Request) -> dict[str, Any]:
     return {"weight_version": admin_plane(request).state.weight_version}
+
+
+VLLM_GROUP_NAME = "vllm_weight_transfer"
+
+
+def _object_field(body: dict[str, Any], field: str) -> dict[str, Any]:
+    value = body.get(field)
+    if not isinstance(value, dict):
+        raise invalid(field, "must be an object")
+    return value
+
+
+@router.post("/init_weight_transfer_engine")
+async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    info = _object_field(await json_object_body(request), "init_info")
+    await plane.state.run_update(
+        "init_weights_update_group", {"group_name": VLLM_GROUP_NAME, **info}
+    )
+    return {"message": "Weight transfer initialized"}
+
+
+@router.post("/start_weight_update")
+async def start_weight_update(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    await json_object_body(request)
+    if not plane.state.is_paused:
+        raise plane.state.conflict("pause generation (POST /pause) before a weight update")
+    request.app.state.vllm_weight_update = True
+    return {"message": "Weight update started"}
+
+
+def _require_started(request: Request) -> None:
+    if not getattr(request.app.state, "vllm_weight_update", False):
+        raise ConflictError(
+            "no weight update in progress: POST /start_weight_update first",
+            code="invalid_state_transition",
+        )
+
+
+@router.post("/update_weights")
+async def update_weights(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    info = _object_field(await json_object_body(request), "update_info")
+    _require_started(request)
+    body: dict[str, Any] = {
+        "group_name": info.get("group_name", VLLM_GROUP_NAME),
+        "names": info.get("names"),
+        "dtypes": info.get("dtype_names", info.get("dtypes")),
+        "shapes": info.get("shapes"),
+    }
+    if info.get("packed") is True:
+        body["load_format"] = "flattened_bucket"
+    outcome = await plane.state.update_weights("update_weights_from_distributed", body, None)
+    return {"message": "Weights updated", "checksum": outcome.engine.get("checksum")}
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    _require_started(request)
+    version = str_field(body, "weight_version")
+    if version is not None:
+        await plane.state.set_weight_version(version)
+    request.app.state.vllm_weight_update = False
+    return {"message": "Weight update finished", "weight_version": plane.state.weight_version}
+
+
+@router.post("/weight_checker")
+async def weight_checker(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    return await plane.checker.run(await json_object_body(request))

@@ -692,8 +692,10 @@ class TransformersEngine(LLMEngine):
         self._weights_source = source
         if version is not None:
             self.weight_version = version
+        summed = await asyncio.to_thread(checksum_control, self.model, {})
         return {
             "status": "ok",
+            "checksum": summed["checksum"],
             "message": f"Weights updated from {source}",
             "version": self.weight_version,
             "version_declared": version is not None,
