@@ -3,9 +3,10 @@
 Starts ``penstock serve --engine transformers`` (the default model) on loopback, loads
 the same checkpoint here as the trainer, and for each method pauses, pushes every
 tensor, resumes: ``update_weights_from_disk`` (safetensors written beforehand, not
-timed), gloo broadcast (per tensor, and one flattened bucket per dtype), and tensors
-(base64 safetensors over HTTP, in 24 MiB buckets (a larger tensor travels alone; --max-body-mb 400)). GiB/s is the model's
-bytes over the push call alone; pause-to-resume includes the pause and resume calls.
+timed), gloo broadcast (per tensor, and one flattened bucket), and tensors (base64
+safetensors over HTTP in 24 MiB buckets; a larger tensor travels alone, so the server
+runs with --max-body-mb 400). GiB/s is the model's bytes over the push call alone;
+pause-to-resume includes the pause and resume calls.
 """
 
 from __future__ import annotations
