@@ -216,6 +216,10 @@ class Settings(BaseSettings):
             raise ValueError(f"the OTLP endpoint must be an http:// or https:// URL, got {value!r}")
         return value
 
+    # Unpickle weight payloads (update_weights_from_tensor as verl/slime send them): an
+    # admin key is not a licence to run code, so the operator opts in.
+    trust_weight_payloads: bool = False
+
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)

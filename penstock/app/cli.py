@@ -249,6 +249,14 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         help="service.name of the exported spans (default: $OTEL_SERVICE_NAME, else "
         f"{DEFAULT_SERVICE_NAME})",
     )
+    serve.add_argument(
+        "--trust-weight-payloads",
+        action="store_const",
+        const=True,
+        help="accept pickled update_weights_from_tensor payloads (verl/slime's "
+        "MultiprocessingSerializer); unpickling runs code the sender chose, so only for "
+        "trainers you trust (default: off, safetensors payloads only; pickled ones get 400)",
+    )
     return parser
 
 

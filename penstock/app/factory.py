@@ -24,6 +24,7 @@ from penstock.routers import (
     admin,
     chat,
     completions,
+    generate,
     health,
     images,
     lora,
@@ -120,6 +121,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.include_router(models.router)
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(generate.router)
     app.include_router(tokenize.router)
     app.include_router(admin.router)
     app.include_router(lora.router)

@@ -17,6 +17,11 @@ It also implements the RL admin controls in a simulated but observable way:
   until every released tag (``weights``, ``kv_cache``) is awake again.
 * **flush_cache** empties a simulated prefix cache (one entry per distinct prompt);
   **abort_request** ends requests by ``context.id()``.
+* **tensor pushes**: ``update_weights_from_tensor`` takes ``serialized_named_tensors``
+  (base64 safetensors, see :mod:`penstock.engines.weight_sync`) or ``named_tensors``
+  (``{"token_shift": [n]}``); it answers with the checksum of what it wrote, and
+  ``weights_checksum`` / ``get_weights_by_name`` read the weights back, computed as the
+  transformers engine computes them.
 * **weight versions**: every chunk carries ``engine_data: {"weight_version": v}``.
 * **metrics**: while requests run it publishes one simulated forward pass (and a KV
   snapshot: 16-token blocks out of 1000) every ``max(--delay, 10 ms)``: the requests that
@@ -31,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
+import hashlib
 import math
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -58,6 +65,7 @@ from penstock.engines.health import (
     parse_health_check_payload_cli,
 )
 from penstock.engines.token_budget import TOKEN_BUDGET_RUNTIME_KEY, TokenBudget
+from penstock.engines.weight_sync import combine_digests
 from penstock.metrics.forward_pass import (
     ComponentSnapshot,
     ForwardPassMetrics,
@@ -496,6 +504,8 @@ class SampleLLMEngine(LLMEngine):
             "flush_cache": self._flush_cache,
             "abort_request": self._abort_request,
             "get_weight_version": self._get_weight_version,
+            "weights_checksum": self._weights_checksum,
+            "get_weights_by_name": self._get_weights_by_name,
         }
 
     def _updates(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
@@ -623,17 +633,47 @@ class SampleLLMEngine(LLMEngine):
 
     async def _update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         self._require_held_for_update()
-        named = body.get("named_tensors")
-        if not isinstance(named, dict):
-            raise _BadBody("`named_tensors` must be an object of name -> nested list")
         version = _optional_str(body, "weight_version")
-        try:
-            tensors = {name: np.asarray(value) for name, value in named.items()}
-        except (TypeError, ValueError) as exc:
-            raise _BadBody(f"`named_tensors` holds a value that is not a tensor: {exc}") from exc
+        if "serialized_named_tensors" in body:
+            tensors = _decode_serialized(body["serialized_named_tensors"])
+        else:
+            named = body.get("named_tensors")
+            if not isinstance(named, dict):
+                raise _BadBody("`named_tensors` must be an object of name -> nested list")
+            try:
+                tensors = {name: np.asarray(value) for name, value in named.items()}
+            except (TypeError, ValueError) as exc:
+                raise _BadBody(
+                    f"`named_tensors` holds a value that is not a tensor: {exc}"
+                ) from exc
         shift = _check_tensors(tensors, "named_tensors")
         self._install(SampleWeights(shift, "tensor"), version)
-        return {"status": "ok", "weight_version": self.weight_version}
+        return {
+            "status": "ok",
+            "weight_version": self.weight_version,
+            "checksum": self._checksum()[0],
+        }
+
+    def _checksum(self) -> tuple[str, dict[str, str]]:
+        raw = np.array([self.weights.token_shift], dtype=np.int64).tobytes()
+        digest = hashlib.sha256(raw).hexdigest()
+        return combine_digests([("token_shift", "int64", (1,), digest)]), {"token_shift": digest}
+
+    async def _weights_checksum(self, body: dict[str, Any]) -> dict[str, Any]:
+        checksum, digests = self._checksum()
+        return {"status": "ok", "checksum": checksum, "tensors": digests}
+
+    async def _get_weights_by_name(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = _nonempty_str(body, "name")
+        if name != "token_shift":
+            raise _BadBody(f"'name': {name} is not a tensor of this model")
+        return {
+            "status": "ok",
+            "name": name,
+            "dtype": "int64",
+            "shape": [1],
+            "values": [self.weights.token_shift],
+        }
 
     async def _update_weight_version(self, body: dict[str, Any]) -> dict[str, Any]:
         self.weight_version = _nonempty_str(body, "new_version")
@@ -696,6 +736,15 @@ class SampleLLMEngine(LLMEngine):
             passes.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await passes
+
+
+def _decode_serialized(payloads: Any) -> dict[str, np.ndarray]:
+    if not isinstance(payloads, list) or len(payloads) != 1 or not isinstance(payloads[0], str):
+        raise _BadBody("`serialized_named_tensors` must be a list of one base64 string")
+    try:
+        return dict(safetensors.numpy.load(base64.b64decode(payloads[0], validate=True)))
+    except Exception as exc:
+        raise _BadBody(f"`serialized_named_tensors` is not base64 safetensors: {exc}") from exc
 
 
 class _BadBody(ValueError):

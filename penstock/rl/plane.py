@@ -10,6 +10,7 @@ from penstock.lora.adapters import LoadedAdapters
 from penstock.rl.admin import RLRouteRegistry
 from penstock.rl.routes import RLRoutes
 from penstock.rl.state import AdminStateMachine
+from penstock.rl.weights import WeightsChecker
 
 if TYPE_CHECKING:
     from penstock.gateway import Gateway
@@ -31,6 +32,7 @@ class AdminPlane:
     state: AdminStateMachine
     adapters: LoadedAdapters
     registry: RLRouteRegistry
+    checker: WeightsChecker
 
 
 async def install_admin_plane(gateway: Gateway) -> AdminPlane:
@@ -52,12 +54,16 @@ async def install_admin_plane(gateway: Gateway) -> AdminPlane:
         weight_version=initial,
         timeout_s=gateway.settings.admin_timeout_s,
         metrics=gateway.admin_metrics,
+        trust_weight_payloads=gateway.settings.trust_weight_payloads,
     )
     gateway.weight_version = initial
     adapters = LoadedAdapters(gateway, state)
     registry = RLRouteRegistry(GatewayRuntime(gateway))
-    routes = RLRoutes(state, adapters, alive=lambda: gateway.host.state is EngineState.RUNNING)
+    checker = WeightsChecker(state)
+    routes = RLRoutes(
+        state, adapters, checker, alive=lambda: gateway.host.state is EngineState.RUNNING
+    )
     registry.add_routes(routes.handlers())
-    plane = AdminPlane(state, adapters, registry)
+    plane = AdminPlane(state, adapters, registry, checker)
     gateway.admin = state
     return plane

@@ -28,6 +28,7 @@ from penstock.rl.fields import (
 if TYPE_CHECKING:
     from penstock.lora.adapters import LoadedAdapters
     from penstock.rl.state import AdminStateMachine
+    from penstock.rl.weights import WeightsChecker
 
 # Knobs of the RL request itself, not of the engine's update call.
 _DISTRIBUTED_FLAGS = ("allow_unpaused", "reset_prefix_cache", "weight_version")
@@ -38,11 +39,13 @@ class RLRoutes:
         self,
         admin: AdminStateMachine,
         adapters: LoadedAdapters,
+        checker: WeightsChecker,
         *,
         alive: Callable[[], bool],
     ) -> None:
         self.admin = admin
         self.adapters = adapters
+        self.checker = checker
         self.alive = alive
 
     def handlers(self) -> dict[str, RLRouteHandler]:
@@ -61,6 +64,8 @@ class RLRoutes:
             "set_weight_version": self.set_weight_version,
             "load_lora": self.load_lora,
             "unload_lora": self.unload_lora,
+            "weights_checker": self.weights_checker,
+            "get_weights_by_name": self.get_weights_by_name,
         }
 
     def _ok(self, **fields: Any) -> dict[str, Any]:
@@ -125,10 +130,10 @@ class RLRoutes:
         update_body: dict[str, Any] = {"model_path": model_path}
         if version is not None:
             update_body["weight_version"] = version
-        await self.admin.update_weights(
+        outcome = await self.admin.update_weights(
             "update_weights_from_disk", update_body, version, param="model_path"
         )
-        return self._ok(**self._version())
+        return self._ok(**self._version(), checksum=outcome.engine.get("checksum"))
 
     async def update_weights_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
         allow_unpaused = bool_field(body, "allow_unpaused", False)
@@ -149,15 +154,30 @@ class RLRoutes:
         update_body = {k: v for k, v in body.items() if k not in _DISTRIBUTED_FLAGS}
         if version is not None:
             update_body["weight_version"] = version
-        await self.admin.update_weights("update_weights_from_distributed", update_body, version)
+        outcome = await self.admin.update_weights(
+            "update_weights_from_distributed", update_body, version
+        )
         if reset_prefix_cache and self.admin.supports("control", "flush_cache"):
             await self.admin.run_control("flush_cache", {})
-        return self._ok(**self._version())
+        return self._ok(**self._version(), checksum=outcome.engine.get("checksum"))
 
     async def update_weights_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         version = str_field(body, "weight_version")
-        await self.admin.update_weights("update_weights_from_tensor", dict(body), version)
-        return self._ok(**self._version())
+        outcome = await self.admin.update_weights(
+            "update_weights_from_tensor", dict(body), version, param="serialized_named_tensors"
+        )
+        return self._ok(**self._version(), checksum=outcome.engine.get("checksum"))
+
+    async def weights_checker(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._ok(**await self.checker.run(body))
+
+    async def get_weights_by_name(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = required_str(body, "name")
+        truncate = body.get("truncate_size", 100)
+        result = await self.admin.run_control(
+            "get_weights_by_name", {"name": name, "truncate_size": truncate}, param="name"
+        )
+        return self._ok(**{k: v for k, v in result.items() if k != "status"})
 
     async def init_weights_update_group(self, body: dict[str, Any]) -> dict[str, Any]:
         result = await self.admin.run_update("init_weights_update_group", body)

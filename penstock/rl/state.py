@@ -17,6 +17,8 @@ Rules, whatever route or dialect asked:
 * repeating an operation in the state it leads to is a no-op (``changed=False``);
 * an invalid transition raises :class:`ConflictError` (409) carrying the current state;
 * weight updates need ``paused``: called while serving they get a 409 saying to pause;
+  that is every method (disk, distributed broadcast, tensors), each publishing its
+  ``weight_version`` only once it succeeded;
 * an operation that fails (the engine refuses or raises) restores the previous state,
   and the engine keeps its previous weights;
 * sleeping while paused in mode ``keep``: the requests the pause froze mid-generation
@@ -46,6 +48,7 @@ from penstock.errors import (
     ServiceUnavailableError,
 )
 from penstock.metrics.admin import AdminMetrics
+from penstock.rl.weights import tensor_update_body
 from penstock.settings import DEFAULT_ADMIN_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
@@ -109,8 +112,10 @@ class AdminStateMachine:
         weight_version: str | None = None,
         timeout_s: float = DEFAULT_ADMIN_TIMEOUT_S,
         metrics: AdminMetrics | None = None,
+        trust_weight_payloads: bool = False,
     ) -> None:
         self.engine = engine
+        self.trust_weight_payloads = trust_weight_payloads
         self.metrics = metrics
         self.timeout_s = timeout_s
         self._is_draining = is_draining
@@ -418,6 +423,8 @@ class AdminStateMachine:
                     "(POST /engine/pause_generation, /pause or /pause_generation)"
                 )
             self.require_support("update", update)
+            if update == "update_weights_from_tensor":
+                body = tensor_update_body(body, trusted=self.trust_weight_payloads)
 
             async def undo() -> None:
                 self.updating = self.update_target = None
@@ -483,17 +490,29 @@ class AdminStateMachine:
             self._set_version(version)
             return Outcome(True, result)
 
-    async def run_control(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def run_control(
+        self, name: str, body: dict[str, Any], *, param: str | None = None
+    ) -> dict[str, Any]:
         """An engine control with no state transition of its own (flush, profile, ...)."""
         if name in UNSERIALIZED_CONTROLS or name == "abort_request":
-            result = await self._bounded_call(self._deadline(), name, "control", name, body)
+            result = await self._bounded_call(
+                self._deadline(), name, "control", name, body, param=param
+            )
             if name == "abort_request" and self.metrics is not None:
                 self.metrics.requests_aborted(name, aborted_count(result))
             return result
         async with self._exclusive(name) as deadline:
-            return await self._bounded_call(deadline, name, "control", name, body)
+            return await self._bounded_call(deadline, name, "control", name, body, param=param)
 
     async def run_update(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """An engine update that is neither a weight update nor a version change."""
+        if name == "init_weights_update_group":
+            # The join gives up before the admin deadline, so the engine keeps no
+            # half-joined group behind a 409.
+            asked = body.get("timeout_s")
+            bound = self.timeout_s * 0.8
+            if isinstance(asked, int | float) and not isinstance(asked, bool) and asked > 0:
+                bound = min(bound, float(asked))
+            body = {**body, "timeout_s": bound}
         async with self._exclusive(name) as deadline:
             return await self._bounded_call(deadline, name, "update", name, body)

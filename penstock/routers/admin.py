@@ -4,7 +4,9 @@ Routes
   ``GET /engine/capabilities``
       ``{"object": "engine.capabilities", "engine", "controls", "updates", "rl_routes",
       "system_url", "state": {...}, "weight_version", "lora": {"supported", "loaded",
-      "schemes"}, "dialects": {"sglang": [...], "vllm": [...]}}``.
+      "schemes"}, "dialects": {"sglang": [...], "vllm": [...]}, "weight_sync":
+      {"methods": [the engine's update_weights_* names], "tensor_payloads": ["safetensors"]
+      (+ "pickle" with --trust-weight-payloads), "checksum": "sha256"}}``.
   ``POST /engine/control/{name}``, ``POST /engine/update/{name}``
       the engine's own ``engine_control`` / ``engine_update`` for the names it advertises
       (``supported_controls()`` / ``supported_updates()``); the response is the engine's
@@ -19,7 +21,9 @@ Routes
       ``resume_generation``, ``flush_cache``, ``abort_request``,
       ``update_weights_from_disk|_distributed|_tensor``,
       ``init_weights_update_group``, ``destroy_weights_update_group``,
-      ``get_weight_version``, ``set_weight_version``, ``load_lora``, ``unload_lora``); bodies
+      ``get_weight_version``, ``set_weight_version``, ``load_lora``, ``unload_lora``,
+      ``weights_checker``, ``get_weights_by_name``); every weight update answers with
+      ``checksum`` (:mod:`penstock.engines.weight_sync` says how it is computed); bodies
       and responses are documented in :mod:`penstock.rl.routes`.
 
 State machine (:mod:`penstock.rl.state`): ``serving``, ``paused(mode)``,
@@ -103,6 +107,12 @@ SGLANG_ROUTES = (
     "/get_server_info",
     "/load_lora_adapter",
     "/unload_lora_adapter",
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
+    "/update_weights_from_tensor",
+    "/weights_checker",
+    "/get_weights_by_name",
 )
 VLLM_ROUTES = (
     "/pause",
@@ -116,6 +126,11 @@ VLLM_ROUTES = (
     "/weight_info",
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/weight_checker",
 )
 
 
@@ -148,6 +163,14 @@ async def capabilities(request: Request) -> dict[str, Any]:
             "schemes": plane.adapters.manager.schemes,
         },
         "dialects": {"sglang": list(SGLANG_ROUTES), "vllm": list(VLLM_ROUTES)},
+        "weight_sync": {
+            "methods": sorted(
+                name for name in engine.supported_updates() if name.startswith("update_weights_")
+            ),
+            "tensor_payloads": ["safetensors"]
+            + (["pickle"] if plane.state.trust_weight_payloads else []),
+            "checksum": "sha256",
+        },
     }
 
 

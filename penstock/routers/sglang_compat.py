@@ -25,6 +25,21 @@ responses:
 * ``POST /load_lora_adapter {lora_name, lora_path}``, ``POST /unload_lora_adapter
   {lora_name}`` -> ``{"success": true, "error_message": "", "loaded_adapters": {name:
   path}}``
+* ``POST /init_weights_update_group {master_address, master_port, rank_offset,
+  world_size, group_name="weight_update_group", backend}`` (the trainer joins as rank 0
+  at the same time; fails within the admin timeout if it never does) and
+  ``POST /destroy_weights_update_group {group_name}`` -> ``{"success": true, "message"}``
+* ``POST /update_weights_from_distributed {names, dtypes, shapes (or name, dtype, shape),
+  group_name, load_format?: "flattened_bucket", flush_cache=true,
+  abort_all_requests=false, weight_version?}`` and ``POST /update_weights_from_tensor
+  {serialized_named_tensors, load_format?, flush_cache=true, abort_all_requests=false,
+  weight_version?}`` (both need the paused state; formats in
+  :mod:`penstock.engines.weight_sync`) -> ``{"success": true, "message",
+  "weight_version", "checksum"}``
+* ``POST /weights_checker {action: checksum|compare|reset, baseline?}`` ->
+  ``{"success": true, "checksum", "checksums"}``, ``{"success": true, "match",
+  "mismatches"}`` or ``{"status": "reset"}``; ``GET|POST /get_weights_by_name {name,
+  truncate_size=100}`` -> ``{"name", "dtype", "shape", "values"}``
 * ``GET /get_model_info`` -> ``{"model_path", "tokenizer_path", "is_generation",
   "preferred_sampling_params", "weight_version", "has_image_understanding",
   "has_audio_understanding"}``
@@ -134,6 +149,70 @@ async def update_weights_from_disk(request: Request) -> dict[str, Any]:
         "num_paused_requests": 0,
         "weight_version": plane.state.weight_version,
     }
+
+
+async def _push(request: Request, update: str, param: str | None) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    weight_version = str_field(body, "weight_version")
+    abort_all = bool_field(body, "abort_all_requests", False)
+    flush = bool_field(body, "flush_cache", True)
+    update_body = {k: v for k, v in body.items() if k not in ("abort_all_requests", "flush_cache")}
+    if abort_all:
+        await _abort_all(plane)
+    outcome = await plane.state.update_weights(update, update_body, weight_version, param=param)
+    if flush and plane.state.supports("control", "flush_cache"):
+        await plane.state.run_control("flush_cache", {})
+    return {
+        "success": True,
+        "message": "Succeeded to update model weights.",
+        "weight_version": plane.state.weight_version,
+        "checksum": outcome.engine.get("checksum"),
+    }
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
+    return await _push(request, "update_weights_from_distributed", None)
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(request: Request) -> dict[str, Any]:
+    return await _push(request, "update_weights_from_tensor", "serialized_named_tensors")
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    result = await plane.state.run_update("init_weights_update_group", body)
+    return {"success": True, "message": result.get("message", "Succeeded to init group.")}
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    result = await plane.state.run_update("destroy_weights_update_group", body)
+    return {"success": True, "message": result.get("message", "Succeeded to destroy group.")}
+
+
+@router.post("/weights_checker")
+async def weights_checker(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    return await plane.checker.run(await json_object_body(request))
+
+
+@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+async def get_weights_by_name(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = dict(await json_object_body(request))
+    body.update(request.query_params)
+    if isinstance(body.get("truncate_size"), str) and body["truncate_size"].isdigit():
+        body["truncate_size"] = int(body["truncate_size"])
+    required_str(body, "name")
+    result = await plane.state.run_control("get_weights_by_name", body, param="name")
+    return {k: v for k, v in result.items() if k != "status"}
 
 
 @router.post("/update_weight_version")

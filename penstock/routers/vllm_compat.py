@@ -2,7 +2,8 @@
 
 Same process, same admin state machine and engine as ``/engine/*`` (see
 :mod:`penstock.routers.admin` for auth, states and error statuses). Parameters travel in
-the query string, as vLLM takes them:
+the query string, as vLLM takes them, or in a JSON body (as SkyRL sends them); a field
+in the query string wins over the same field in the body:
 
 * ``POST /pause?mode=abort|wait|keep&clear_cache=false`` -> ``{"status": "paused", "mode"}``
 * ``POST /resume`` -> ``{"status": "resumed"}``
@@ -15,6 +16,15 @@ the query string, as vLLM takes them:
 * ``POST /abort_requests {request_ids?}`` (missing or empty: all) -> ``{"status":
   "aborted", "aborted": <count>}``
 * ``GET /weight_info`` -> ``{"weight_version"}``
+* weight transfer (JSON bodies): ``POST /init_weight_transfer_engine {init_info:
+  {master_address, master_port, rank_offset, world_size, backend?, group_name?}}`` ->
+  ``{"message": "Weight transfer initialized"}``; ``POST /start_weight_update`` (needs the
+  paused state) -> ``{"message": "Weight update started"}``; ``POST /update_weights
+  {update_info: {names, dtype_names, shapes, packed?}}`` (repeatable, one bucket each;
+  ``packed`` is SGLang's ``flattened_bucket``) -> ``{"message": "Weights updated",
+  "checksum"}``; ``POST /finish_weight_update {weight_version?}`` publishes the version
+  -> ``{"message": "Weight update finished"}``
+* ``POST /weight_checker {action, baseline?}``: as SGLang's ``/weights_checker``
 
 LoRA (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) is in
 :mod:`penstock.routers.lora`.
@@ -22,22 +32,53 @@ LoRA (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) is in
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 
-from penstock.rl.fields import json_object_body, mode_field, str_list_field, tags_field
+from penstock.errors import ConflictError
+from penstock.rl.fields import (
+    bool_field,
+    int_field,
+    invalid,
+    json_object_body,
+    mode_field,
+    str_field,
+    str_list_field,
+    tags_field,
+)
 from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
 
 router = APIRouter(tags=[ADMIN_TAG], dependencies=[Depends(require_admin_key)])
 
 
+async def _params(request: Request, *, lists: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON body overlaid with the query string; query values are parsed as JSON
+    scalars (``level=2`` is 2, ``clear_cache=true`` is True), ``lists`` repeat."""
+    params = dict(await json_object_body(request))
+    query = request.query_params
+    for name in query:
+        if name in lists:
+            params[name] = query.getlist(name)
+            continue
+        raw = query[name]
+        lowered = raw.lower()
+        if lowered in ("true", "false"):
+            params[name] = lowered == "true"
+        elif raw.lstrip("-").isdigit():
+            params[name] = int(raw)
+        else:
+            params[name] = raw
+    return params
+
+
 @router.post("/pause")
-async def pause(request: Request, mode: str = "abort", clear_cache: bool = False) -> dict[str, Any]:
+async def pause(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
-    checked = mode_field({"mode": mode}, "mode", "abort")
-    await plane.state.pause(checked, clear_cache)
+    params = await _params(request)
+    checked = mode_field(params, "mode", "abort")
+    await plane.state.pause(checked, bool_field(params, "clear_cache", False))
     return {"status": "paused", "mode": checked}
 
 
@@ -53,13 +94,12 @@ async def is_paused(request: Request) -> dict[str, Any]:
 
 
 @router.post("/sleep")
-async def sleep(
-    request: Request,
-    level: Annotated[int, Query(ge=0, le=2)] = 1,
-    mode: str = "abort",
-) -> dict[str, Any]:
+async def sleep(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
-    await plane.state.sleep(level, mode_field({"mode": mode}, "mode", "abort"), None)
+    params = await _params(request, lists=("tags",))
+    level = int_field(params, "level", 1, low=0, high=2)
+    mode = mode_field(params, "mode", "abort")
+    await plane.state.sleep(level, mode, tags_field(params))
     return {
         "status": "sleeping",
         "level": plane.state.sleep_level,
@@ -68,11 +108,10 @@ async def sleep(
 
 
 @router.post("/wake_up")
-async def wake_up(
-    request: Request, tags: Annotated[list[str] | None, Query()] = None
-) -> dict[str, Any]:
+async def wake_up(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
-    await plane.state.wake_up(tags_field({"tags": tags}))
+    params = await _params(request, lists=("tags",))
+    await plane.state.wake_up(tags_field(params))
     if plane.state.is_sleeping:
         return {
             "status": "partially_awake",
@@ -106,3 +145,76 @@ async def abort_requests(request: Request) -> dict[str, Any]:
 @router.get("/weight_info")
 async def weight_info(request: Request) -> dict[str, Any]:
     return {"weight_version": admin_plane(request).state.weight_version}
+
+
+VLLM_GROUP_NAME = "vllm_weight_transfer"
+
+
+def _object_field(body: dict[str, Any], field: str) -> dict[str, Any]:
+    value = body.get(field)
+    if not isinstance(value, dict):
+        raise invalid(field, "must be an object")
+    return value
+
+
+@router.post("/init_weight_transfer_engine")
+async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    info = _object_field(await json_object_body(request), "init_info")
+    await plane.state.run_update(
+        "init_weights_update_group", {"group_name": VLLM_GROUP_NAME, **info}
+    )
+    return {"message": "Weight transfer initialized"}
+
+
+@router.post("/start_weight_update")
+async def start_weight_update(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    await json_object_body(request)
+    if not plane.state.is_paused:
+        raise plane.state.conflict("pause generation (POST /pause) before a weight update")
+    request.app.state.vllm_weight_update = True
+    return {"message": "Weight update started"}
+
+
+def _require_started(request: Request) -> None:
+    if not getattr(request.app.state, "vllm_weight_update", False):
+        raise ConflictError(
+            "no weight update in progress: POST /start_weight_update first",
+            code="invalid_state_transition",
+        )
+
+
+@router.post("/update_weights")
+async def update_weights(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    info = _object_field(await json_object_body(request), "update_info")
+    _require_started(request)
+    body: dict[str, Any] = {
+        "group_name": info.get("group_name", VLLM_GROUP_NAME),
+        "names": info.get("names"),
+        "dtypes": info.get("dtype_names", info.get("dtypes")),
+        "shapes": info.get("shapes"),
+    }
+    if info.get("packed") is True:
+        body["load_format"] = "flattened_bucket"
+    outcome = await plane.state.update_weights("update_weights_from_distributed", body, None)
+    return {"message": "Weights updated", "checksum": outcome.engine.get("checksum")}
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    body = await json_object_body(request)
+    _require_started(request)
+    version = str_field(body, "weight_version")
+    if version is not None:
+        await plane.state.set_weight_version(version)
+    request.app.state.vllm_weight_update = False
+    return {"message": "Weight update finished", "weight_version": plane.state.weight_version}
+
+
+@router.post("/weight_checker")
+async def weight_checker(request: Request) -> dict[str, Any]:
+    plane = admin_plane(request)
+    return await plane.checker.run(await json_object_body(request))

@@ -52,6 +52,11 @@ class ResponseFormat(Protocol):
         """Top-level fields the non-stream response adds after the common ones."""
 
 
+# A format may also define ``encoder(plan)`` (its own stream framing, with
+# ``ChunkEncoder.frame``'s signature) and ``reshape(response)`` (its own non-stream body);
+# without them the OpenAI chunk and response shapes apply.
+
+
 def shows_anything(text: str, delta: Delta, with_token_ids: bool) -> bool:
     """Whether a stream choice for ``delta`` tells the client something new."""
     return bool(text or delta.finish_reason is not None or (with_token_ids and delta.token_ids))
@@ -91,7 +96,12 @@ async def respond(request: Request, plan: ResponsePlan) -> Response:
 async def _stream(plan: ResponsePlan) -> Response:
     fmt = plan.format
     generations = plan.generations
-    encoder = ChunkEncoder(plan.response_id, fmt.chunk_object, plan.created, plan.body.model)
+    custom_encoder = getattr(fmt, "encoder", None)
+    encoder = (
+        custom_encoder(plan)
+        if custom_encoder is not None
+        else ChunkEncoder(plan.response_id, fmt.chunk_object, plan.created, plan.body.model)
+    )
     options = plan.body.stream_options
     include_usage = bool(options and options.include_usage)
     continuous_usage = bool(options and options.continuous_usage_stats)
@@ -157,7 +167,8 @@ async def _fold(plan: ResponsePlan) -> dict[str, Any]:
         "weight_version": generations[-1].weight_version,
     }
     response.update(fmt.response_fields(generations))
-    return response
+    reshape = getattr(fmt, "reshape", None)
+    return reshape(response) if reshape is not None else response
 
 
 async def _upload_metadata(plan: ResponsePlan) -> None:

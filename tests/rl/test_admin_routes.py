@@ -17,7 +17,7 @@ async def test_capabilities_lists_controls_updates_routes_state_and_version(
     body = (await client.get("/engine/capabilities")).json()
     assert body["object"] == "engine.capabilities"
     assert "pause_generation" in body["controls"] and "load_lora" in body["updates"]
-    assert len(body["rl_routes"]) == 14 and "update_weights_from_disk" in body["rl_routes"]
+    assert len(body["rl_routes"]) == 16 and "update_weights_from_disk" in body["rl_routes"]
     assert body["state"]["state"] == "serving" and body["weight_version"] is None
     assert body["lora"]["supported"] is True and body["lora"]["schemes"] == ["file", "hf", "s3"]
     assert (
@@ -223,3 +223,22 @@ async def test_without_an_admin_key_admin_routes_are_loopback_only() -> None:
             assert (await remote.get("/health")).status_code == 200
     finally:
         await gateway.host.cleanup()
+
+
+async def test_vllm_pause_sleep_and_wake_take_a_json_body_like_the_query_string(
+    client: httpx.AsyncClient,
+) -> None:
+    paused = await client.post("/pause", json={"mode": "keep"})
+    assert paused.json() == {"status": "paused", "mode": "keep"}
+    assert (await client.post("/resume")).json() == {"status": "resumed"}
+    slept = (await client.post("/sleep", json={"level": 0, "mode": "abort"})).json()
+    assert slept == {"status": "sleeping", "level": 0, "tags": ["kv_cache"]}
+    more = (await client.post("/sleep?level=1", json={"tags": ["weights"]})).json()
+    assert more["tags"] == ["kv_cache", "weights"]
+    partial = (await client.post("/wake_up", json={"tags": ["weights"]})).json()
+    assert partial == {"status": "partially_awake", "is_sleeping": True, "tags": ["kv_cache"]}
+    bad = await client.post("/wake_up", json={"tags": ["gpu"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tags"
+    assert (await client.post("/wake_up", json={})).json() == {"status": "awake"}
+    wrong = await client.post("/sleep", json={"level": 7})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "level"

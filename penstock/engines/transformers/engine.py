@@ -51,6 +51,7 @@ from penstock.engines.transformers.scheduler import (
     StepFailure,
     Submission,
 )
+from penstock.engines.transformers.sync import WeightSync, checksum_control, weights_by_name
 from penstock.engines.transformers.weights import (
     CheckpointError,
     apply_weight_update,
@@ -59,6 +60,7 @@ from penstock.engines.transformers.weights import (
     plan_weight_update,
     read_safetensors,
 )
+from penstock.engines.weight_sync import WeightSyncError
 from penstock.metrics.forward_pass import ComponentSnapshot, ForwardPassMetrics
 
 logger = logging.getLogger(__name__)
@@ -68,7 +70,15 @@ SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 RECENT_FORWARD_PASSES = 256
 # Operations that move or replace weights or KV run one at a time.
 _MEMORY_OPERATIONS = frozenset(
-    {"sleep", "wake_up", "update_weights_from_disk", "load_lora", "unload_lora"}
+    {
+        "sleep",
+        "wake_up",
+        "update_weights_from_disk",
+        "update_weights_from_distributed",
+        "update_weights_from_tensor",
+        "load_lora",
+        "unload_lora",
+    }
 )
 
 Body = dict[str, Any]
@@ -163,6 +173,7 @@ class TransformersEngine(LLMEngine):
         # by the base model in their place.
         self._unloading: set[str] = set()
         self._retired: set[str] = set()
+        self.weight_sync = WeightSync()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -260,6 +271,7 @@ class TransformersEngine(LLMEngine):
         scheduler, self.scheduler = self.scheduler, None
         if scheduler is not None:
             await asyncio.to_thread(scheduler.stop)
+        self.weight_sync.close()
         self.model = None
         self.lora = AdapterSet()
         gc.collect()
@@ -434,11 +446,17 @@ class TransformersEngine(LLMEngine):
             "get_weight_version": self._get_weight_version,
             "flush_cache": self._flush_cache,
             "abort_request": self._abort_request,
+            "weights_checksum": self._weights_checksum,
+            "get_weights_by_name": self._get_weights_by_name,
         }
 
     def _updates(self) -> dict[str, Callable[[Body], Awaitable[Body]]]:
         return {
             "update_weights_from_disk": self._update_weights_from_disk,
+            "init_weights_update_group": self._init_weights_update_group,
+            "update_weights_from_distributed": self._update_weights_from_distributed,
+            "update_weights_from_tensor": self._update_weights_from_tensor,
+            "destroy_weights_update_group": self._destroy_weights_update_group,
             "update_weight_version": self._update_weight_version,
             "set_weight_version": self._set_weight_version,
             "load_lora": self._load_lora,
@@ -678,8 +696,10 @@ class TransformersEngine(LLMEngine):
         self._weights_source = source
         if version is not None:
             self.weight_version = version
+        summed = await asyncio.to_thread(checksum_control, self.model, {})
         return {
             "status": "ok",
+            "checksum": summed["checksum"],
             "message": f"Weights updated from {source}",
             "version": self.weight_version,
             "version_declared": version is not None,
@@ -690,6 +710,80 @@ class TransformersEngine(LLMEngine):
         plan = plan_weight_update(self.model, read_safetensors(source))
         with scheduler.step_lock:
             apply_weight_update(plan)
+
+    def _pushable_model(self, update: str, body: Body) -> Any:
+        """The live model, if ``update`` may write into it now; else a refusal to return."""
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            return _error("`weight_version` must be a string")
+        if not self._require_scheduler().paused:
+            return _error(
+                f"{update} needs paused generation: call pause_generation first, then "
+                "resume_generation after the update"
+            )
+        if self.model is None or "weights" in self._sleeping:
+            return _error("the weights are asleep: call wake_up before updating them")
+        return self.model
+
+    async def _push(self, update: str, body: Body, run: Callable[[Any], Body]) -> Body:
+        model = self._pushable_model(update, body)
+        if isinstance(model, dict):
+            return model
+        try:
+            result = await asyncio.to_thread(run, model)
+        except WeightSyncError as exc:
+            return _error(f"{update} refused, the previous weights keep serving: {exc}")
+        version = body.get("weight_version")
+        if version is not None:
+            self.weight_version = version
+        return {**result, "weight_version": self.weight_version}
+
+    async def _init_weights_update_group(self, body: Body) -> Body:
+        device, _ = self._placement()
+        try:
+            return await asyncio.to_thread(self.weight_sync.init_group, body, device)
+        except WeightSyncError as exc:
+            return _error(str(exc))
+
+    async def _destroy_weights_update_group(self, body: Body) -> Body:
+        try:
+            return self.weight_sync.destroy_group(body)
+        except WeightSyncError as exc:
+            return _error(str(exc))
+
+    async def _update_weights_from_distributed(self, body: Body) -> Body:
+        device, _ = self._placement()
+        lock = self._require_scheduler().step_lock
+        return await self._push(
+            "update_weights_from_distributed",
+            body,
+            lambda model: self.weight_sync.receive(model, body, device, lock),
+        )
+
+    async def _update_weights_from_tensor(self, body: Body) -> Body:
+        trusted = body.get("trust_weight_payloads") is True
+        lock = self._require_scheduler().step_lock
+        return await self._push(
+            "update_weights_from_tensor",
+            body,
+            lambda model: self.weight_sync.load_tensors(model, body, trusted=trusted, lock=lock),
+        )
+
+    async def _weights_checksum(self, body: Body) -> Body:
+        if self.model is None or "weights" in self._sleeping:
+            return _error("the weights are asleep: call wake_up before checking them")
+        try:
+            return await asyncio.to_thread(checksum_control, self.model, body)
+        except WeightSyncError as exc:
+            return _error(str(exc))
+
+    async def _get_weights_by_name(self, body: Body) -> Body:
+        if self.model is None or "weights" in self._sleeping:
+            return _error("the weights are asleep: call wake_up before reading them")
+        try:
+            return await asyncio.to_thread(weights_by_name, self.model, body)
+        except WeightSyncError as exc:
+            return _error(str(exc))
 
     async def _update_weight_version(self, body: Body) -> Body:
         version = body.get("new_version")

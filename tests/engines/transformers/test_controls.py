@@ -26,9 +26,15 @@ def test_advertised_names(engine: TransformersEngine) -> None:
         "get_weight_version",
         "flush_cache",
         "abort_request",
+        "weights_checksum",
+        "get_weights_by_name",
     }
     assert engine.supported_updates() == {
         "update_weights_from_disk",
+        "init_weights_update_group",
+        "update_weights_from_distributed",
+        "update_weights_from_tensor",
+        "destroy_weights_update_group",
         "update_weight_version",
         "set_weight_version",
         "load_lora",

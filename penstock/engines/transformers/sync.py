@@ -1,0 +1,265 @@
+"""Weight pushes into the live model: collective broadcast, tensor payloads, verification.
+
+The wire formats and the checksum are in :mod:`penstock.engines.weight_sync`. Every push
+needs paused generation and is validated whole (names, shapes, dtypes) before the first
+byte is applied; a refused push leaves the old weights serving. A broadcast whose
+metadata is valid for the wire but not for this model is still received (into a scratch
+buffer, one tensor at a time, then dropped), so the trainer's collective completes and
+the group stays usable for its next push. Received tensors are copied into the
+parameters one by one, under the scheduler's step lock: no second copy of the model.
+A transfer that breaks midway (the trainer died) leaves the tensors received so far
+applied and the rest old; the update then fails, generation stays paused, and the
+trainer pushes again (or updates from disk).
+
+Level-2 sleep drops pushed weights as it drops any (vLLM's rule): ``wake_up`` restores
+the last checkpoint read from disk, and the trainer pushes again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from penstock.engines.transformers.weights import checkpoint_state_dict
+from penstock.engines.weight_sync import (
+    DEFAULT_GROUP_NAME,
+    TensorSpec,
+    WeightSyncError,
+    check_against,
+    decode_payload,
+    destroy_process_group,
+    dtype_name,
+    init_custom_process_group,
+    parse_specs,
+    weights_checksum,
+)
+
+Body = dict[str, Any]
+DEFAULT_INIT_TIMEOUT_S = 30.0
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass
+class _Group:
+    handle: Any
+    rank: int
+    world_size: int
+    backend: str
+
+
+def _int(body: Body, field: str, default: int | None = None, *, low: int = 0) -> int:
+    value = body.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise WeightSyncError(f"'{field}' must be an integer >= {low}; got {value!r}")
+    return value
+
+
+def _str(body: Body, field: str, default: str | None = None) -> str:
+    value = body.get(field, default)
+    if not isinstance(value, str) or not value:
+        raise WeightSyncError(f"'{field}' must be a non-empty string; got {value!r}")
+    return value
+
+
+class WeightSync:
+    """The update groups of one engine and the pushes through them."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, _Group] = {}
+
+    # -- groups ---------------------------------------------------------------------
+
+    def init_group(self, body: Body, device: torch.device) -> Body:
+        group_name = _str(body, "group_name", DEFAULT_GROUP_NAME)
+        backend = _str(body, "backend", "nccl" if device.type == "cuda" else "gloo")
+        if backend not in BACKENDS:
+            raise WeightSyncError(f"'backend' must be one of {', '.join(BACKENDS)}")
+        if backend == "nccl" and device.type != "cuda":
+            raise WeightSyncError(
+                "'backend' nccl needs the engine on CUDA; this engine runs on the CPU: use gloo"
+            )
+        world_size = _int(body, "world_size", low=2)
+        rank = _int(body, "rank_offset", 1, low=1)
+        if rank >= world_size:
+            raise WeightSyncError(f"'rank_offset' {rank} must be below 'world_size' {world_size}")
+        if group_name in self.groups:
+            raise WeightSyncError(
+                f"group '{group_name}' already exists: destroy_weights_update_group first"
+            )
+        timeout = body.get("timeout_s", DEFAULT_INIT_TIMEOUT_S)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise WeightSyncError("'timeout_s' must be a positive number")
+        try:
+            handle = init_custom_process_group(
+                backend=backend,
+                master_address=_str(body, "master_address"),
+                master_port=_int(body, "master_port", low=1),
+                rank=rank,
+                world_size=world_size,
+                group_name=group_name,
+                timeout_s=float(timeout),
+            )
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise WeightSyncError(
+                f"could not join group '{group_name}' within {timeout:g}s (did the trainer "
+                f"join as rank 0?): {first}"
+            ) from exc
+        self.groups[group_name] = _Group(handle, rank, world_size, backend)
+        return {
+            "status": "ok",
+            "success": True,
+            "message": f"joined group '{group_name}' as rank {rank} of {world_size} ({backend})",
+        }
+
+    def destroy_group(self, body: Body) -> Body:
+        group_name = _str(body, "group_name", DEFAULT_GROUP_NAME)
+        group = self.groups.pop(group_name, None)
+        if group is None:
+            raise WeightSyncError(
+                f"no group '{group_name}'; known: {sorted(self.groups) or 'none'}"
+            )
+        destroy_process_group(group.handle)
+        return {"status": "ok", "success": True, "message": f"group '{group_name}' destroyed"}
+
+    def close(self) -> None:
+        for name in list(self.groups):
+            self.destroy_group({"group_name": name})
+
+    def _group(self, body: Body) -> _Group:
+        name = body.get("group_name")
+        if name is None and len(self.groups) == 1:
+            return next(iter(self.groups.values()))
+        name = _str(body, "group_name", DEFAULT_GROUP_NAME)
+        group = self.groups.get(name)
+        if group is None:
+            raise WeightSyncError(
+                f"no weights update group '{name}': call init_weights_update_group first"
+            )
+        return group
+
+    # -- pushes -------------------------------------------------------------------------
+
+    def receive(self, model: torch.nn.Module, body: Body, device: torch.device, lock: Any) -> Body:
+        """``update_weights_from_distributed``: validate, then receive into the model."""
+        from penstock.engines.weight_sync import broadcast_specs
+
+        group = self._group(body)
+        specs = parse_specs(body)
+        load_format = body.get("load_format")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise WeightSyncError(
+                f"'load_format' must be direct or flattened_bucket; got {load_format!r}"
+            )
+        flattened = load_format == "flattened_bucket"
+        live = checkpoint_state_dict(model)
+        try:
+            check_against(specs, live)
+        except WeightSyncError:
+            # Drain what the trainer is already sending, so its collective completes.
+            broadcast_specs(
+                group.handle,
+                specs,
+                device=device,
+                flattened=flattened,
+                sink=lambda spec, tensor: None,
+            )
+            raise
+        written: dict[str, torch.Tensor] = {}
+
+        def apply(spec: TensorSpec, tensor: torch.Tensor) -> None:
+            target = live[spec.name]
+            with torch.no_grad():
+                target.copy_(tensor)
+            written[spec.name] = target
+
+        with lock:
+            try:
+                broadcast_specs(group.handle, specs, device=device, flattened=flattened, sink=apply)
+            except Exception as exc:
+                raise RuntimeError(
+                    f"the broadcast broke after {len(written)} of {len(specs)} tensors; "
+                    f"generation stays paused: push again: {exc}"
+                ) from exc
+        return self._done(written, "distributed")
+
+    def load_tensors(self, model: torch.nn.Module, body: Body, *, trusted: bool, lock: Any) -> Body:
+        """``update_weights_from_tensor``: decode every entry, validate, then copy."""
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or not payloads:
+            raise WeightSyncError("'serialized_named_tensors' must be a non-empty list")
+        if len(payloads) != 1:
+            raise WeightSyncError(
+                f"'serialized_named_tensors' holds {len(payloads)} entries (one per tensor "
+                "parallel rank); this engine has one rank"
+            )
+        load_format = body.get("load_format")
+        if load_format not in (None, "direct", "safetensors"):
+            raise WeightSyncError(
+                f"'load_format' must be direct or safetensors; got {load_format!r}"
+            )
+        tensors = decode_payload(payloads[0], trusted=trusted)
+        if not tensors:
+            raise WeightSyncError("the payload holds no tensors")
+        live = checkpoint_state_dict(model)
+        specs = [
+            TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()
+        ]
+        check_against(specs, live)
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise WeightSyncError(f"{name} holds NaN or infinite values")
+        with lock, torch.no_grad():
+            for name, tensor in tensors.items():
+                live[name].copy_(tensor)
+        return self._done({name: live[name] for name in tensors}, "tensor")
+
+    @staticmethod
+    def _done(written: dict[str, torch.Tensor], how: str) -> Body:
+        checksum, _ = weights_checksum(written)
+        return {
+            "status": "ok",
+            "success": True,
+            "message": f"updated {len(written)} tensors from {how}",
+            "tensors": len(written),
+            "checksum": checksum,
+        }
+
+
+def checksum_control(model: torch.nn.Module, body: Body) -> Body:
+    """``weights_checksum {names?}``: the checksum of the named tensors (default: all)."""
+    live = checkpoint_state_dict(model)
+    names = body.get("names")
+    if names is None:
+        chosen = live
+    elif isinstance(names, list) and all(isinstance(n, str) for n in names):
+        unknown = sorted(set(names) - set(live))
+        if unknown:
+            raise WeightSyncError(f"'names': not tensors of this model: {', '.join(unknown[:5])}")
+        chosen = {name: live[name] for name in names}
+    else:
+        raise WeightSyncError("'names' must be a list of tensor names")
+    checksum, digests = weights_checksum(chosen)
+    return {"status": "ok", "checksum": checksum, "tensors": digests}
+
+
+def weights_by_name(model: torch.nn.Module, body: Body) -> Body:
+    """``get_weights_by_name {name, truncate_size=100}``: the first values, flattened."""
+    name = _str(body, "name")
+    truncate = _int(body, "truncate_size", 100, low=1)
+    live = checkpoint_state_dict(model)
+    tensor = live.get(name)
+    if tensor is None:
+        raise WeightSyncError(f"'name': {name} is not a tensor of this model")
+    values = tensor.detach().reshape(-1)[:truncate].to("cpu", torch.float64).tolist()
+    return {
+        "status": "ok",
+        "name": name,
+        "dtype": dtype_name(tensor.dtype),
+        "shape": list(tensor.shape),
+        "values": values,
+    }

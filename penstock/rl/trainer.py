@@ -1,0 +1,179 @@
+"""The trainer's half of weight sync: the client a trainer author would otherwise write.
+
+::
+
+    from penstock.rl.trainer import WeightPusher
+
+    pusher = WeightPusher("http://engine:8000", admin_key="...")
+    pusher.init_group("10.0.0.5", 29500)           # this process becomes rank 0 (gloo/nccl)
+    pusher.pause()                                 # keep mode: in-flight requests freeze
+    reply = pusher.broadcast(model.state_dict(), weight_version="step-3")
+    assert reply["checksum"] == pusher.checksum(model.state_dict(), dtype=torch.float32)
+    pusher.resume()
+    pusher.push_tensors(some_tensors, weight_version="step-4")  # same, over HTTP
+
+The HTTP calls speak SGLang's routes. A broadcast posts the metadata and sends the bytes
+at the same time; if the engine refuses the request while this side is still sending,
+the collective is abandoned with the engine's error and the group must be re-created
+(``destroy_group`` then ``init_group``). Torch is imported only when a method needs it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from penstock.engines.weight_sync import (
+    DEFAULT_GROUP_NAME,
+    dtype_name,
+    encode_safetensors,
+    init_custom_process_group,
+    weights_checksum,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+
+class EngineRefused(RuntimeError):
+    """The engine answered a weight-sync call with an error status."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.status_code = response.status_code
+        try:
+            self.body: Any = response.json()
+        except ValueError:
+            self.body = response.text
+        super().__init__(f"{response.request.url.path}: {response.status_code} {self.body}")
+
+
+class WeightPusher:
+    def __init__(
+        self, base_url: str, *, admin_key: str | None = None, timeout_s: float = 120.0
+    ) -> None:
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout_s)
+        self.group: Any = None
+        self.group_name = DEFAULT_GROUP_NAME
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        response = self.http.post(path, json=body or {})
+        if response.is_error:
+            raise EngineRefused(response)
+        result: dict[str, Any] = response.json()
+        return result
+
+    def pause(self, mode: str = "retract") -> dict[str, Any]:
+        return self.post("/pause_generation", {"mode": mode})
+
+    def resume(self) -> dict[str, Any]:
+        return self.post("/continue_generation")
+
+    @staticmethod
+    def checksum(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
+        """What the engine answers after holding exactly ``tensors`` (in ``dtype``)."""
+        return weights_checksum(tensors, dtype)[0]
+
+    def init_group(
+        self,
+        master_address: str,
+        master_port: int,
+        *,
+        world_size: int = 2,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "gloo",
+        timeout_s: float = 30.0,
+    ) -> dict[str, Any]:
+        """Ask the engine to join as rank 1.., and join as rank 0 meanwhile."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": 1,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+            "timeout_s": timeout_s,
+        }
+        joined = self._pool.submit(self.post, "/init_weights_update_group", body)
+        self.group = init_custom_process_group(
+            backend=backend,
+            master_address=master_address,
+            master_port=master_port,
+            rank=0,
+            world_size=world_size,
+            group_name=group_name,
+            timeout_s=timeout_s,
+        )
+        self.group_name = group_name
+        return joined.result()
+
+    def destroy_group(self) -> dict[str, Any]:
+        from penstock.engines.weight_sync import destroy_process_group
+
+        result = self.post("/destroy_weights_update_group", {"group_name": self.group_name})
+        if self.group is not None:
+            destroy_process_group(self.group)
+            self.group = None
+        return result
+
+    def broadcast(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        weight_version: str | None = None,
+        flattened: bool = False,
+    ) -> dict[str, Any]:
+        """Post the metadata and broadcast the bytes; the engine's answer (with checksum)."""
+        import torch
+        import torch.distributed as dist
+
+        if self.group is None:
+            raise RuntimeError("init_group first")
+        items = [(name, t.detach().contiguous()) for name, t in tensors.items()]
+        body: dict[str, Any] = {
+            "names": [name for name, _ in items],
+            "dtypes": [dtype_name(t.dtype) for _, t in items],
+            "shapes": [list(t.shape) for _, t in items],
+            "group_name": self.group_name,
+            "flush_cache": True,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if flattened:
+            body["load_format"] = "flattened_bucket"
+        answered = self._pool.submit(self.post, "/update_weights_from_distributed", body)
+        sends = (
+            [torch.cat([t.reshape(-1) for _, t in items])] if flattened else [t for _, t in items]
+        )
+        works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in sends]
+        # An engine that refuses before receiving would leave the sends waiting for the
+        # group timeout: its answer ends the wait.
+        while not all(work.is_completed() for work in works):
+            refusal = answered.exception() if answered.done() else None
+            if refusal is not None:
+                raise refusal
+            time.sleep(0.001)
+        for work in works:
+            work.wait()
+        return answered.result()
+
+    def push_tensors(
+        self, tensors: Mapping[str, torch.Tensor], *, weight_version: str | None = None
+    ) -> dict[str, Any]:
+        """``update_weights_from_tensor`` with base64 safetensors bytes."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": [encode_safetensors(tensors)],
+            "flush_cache": True,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self.post("/update_weights_from_tensor", body)

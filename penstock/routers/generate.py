@@ -1,0 +1,30 @@
+"""SGLang's ``POST|PUT /generate`` (token-in/token-out) and ``GET /health_generate``.
+
+Inference routes: the inference keys guard them like ``/v1/completions``. Bodies and
+responses are documented in :mod:`penstock.serving.generate`. ``/health_generate`` answers
+200 ``{"status": "ok", "weight_version"}`` after a one-token generation, and 503 when the
+engine cannot generate now (paused, asleep, draining, unhealthy, or no token in time).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from penstock.serving.generate import GenerateBody
+from penstock.serving.generate import generate as serve_generate
+from penstock.serving.generate import health_generate as serve_health_generate
+
+router = APIRouter(tags=["sglang"])
+
+
+@router.api_route("/generate", methods=["POST", "PUT"], response_model=None)
+async def generate(body: GenerateBody, request: Request) -> Response:
+    return await serve_generate(request.app.state.gateway, body, request)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> dict[str, Any]:
+    return await serve_health_generate(request.app.state.gateway, request)

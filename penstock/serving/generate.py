@@ -1,0 +1,285 @@
+"""SGLang's native token-in/token-out ``/generate`` and ``/health_generate``, on the one
+serving path of completions (one :class:`Generation`, :func:`respond`).
+
+Request: exactly one of ``text`` (tokenized without a chat template) or ``input_ids``;
+``sampling_params`` (``max_new_tokens`` default 128, ``min_new_tokens``, ``temperature``
+default 1.0, ``top_p``, ``top_k``, ``min_p``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
+``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``, ``seed``; an unknown
+key is a 400 naming it); ``stream``; ``return_logprob`` with ``top_logprobs_num``;
+``model`` (optional: a served model or adapter name; default the first served model);
+``rid`` (optional: the engine request id, for ``/abort_request``). One prompt per
+request: a batch is a 400.
+
+Response (and each stream event, ``data: {...}`` then ``data: [DONE]``)::
+
+    {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+     "completion_tokens", "cached_tokens", "weight_version", "weight_versions",
+     "output_token_logprobs"?, "output_top_logprobs"?}}
+
+Stream events are cumulative, as SGLang streams them by default: each carries the whole
+text and every output id so far. ``finish_reason`` is None until the last event, then
+``{"type": "stop", "matched": null}``, ``{"type": "length", "length": n}`` or
+``{"type": "abort", "message"}``. ``output_token_logprobs`` are ``[logprob, token_id,
+null]`` triples. ``weight_version`` is the version that produced the latest token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+import orjson
+from pydantic import ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from penstock.engines.context import Context
+from penstock.errors import InvalidRequestError, PenstockError, ServiceUnavailableError
+from penstock.gateway import Gateway, ServedModel
+from penstock.schemas.openai import CompletionRequest, NonNegativeInt, PositiveInt
+from penstock.schemas.unicode import JSONValue, RequestModel
+from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
+from penstock.serving.deadline import Deadline, request_deadline
+from penstock.serving.generation import Generation
+from penstock.serving.requests import (
+    completion_prompts,
+    engine_context,
+    generate_request,
+    served_model,
+)
+from penstock.serving.stream import ResponsePlan, respond
+
+DEFAULT_MAX_NEW_TOKENS = 128
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class SamplingParams(RequestModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: PositiveInt | None = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: NonNegativeInt = 0
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
+    ignore_eos: bool = False
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    seed: int | None = None
+
+
+class GenerateBody(RequestModel):
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
+
+    text: str | None = None
+    input_ids: list[NonNegativeInt] | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: Annotated[int, Field(ge=0, le=20)] = 0
+    model: str | None = None
+    rid: str | None = None
+
+
+def _finish_reason(reason: str | None, completion_tokens: int) -> dict[str, Any] | None:
+    if reason is None:
+        return None
+    if reason == "stop":
+        return {"type": "stop", "matched": None}
+    if reason == "length":
+        return {"type": "length", "length": completion_tokens}
+    if reason == "abort":
+        return {"type": "abort", "message": "the request was aborted"}
+    return {"type": reason}
+
+
+def _logprob_fields(entries: list[LogprobEntry], top: int) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "output_token_logprobs": [[e.logprob, e.token_id, None] for e in entries]
+    }
+    if top:
+        fields["output_top_logprobs"] = [
+            [[alt.logprob, alt.token_id, None] for alt in e.top] for e in entries
+        ]
+    return fields
+
+
+class GenerateFormat:
+    """SGLang's shapes: one object per event, cumulative, instead of OpenAI chunks."""
+
+    id_prefix = "gen-"
+    chunk_object = "generate"
+    response_object = "generate"
+
+    def __init__(self, top_logprobs: int) -> None:
+        self.top_logprobs = top_logprobs
+        self.generation: Generation | None = None
+
+    def prelude(self, generations: Sequence[Generation]) -> list[dict[str, Any]]:
+        return []
+
+    def _object(self, choice: ChoiceState, version: str | None) -> dict[str, Any]:
+        generation = self.generation
+        assert generation is not None
+        completion_tokens = len(choice.token_ids)
+        meta: dict[str, Any] = {
+            "id": generation.context.id(),
+            "finish_reason": _finish_reason(choice.finish_reason, completion_tokens),
+            "prompt_tokens": generation.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": generation.cached_tokens or 0,
+            "weight_version": version,
+            "weight_versions": choice.weight_version_segments(),
+        }
+        if choice.logprobs is not None:
+            meta.update(_logprob_fields(choice.logprobs, self.top_logprobs))
+        return {"text": choice.text, "output_ids": list(choice.token_ids), "meta_info": meta}
+
+    def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
+        if not delta.token_ids and delta.finish_reason is None:
+            return None
+        return self._object(delta.choice, delta.weight_version)
+
+    def response_choice(self, generation: Generation, choice: ChoiceState) -> dict[str, Any]:
+        version = choice.versions[-1].weight_version if choice.versions else None
+        return self._object(choice, version or generation.weight_version)
+
+    def response_fields(self, generations: Sequence[Generation]) -> dict[str, Any]:
+        return {}
+
+    def encoder(self, plan: ResponsePlan) -> GenerateEncoder:
+        return GenerateEncoder()
+
+    def reshape(self, response: dict[str, Any]) -> dict[str, Any]:
+        choice: dict[str, Any] = response["choices"][0]
+        return choice
+
+
+class GenerateEncoder:
+    """Each event is the object itself: no OpenAI chunk envelope, no usage frames."""
+
+    __slots__ = ()
+
+    def frame(
+        self,
+        choices: list[dict[str, Any]],
+        weight_version: str | None,
+        usage: dict[str, Any] | None = None,
+    ) -> bytes:
+        return b"".join(b"data: " + orjson.dumps(item) + b"\n\n" for item in choices)
+
+
+def _model_for(gateway: Gateway, name: str | None) -> str:
+    if name is not None:
+        return name
+    listed = gateway.listed_models()
+    if not listed:
+        raise ServiceUnavailableError("no model is being served")
+    return listed[0].name
+
+
+def completion_body(gateway: Gateway, body: GenerateBody) -> CompletionRequest:
+    """The same request in completions' terms, so every check and limit applies as is."""
+    if (body.text is None) == (body.input_ids is None):
+        raise InvalidRequestError(
+            "send exactly one of 'text' or 'input_ids'", param="text", code="invalid_value"
+        )
+    if body.input_ids is not None and not body.input_ids:
+        raise InvalidRequestError("'input_ids' must not be empty", param="input_ids")
+    params = body.sampling_params
+    fields: dict[str, Any] = {
+        key: value
+        for key, value in params.model_dump(exclude_none=True).items()
+        if key not in ("max_new_tokens", "min_new_tokens")
+    }
+    fields.update(
+        model=_model_for(gateway, body.model),
+        prompt=body.text if body.text is not None else body.input_ids,
+        max_tokens=params.max_new_tokens,
+        min_tokens=params.min_new_tokens,
+        stream=body.stream,
+        logprobs=body.top_logprobs_num if body.return_logprob else None,
+        **(body.model_extra or {}),
+    )
+    try:
+        return CompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise InvalidRequestError(f"{where}: {error['msg']}", param=where) from exc
+
+
+def _generation(
+    gateway: Gateway,
+    model: ServedModel,
+    body: CompletionRequest,
+    token_ids: list[int],
+    request: Request,
+    rid: str | None,
+    deadline: Deadline | None = None,
+) -> Generation:
+    context = engine_context(request)
+    if rid is not None:
+        context = Context(rid, {"x-request-id": request.state.request_id})
+    return Generation(
+        gateway,
+        model,
+        generate_request(
+            body, model, token_ids, max_tokens=body.max_tokens, logprobs=body.logprobs
+        ),
+        context,
+        stops=body.stop_list,
+        keep_text=True,
+        want_logprobs=body.logprobs is not None,
+        endpoint="generate",
+        streaming=body.stream,
+        deadline=deadline,
+    )
+
+
+async def generate(gateway: Gateway, body: GenerateBody, request: Request) -> Response:
+    deadline = request_deadline(request, gateway.settings)
+    completion = completion_body(gateway, body)
+    model = served_model(gateway, completion, "completions", "generate")
+    try:
+        (token_ids,) = await completion_prompts(gateway, completion, model, deadline)
+    except InvalidRequestError as exc:
+        # The checks name the completions field; this route's are ``text`` / ``input_ids``.
+        if exc.param == "prompt":
+            exc.param = "text" if body.text is not None else "input_ids"
+        raise
+    generation = _generation(gateway, model, completion, token_ids, request, body.rid, deadline)
+    fmt = GenerateFormat(body.top_logprobs_num if body.return_logprob else 0)
+    fmt.generation = generation
+    plan = ResponsePlan(fmt, [generation], completion, None, deadline)
+    return await respond(request, plan)
+
+
+async def health_generate(gateway: Gateway, request: Request) -> dict[str, Any]:
+    """One one-token generation within :data:`HEALTH_GENERATE_TIMEOUT_S`; 503 if it can't."""
+    readiness = gateway.readiness()
+    if not readiness.ready:
+        raise ServiceUnavailableError(f"cannot generate: {readiness.reason}")
+    model = gateway.listed_models()[0] if gateway.listed_models() else None
+    if model is None:
+        raise ServiceUnavailableError("cannot generate: no model is being served")
+    completion = CompletionRequest(model=model.name, prompt=[0], max_tokens=1, ignore_eos=True)
+    generation = _generation(gateway, model, completion, [0], request, None)
+    try:
+        async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+            async for _ in generation.deltas():
+                pass
+    except TimeoutError:
+        raise ServiceUnavailableError(
+            f"cannot generate: no token within {HEALTH_GENERATE_TIMEOUT_S:g}s"
+        ) from None
+    except PenstockError as exc:
+        raise ServiceUnavailableError(f"cannot generate: {exc.message}") from exc
+    if generation.completion_tokens < 1:
+        raise ServiceUnavailableError("cannot generate: the engine produced no token")
+    return {"status": "ok", "weight_version": generation.weight_version}
