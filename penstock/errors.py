@@ -222,3 +222,11 @@ class SlowClientError(PenstockError):
     status_code = 408
     error_type = "request_timeout"
     default_code = "request_timeout"
+
+
+class GatewayTimeoutError(PenstockError):
+    """The engine (or what it depends on) timed out answering the request."""
+
+    status_code = 504
+    error_type = "timeout_error"
+    default_code = "gateway_timeout"

@@ -15,6 +15,14 @@ Lifecycle, driven by :class:`penstock.engines.host.EngineHost`:
 
 An engine derives from :class:`LLMEngine` (token ids in, token ids out) or :class:`RawEngine`
 (the request body in, response objects out); :func:`model_input_of` tells which.
+
+Every method besides ``from_args``, ``start``, ``generate`` and ``cleanup`` is optional:
+:func:`fill_optional_hooks` gives an engine that lacks one (a duck-typed engine, or one
+written against an older ``dynamo.common.backend``) the documented default.
+
+``n`` > 1: an engine that yields several choices itself advertises it with
+``EngineConfig.runtime_data[MULTI_CHOICE_RUNTIME_KEY] = True``; the host fans any other
+engine's ``n`` out into n single-choice requests.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from penstock.engines.constants import DisaggregationMode, ModelInput
 from penstock.engines.context import Context
 from penstock.engines.health import parse_health_check_payload_cli
 from penstock.errors import EngineLoadError
+
+MULTI_CHOICE_RUNTIME_KEY = "multi_choice"
 
 
 class GenerateRequest(TypedDict, total=False):
@@ -339,6 +349,49 @@ class RawEngine(BaseEngine):
 
 class DiffusionEngine(RawEngine):
     """A :class:`RawEngine` for diffusion-family image and video generation."""
+
+
+_OPTIONAL_HOOKS: tuple[tuple[type, str], ...] = (
+    *(
+        (BaseEngine, name)
+        for name in (
+            "abort",
+            "is_quiescent",
+            "register_prometheus",
+            "component_metrics_dp_ranks",
+            "attach_snapshot_publisher",
+            "health_check_payload",
+            "supported_controls",
+            "engine_control",
+            "supported_updates",
+            "engine_update",
+            "on_endpoint_ready",
+        )
+    ),
+    (LLMEngine, "kv_event_sources"),
+    (LLMEngine, "logits_processor_spec"),
+)
+
+
+def fill_optional_hooks(engine: object) -> list[str]:
+    """Give ``engine`` the documented default of every optional method it lacks.
+
+    The defaults are bound on the instance, so every caller (host, metrics bridge, admin
+    routes, RL plane) sees one engine surface. Returns the names that were filled.
+    """
+    filled: list[str] = []
+    for base, name in _OPTIONAL_HOOKS:
+        if callable(getattr(engine, name, None)):
+            continue
+        try:
+            setattr(engine, name, getattr(base, name).__get__(engine))
+        except AttributeError as exc:
+            raise EngineLoadError(
+                f"engine '{type(engine).__qualname__}' has no '{name}' and does not accept "
+                f"the default one ({exc})"
+            ) from exc
+        filled.append(name)
+    return filled
 
 
 # Dynamo's ``dynamo.common.backend`` bases, by class name: an engine written for Dynamo

@@ -44,6 +44,7 @@ from tokenizers import Tokenizer
 
 from penstock.engines.context import Context
 from penstock.engines.contract import (
+    MULTI_CHOICE_RUNTIME_KEY,
     EngineConfig,
     GenerateChunk,
     GenerateRequest,
@@ -266,11 +267,14 @@ class SampleLLMEngine(LLMEngine):
         return EngineConfig(
             model=self.model,
             served_model_name=self.model,
-            runtime_data=(
-                {TOKEN_BUDGET_RUNTIME_KEY: self.token_budget.as_runtime_data()}
-                if self.token_budget is not None
-                else None
-            ),
+            runtime_data={
+                MULTI_CHOICE_RUNTIME_KEY: True,
+                **(
+                    {TOKEN_BUDGET_RUNTIME_KEY: self.token_budget.as_runtime_data()}
+                    if self.token_budget is not None
+                    else {}
+                ),
+            },
             llm=LlmRegistration(
                 context_length=self.context_length,
                 kv_cache_block_size=KV_BLOCK_SIZE,
