@@ -230,3 +230,8 @@ class GatewayTimeoutError(PenstockError):
     status_code = 504
     error_type = "timeout_error"
     default_code = "gateway_timeout"
+
+
+class DisaggregatedWorkerError(EngineLoadError):
+    """The engine is configured as one stage of a disaggregated pipeline (prefill, decode,
+    encode), which one gateway process cannot serve alone."""

@@ -28,7 +28,7 @@ engine's ``n`` out into n single-choice requests.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypedDict
@@ -117,6 +117,31 @@ class EngineConfig:
     runtime_data: dict[str, Any] | None = None
     llm: LlmRegistration | None = None
     model_aliases: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PushSource:
+    """A KV event source (:meth:`LLMEngine.kv_event_sources`): the gateway calls
+    ``on_ready(publisher)`` once with the rank's publisher; the engine calls
+    ``publisher.publish_stored(token_ids, num_block_tokens, block_hashes, parent_hash=None)``
+    and ``publisher.publish_removed(block_hashes)`` from any thread, and stops doing so in
+    ``cleanup``."""
+
+    on_ready: Callable[[Any], None]
+    dp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class ZmqSource:
+    """Dynamo's other KV event source (the engine's ZMQ PUB socket). The gateway logs and
+    ignores it: only :class:`PushSource` events are taken in-process."""
+
+    endpoint: str
+    topic: str = ""
+    dp_rank: int = 0
+
+
+KvEventSource = PushSource | ZmqSource
 
 
 def _coerce_disaggregation_mode(value: Any) -> DisaggregationMode:
@@ -327,7 +352,8 @@ class LLMEngine(BaseEngine):
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Yield chunks for one request; called concurrently."""
 
-    async def kv_event_sources(self) -> list[Any]:
+    async def kv_event_sources(self) -> list[KvEventSource]:
+        """KV event sources, one per data-parallel rank, asked once after ``start``."""
         return []
 
     async def logits_processor_spec(self) -> Any:

@@ -167,6 +167,15 @@ def _overloaded(status: int) -> PenstockError:
     return error
 
 
+def _top(alternatives: list[dict[str, Any]] | None, k: int) -> list[dict[str, Any]]:
+    """The ``k`` most likely alternatives of one position: Dynamo engines report the
+    chosen token plus k alternatives, OpenAI's ``top_logprobs`` holds exactly k."""
+    if not alternatives or len(alternatives) <= k:
+        return alternatives or []
+    ranked = sorted(alternatives, key=lambda alt: alt.get("logprob", float("-inf")), reverse=True)
+    return ranked[:k]
+
+
 def _choice_request(request: dict[str, Any], index: int) -> dict[str, Any]:
     """Choice ``index`` of a fanned-out request: ``n`` = 1 and, when a seed was given,
     ``seed + index`` (so choices differ yet replay)."""
@@ -374,6 +383,9 @@ class EngineHost:
         marks = self._marks_of(context)
         marks.active = True
         raw = self.is_raw
+        top_k = None if raw else (request.get("output_options") or {}).get("logprobs")
+        if not isinstance(top_k, int) or isinstance(top_k, bool):
+            top_k = None
         finished: set[int] = set()
         agen: AsyncGenerator[dict, None] = self.engine.generate(request, context)  # type: ignore[attr-defined]
         queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue(maxsize=1)
@@ -398,6 +410,8 @@ class EngineHost:
                     continue
                 if chunk.get("token_ids") and not context.first_token_seen:
                     context.notify_first_token()
+                if top_k is not None and chunk.get("top_logprobs"):
+                    chunk["top_logprobs"] = [_top(alts, top_k) for alts in chunk["top_logprobs"]]
                 if chunk.get("finish_reason"):
                     finished.add(index)
                     if len(finished) == expected:

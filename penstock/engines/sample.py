@@ -50,6 +50,7 @@ from penstock.engines.contract import (
     GenerateRequest,
     LLMEngine,
     LlmRegistration,
+    PushSource,
     WorkerConfig,
 )
 from penstock.engines.health import (
@@ -218,6 +219,7 @@ class SampleLLMEngine(LLMEngine):
         self._flights: set[_Flight] = set()
         self._changed = asyncio.Event()
         self._publisher: Any = None
+        self._kv_events: Any = None
         self._passes: asyncio.Task[None] | None = None
         self._active = asyncio.Event()
         self._pass_counter = 0
@@ -312,6 +314,8 @@ class SampleLLMEngine(LLMEngine):
             key = hash(tuple(prompt))
             self._prefix_queries += 1
             self._prefix_hits += key in self.prefix_cache
+            if key not in self.prefix_cache:
+                self._publish_stored(key, prompt_len)
             self.prefix_cache.add(key)
         try:
             if held:
@@ -356,6 +360,27 @@ class SampleLLMEngine(LLMEngine):
 
     def attach_snapshot_publisher(self, publisher: Any) -> None:
         self._publisher = publisher
+
+    async def kv_event_sources(self) -> list[Any]:
+        return [PushSource(on_ready=self._kv_ready, dp_rank=0)]
+
+    def _kv_ready(self, publisher: Any) -> None:
+        self._kv_events = publisher
+
+    def _publish_stored(self, key: int, prompt_len: int) -> None:
+        """A new prompt prefix is cached: one stored event for its whole blocks."""
+        if self._kv_events is None:
+            return
+        blocks = max(1, prompt_len // KV_BLOCK_SIZE)
+        self._kv_events.publish_stored(
+            token_ids=[],
+            num_block_tokens=[KV_BLOCK_SIZE] * blocks,
+            block_hashes=[hash((key, i)) for i in range(blocks)],
+        )
+
+    def _publish_cleared(self) -> None:
+        if self._kv_events is not None:
+            self._kv_events.clear_all()
 
     async def _report_passes(self) -> None:
         """One simulated forward pass per interval while requests run, then a heartbeat."""
@@ -529,6 +554,7 @@ class SampleLLMEngine(LLMEngine):
         aborted = await self._apply_hold("pause", _Hold(mode))
         if clear_cache:
             self.prefix_cache.clear()
+            self._publish_cleared()
         return {"status": "paused", "mode": mode, "aborted": aborted}
 
     async def _resume(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -557,6 +583,7 @@ class SampleLLMEngine(LLMEngine):
             aborted = await self._apply_hold("sleep", _Hold(mode, set(tags), level))
         if "kv_cache" in tags:
             self.prefix_cache.clear()
+            self._publish_cleared()
         hold = self._holds["sleep"]
         return {
             "status": "sleeping",
@@ -584,6 +611,7 @@ class SampleLLMEngine(LLMEngine):
     async def _flush_cache(self, body: dict[str, Any]) -> dict[str, Any]:
         flushed = len(self.prefix_cache)
         self.prefix_cache.clear()
+        self._publish_cleared()
         return {"status": "ok", "flushed_entries": flushed}
 
     async def _abort_request(self, body: dict[str, Any]) -> dict[str, Any]:
