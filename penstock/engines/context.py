@@ -1,5 +1,10 @@
 """Per-request context handed to an engine: identity, cancellation, metadata and the W3C
-trace context it propagates (``traceparent`` / ``tracestate``)."""
+trace context it propagates (``traceparent`` / ``tracestate``).
+
+When the gateway traces (``--otlp-endpoint``), the context carries the ``engine.generate``
+span of its request: ``trace_headers()`` name it as the parent, ``current_span()`` returns
+it and ``start_span()`` opens children of it. Otherwise both return a span that does
+nothing, so engines can call them unconditionally."""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import os
 import secrets
 import uuid
 from collections.abc import Mapping
+from types import TracebackType
+from typing import Any, Protocol
 
 _TRACEPARENT_VERSION = "00"
 
@@ -28,6 +35,65 @@ def _parse_traceparent(value: str | None) -> tuple[str, str, str] | None:
     except ValueError:
         return None
     return parts[1], parts[2], parts[3]
+
+
+class SpanProxy(Protocol):
+    """A span as an engine sees it (Dynamo's ``SpanProxy``); a context manager that
+    closes the span, marking it an error when the block raised."""
+
+    def set_attribute(self, key: str, value: Any) -> None: ...
+
+    def add_event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None: ...
+
+    def set_status(self, status: str, description: str | None = None) -> None:
+        """``status``: ``"ok"`` or ``"error"``."""
+
+    def start_span(self, name: str, attributes: Mapping[str, Any] | None = None) -> SpanProxy:
+        """A child of this span, to ``close()`` (or use as a context manager)."""
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> SpanProxy: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None: ...
+
+
+class _NoSpan:
+    """The span of a request that is not traced: every call does nothing."""
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        return None
+
+    def add_event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
+        return None
+
+    def set_status(self, status: str, description: str | None = None) -> None:
+        return None
+
+    def start_span(self, name: str, attributes: Mapping[str, Any] | None = None) -> SpanProxy:
+        return self
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> SpanProxy:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        return None
+
+
+NO_SPAN: SpanProxy = _NoSpan()
 
 
 class Context:
@@ -54,6 +120,7 @@ class Context:
         self._event: asyncio.Event | None = None
         self._first_token = False
         self._tracestate = tracestate
+        self._span = NO_SPAN
         parsed = _parse_traceparent(traceparent)
         if parsed is not None:
             self.trace_id: str | None = parsed[0]
@@ -130,7 +197,32 @@ class Context:
         child.parent_span_id = self.span_id
         child._trace_flags = self._trace_flags
         child.span_id = secrets.token_hex(8) if self.trace_id else None
+        child._span = self._span
         return child
+
+    def current_span(self) -> SpanProxy:
+        """The span of this request's engine call (one that does nothing if untraced)."""
+        return self._span
+
+    def start_span(self, name: str, attributes: Mapping[str, Any] | None = None) -> SpanProxy:
+        """A child of :meth:`current_span`; close it (or use it as a context manager)."""
+        return self._span.start_span(name, attributes)
+
+    def use_span(
+        self,
+        span: SpanProxy,
+        *,
+        trace_id: str,
+        span_id: str,
+        parent_span_id: str | None,
+        sampled: bool,
+    ) -> None:
+        """Make ``span`` (hex ids given) the one this context carries and propagates."""
+        self._span = span
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent_span_id = parent_span_id
+        self._trace_flags = "01" if sampled else "00"
 
     def notify_first_token(self) -> None:
         self._first_token = True
