@@ -17,6 +17,10 @@
 * ``n`` > 1 on an engine that does not advertise ``MULTI_CHOICE_RUNTIME_KEY`` runs as n
   single-choice requests (child contexts, seeds ``seed + i``) merged as choices; stopping
   the request stops all of them, each aborted once;
+* ``top_logprobs``: at most the requested k per position (Dynamo engines report the
+  chosen token plus k alternatives; the k most likely are kept);
+* engine exceptions become client statuses as Dynamo maps them
+  (:func:`engine_exception_to_error`);
 * every optional method an engine lacks gets its documented default
   (:func:`~penstock.engines.contract.fill_optional_hooks`);
 * an idle canary (``health_check_payload`` or the operator override) probes ``generate``
