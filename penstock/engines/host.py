@@ -16,7 +16,8 @@
   token and is skipped when the request ends before one;
 * ``n`` > 1 on an engine that does not advertise ``MULTI_CHOICE_RUNTIME_KEY`` runs as n
   single-choice requests (child contexts, seeds ``seed + i``) merged as choices; stopping
-  the request stops all of them, each aborted once;
+  the request stops all of them, each aborted once; together they take one admission
+  slot;
 * ``top_logprobs``: at most the requested k per position (Dynamo engines report the
   chosen token plus k alternatives; the k most likely are kept);
 * engine exceptions become client statuses as Dynamo maps them
