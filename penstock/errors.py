@@ -300,3 +300,16 @@ class HttpStatusError(HttpError):
         body = super().envelope()
         body["error"]["message"] = str(self)
         return body
+
+
+class GatewayTimeoutError(PenstockError):
+    """The engine (or what it depends on) timed out answering the request."""
+
+    status_code = 504
+    error_type = "timeout_error"
+    default_code = "gateway_timeout"
+
+
+class DisaggregatedWorkerError(EngineLoadError):
+    """The engine is configured as one stage of a disaggregated pipeline (prefill, decode,
+    encode), which one gateway process cannot serve alone."""

@@ -26,10 +26,10 @@ from penstock.engines.contract import parse_endpoint_types
 from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
 from penstock.engines.host import EngineHost
 from penstock.engines.loading import load_engine_class
-from penstock.errors import ListenError
+from penstock.errors import DisaggregatedWorkerError, ListenError
 from penstock.gateway import Gateway, ServedModel
 from penstock.media.artifacts import check_location
-from penstock.metrics.engine_bridge import SnapshotPublisher
+from penstock.metrics.engine_bridge import KvEventFamilies, SnapshotPublisher
 from penstock.preprocess import Preprocessor
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import Settings
@@ -88,6 +88,7 @@ async def build_gateway(
     if engine is None:
         engine_cls = load_engine_class(settings.engine)
         engine, worker_config = await engine_cls.from_args(engine_argv(settings))
+    refuse_disaggregated(worker_config)
     override = (
         parse_health_check_payload_cli(settings.health_check_payload)
         if settings.health_check_payload
@@ -141,6 +142,43 @@ async def build_gateway(
     return gateway
 
 
+_STAGE_REASONS = {
+    "prefill": (
+        "a prefill worker only computes the prompt's KV cache and hands it to a decode "
+        "worker (its replies stop after one token)"
+    ),
+    "decode": (
+        "a decode worker needs every request to arrive with the prefill_result a prefill "
+        "worker produced (on its own it rejects them all)"
+    ),
+    "encode": (
+        "an encode worker only turns media into an encoder_result for a prefill or "
+        "aggregated worker (it produces no text)"
+    ),
+}
+
+
+def refuse_disaggregated(worker_config: Any) -> None:
+    """Stop before the model loads when the engine is one stage of a disaggregated
+    pipeline: one gateway process serves one engine that does the whole request.
+
+    Raises :class:`~penstock.errors.DisaggregatedWorkerError` naming the stage, why it
+    can't serve alone, and what to run instead.
+    """
+    mode = getattr(worker_config, "disaggregation_mode", None)
+    # By value: a Dynamo WorkerConfig carries Dynamo's own enum.
+    value = str(getattr(mode, "value", mode) or "agg")
+    reason = _STAGE_REASONS.get(value)
+    if reason is None:
+        return
+    raise DisaggregatedWorkerError(
+        f"the engine is configured as a {value} worker (disaggregation_mode={value}): "
+        f"{reason}. Penstock serves one engine doing the whole request in one process, "
+        "so run this engine aggregated here (drop its disaggregation option, or pass "
+        "'agg'), or serve the prefill/decode/encode workers behind Dynamo's frontend."
+    )
+
+
 async def _bridge_engine_metrics(gateway: Gateway, engine: Any, model: str) -> None:
     served = gateway.resolve(model)
     budget = served.token_budget
@@ -150,10 +188,40 @@ async def _bridge_engine_metrics(gateway: Gateway, engine: Any, model: str) -> N
         reject_prompt=budget is None or budget.reject_prompt_overflow,
         reject_total=budget is None or budget.reject_total_overflow,
     )
+    host = gateway.host
+    worker_config = host.worker_config
+    gateway.engine_metrics.auto_labels.update(
+        {
+            "dynamo_namespace": str(getattr(worker_config, "namespace", "penstock")),
+            "dynamo_component": str(getattr(worker_config, "component", "backend")),
+            "dynamo_endpoint": str(getattr(worker_config, "endpoint", "generate")),
+            "worker_id": str(host.worker_id),
+            "model": model,
+            "model_name": model,
+        }
+    )
     await engine.register_prometheus(gateway.engine_metrics)
+    # As Dynamo's worker: without KV routing neither KV events nor snapshots are taken.
+    if host.is_raw or not getattr(worker_config, "enable_kv_routing", True):
+        return
     ranks = list(engine.component_metrics_dp_ranks())
     if ranks:
         engine.attach_snapshot_publisher(SnapshotPublisher(ranks, model, gateway.metrics.registry))
+    sources = list(await engine.kv_event_sources() or [])
+    if sources:
+        families = KvEventFamilies(model, gateway.metrics.registry)
+        for source in sources:
+            rank = int(getattr(source, "dp_rank", 0) or 0)
+            on_ready = getattr(source, "on_ready", None)
+            if callable(on_ready):
+                on_ready(families.publisher(rank))
+            else:
+                logger.warning(
+                    "KV event source %r (dp rank %d) is not a PushSource; only PushSource "
+                    "events are taken in-process, so it is ignored",
+                    type(source).__name__,
+                    rank,
+                )
 
 
 class _DrainingServer(uvicorn.Server):

@@ -15,12 +15,20 @@ Lifecycle, driven by :class:`penstock.engines.host.EngineHost`:
 
 An engine derives from :class:`LLMEngine` (token ids in, token ids out) or :class:`RawEngine`
 (the request body in, response objects out); :func:`model_input_of` tells which.
+
+Every method besides ``from_args``, ``start``, ``generate`` and ``cleanup`` is optional:
+:func:`fill_optional_hooks` gives an engine that lacks one (a duck-typed engine, or one
+written against an older ``dynamo.common.backend``) the documented default.
+
+``n`` > 1: an engine that yields several choices itself advertises it with
+``EngineConfig.runtime_data[MULTI_CHOICE_RUNTIME_KEY] = True``; the host fans any other
+engine's ``n`` out into n single-choice requests.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypedDict
@@ -29,6 +37,8 @@ from penstock.engines.constants import DisaggregationMode, ModelInput
 from penstock.engines.context import Context
 from penstock.engines.health import parse_health_check_payload_cli
 from penstock.errors import EngineLoadError
+
+MULTI_CHOICE_RUNTIME_KEY = "multi_choice"
 
 
 class GenerateRequest(TypedDict, total=False):
@@ -107,6 +117,31 @@ class EngineConfig:
     runtime_data: dict[str, Any] | None = None
     llm: LlmRegistration | None = None
     model_aliases: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PushSource:
+    """A KV event source (:meth:`LLMEngine.kv_event_sources`): the gateway calls
+    ``on_ready(publisher)`` once with the rank's publisher; the engine calls
+    ``publisher.publish_stored(token_ids, num_block_tokens, block_hashes, parent_hash=None)``
+    and ``publisher.publish_removed(block_hashes)`` from any thread, and stops doing so in
+    ``cleanup``."""
+
+    on_ready: Callable[[Any], None]
+    dp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class ZmqSource:
+    """Dynamo's other KV event source (the engine's ZMQ PUB socket). The gateway logs and
+    ignores it: only :class:`PushSource` events are taken in-process."""
+
+    endpoint: str
+    topic: str = ""
+    dp_rank: int = 0
+
+
+KvEventSource = PushSource | ZmqSource
 
 
 def _coerce_disaggregation_mode(value: Any) -> DisaggregationMode:
@@ -317,7 +352,8 @@ class LLMEngine(BaseEngine):
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Yield chunks for one request; called concurrently."""
 
-    async def kv_event_sources(self) -> list[Any]:
+    async def kv_event_sources(self) -> list[KvEventSource]:
+        """KV event sources, one per data-parallel rank, asked once after ``start``."""
         return []
 
     async def logits_processor_spec(self) -> Any:
@@ -339,6 +375,49 @@ class RawEngine(BaseEngine):
 
 class DiffusionEngine(RawEngine):
     """A :class:`RawEngine` for diffusion-family image and video generation."""
+
+
+_OPTIONAL_HOOKS: tuple[tuple[type, str], ...] = (
+    *(
+        (BaseEngine, name)
+        for name in (
+            "abort",
+            "is_quiescent",
+            "register_prometheus",
+            "component_metrics_dp_ranks",
+            "attach_snapshot_publisher",
+            "health_check_payload",
+            "supported_controls",
+            "engine_control",
+            "supported_updates",
+            "engine_update",
+            "on_endpoint_ready",
+        )
+    ),
+    (LLMEngine, "kv_event_sources"),
+    (LLMEngine, "logits_processor_spec"),
+)
+
+
+def fill_optional_hooks(engine: object) -> list[str]:
+    """Give ``engine`` the documented default of every optional method it lacks.
+
+    The defaults are bound on the instance, so every caller (host, metrics bridge, admin
+    routes, RL plane) sees one engine surface. Returns the names that were filled.
+    """
+    filled: list[str] = []
+    for base, name in _OPTIONAL_HOOKS:
+        if callable(getattr(engine, name, None)):
+            continue
+        try:
+            setattr(engine, name, getattr(base, name).__get__(engine))
+        except AttributeError as exc:
+            raise EngineLoadError(
+                f"engine '{type(engine).__qualname__}' has no '{name}' and does not accept "
+                f"the default one ({exc})"
+            ) from exc
+        filled.append(name)
+    return filled
 
 
 # Dynamo's ``dynamo.common.backend`` bases, by class name: an engine written for Dynamo

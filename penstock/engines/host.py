@@ -7,8 +7,23 @@
   never without one;
 * every request stream ends in exactly one terminal per choice, or an :class:`EngineError`;
   chunks after a terminal are logged as contract violations and dropped;
-* ``abort(context)`` runs at most once per request, only when it was cancelled or its
-  consumer went away before the terminal;
+* cancellation: the request's context is marked stopped (``cancel``) or killed (its
+  consumer went away) first; the engine keeps running in its own task, sees the mark
+  between yields and ends with ``finish_reason="cancelled"`` (within
+  ``_CANCEL_GRACE_S``, else its stream is closed); then ``abort(context)`` runs once. A
+  natural completion never looks cancelled and never aborts;
+* decode role (``disaggregation_mode`` decode): ``abort`` waits for the request's first
+  token and is skipped when the request ends before one;
+* ``n`` > 1 on an engine that does not advertise ``MULTI_CHOICE_RUNTIME_KEY`` runs as n
+  single-choice requests (child contexts, seeds ``seed + i``) merged as choices; stopping
+  the request stops all of them, each aborted once; together they take one admission
+  slot;
+* ``top_logprobs``: at most the requested k per position (Dynamo engines report the
+  chosen token plus k alternatives; the k most likely are kept);
+* engine exceptions become client statuses as Dynamo maps them
+  (:func:`engine_exception_to_error`);
+* every optional method an engine lacks gets its documented default
+  (:func:`~penstock.engines.contract.fill_optional_hooks`);
 * an idle canary (``health_check_payload`` or the operator override) probes ``generate``
   on the :class:`EngineHealthMonitorConfig` cadence and drives :attr:`health`.
 """
@@ -29,13 +44,31 @@ from typing import Any
 from penstock.engines.admission import AdmissionGate
 from penstock.engines.constants import ModelInput
 from penstock.engines.context import Context
-from penstock.engines.contract import BaseEngine, EngineConfig, model_input_of
+from penstock.engines.contract import (
+    MULTI_CHOICE_RUNTIME_KEY,
+    BaseEngine,
+    EngineConfig,
+    fill_optional_hooks,
+    model_input_of,
+)
 from penstock.engines.health import HEALTH_CHECK_KEY, EngineHealthMonitorConfig, is_probe
-from penstock.errors import EngineError, InvalidRequestError, PenstockError
+from penstock.errors import (
+    ClientClosedRequest,
+    EngineError,
+    GatewayTimeoutError,
+    InvalidRequestError,
+    OverloadedError,
+    PenstockError,
+    ServiceUnavailableError,
+)
 
 logger = logging.getLogger(__name__)
 
 _DRAIN_AFTER_TERMINAL_S = 5.0
+# How long a cancelled request's engine stream may run on before it is closed (the
+# conformance kit's bound for observing a cancellation).
+_CANCEL_GRACE_S = 2.0
+_END = object()
 
 
 class EngineState(enum.Enum):
@@ -57,31 +90,106 @@ class _RequestMarks:
     """What the host has done for one request, so ``abort`` runs at most once."""
 
     abort_sent: bool = False
+    # Ended naturally (or fanned out: the engine never saw this context): never aborted.
     finished: bool = False
+    # A ``generate`` is running for it; that one sends the abort when it ends.
+    active: bool = False
 
 
-def engine_exception_to_error(exc: BaseException) -> PenstockError:
+_CLIENT_ERRORS = ("InvalidArgument",)
+_TIMEOUTS = ("ConnectionTimeout",)
+_UNAVAILABLE = ("EngineShutdown", "CannotConnect", "Disconnected", "WorkerUnavailable")
+_OVERLOADED = ("RouterQueueLimitExceeded",)
+_CANCELLED = ("Cancelled",)
+
+
+def _dynamo_kind(exc: BaseException) -> str | None:
+    """The ``dynamo.llm.exceptions`` class ``exc`` is (matched by module and name, so the
+    gateway needs no Dynamo import), or None."""
+    for base in type(exc).__mro__:
+        if base.__module__.startswith("dynamo.") and base.__name__ != "DynamoException":
+            if base.__name__ in (
+                *_CLIENT_ERRORS,
+                *_TIMEOUTS,
+                *_UNAVAILABLE,
+                *_OVERLOADED,
+                *_CANCELLED,
+            ):
+                return base.__name__
+    return None
+
+
+def _int_status(exc: BaseException) -> int | None:
+    for name in ("status", "code"):
+        value = getattr(exc, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def engine_exception_to_error(exc: BaseException, overload_status: int = 529) -> PenstockError:
     """Map an exception raised by ``generate`` to what the client sees.
 
-    ``ValueError`` means the engine rejected the request's arguments (400, message kept);
-    objects carrying an int ``status`` (or ``code``) and a ``message`` keep their status
-    class; anything else is an internal error whose details stay in the log.
+    As Dynamo maps them: ``InvalidArgument``, ``ValueError`` and ``TypeError`` are the
+    client's fault (400, message kept); an object with an int ``status`` (or ``code``, as
+    ``dynamo.llm.exceptions.HttpError``) and a str ``message`` keeps a 4xx status and
+    message, and a 503 or overload status; ``TimeoutError`` / ``ConnectionTimeout`` are
+    504; ``EngineShutdown``, ``CannotConnect``, ``Disconnected``, ``WorkerUnavailable`` and
+    connection errors are 503; ``RouterQueueLimitExceeded`` is the overload status;
+    ``Cancelled`` is 499. Everything else is a 500 whose details stay in the log.
     """
     if isinstance(exc, PenstockError):
         return exc
-    status = getattr(exc, "status", None)
-    if not isinstance(status, int) or isinstance(status, bool):
-        status = getattr(exc, "code", None)
+    kind = _dynamo_kind(exc)
+    status = _int_status(exc)
     message = getattr(exc, "message", None)
-    if isinstance(status, int) and not isinstance(status, bool) and isinstance(message, str):
+    if kind is None and status is not None and isinstance(message, str):
         if 400 <= status < 500:
             error: PenstockError = InvalidRequestError(message)
             error.status_code = status
             return error
+        if status == 503:
+            return ServiceUnavailableError("Service temporarily unavailable")
+        if status in (429, 529, overload_status):
+            return _overloaded(overload_status)
         return EngineError("Internal server error")
-    if isinstance(exc, ValueError):
+    if kind in _CLIENT_ERRORS or isinstance(exc, ValueError | TypeError):
         return InvalidRequestError(str(exc) or type(exc).__name__)
+    if kind in _TIMEOUTS or isinstance(exc, TimeoutError):
+        return GatewayTimeoutError("The engine timed out")
+    if kind in _UNAVAILABLE or isinstance(exc, ConnectionError | GeneratorExit):
+        return ServiceUnavailableError("Service temporarily unavailable")
+    if kind in _OVERLOADED:
+        return _overloaded(overload_status)
+    if kind in _CANCELLED or isinstance(exc, asyncio.CancelledError):
+        return ClientClosedRequest("Request cancelled")
     return EngineError("Internal server error")
+
+
+def _overloaded(status: int) -> PenstockError:
+    error = OverloadedError("Service temporarily overloaded")
+    error.status_code = status
+    return error
+
+
+def _top(alternatives: list[dict[str, Any]] | None, k: int) -> list[dict[str, Any]]:
+    """The ``k`` most likely alternatives of one position: Dynamo engines report the
+    chosen token plus k alternatives, OpenAI's ``top_logprobs`` holds exactly k."""
+    if not alternatives or len(alternatives) <= k:
+        return alternatives or []
+    ranked = sorted(alternatives, key=lambda alt: alt.get("logprob", float("-inf")), reverse=True)
+    return ranked[:k]
+
+
+def _choice_request(request: dict[str, Any], index: int) -> dict[str, Any]:
+    """Choice ``index`` of a fanned-out request: ``n`` = 1 and, when a seed was given,
+    ``seed + index`` (so choices differ yet replay)."""
+    sampling = dict(request.get("sampling_options") or {})
+    sampling["n"] = 1
+    seed = sampling.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        sampling["seed"] = seed + index
+    return {**request, "sampling_options": sampling}
 
 
 class EngineHost:
@@ -98,6 +206,9 @@ class EngineHost:
         """Raises :class:`~penstock.errors.EngineLoadError` if ``engine`` is not an engine."""
         self.engine = engine
         self.model_input = model_input_of(engine)
+        filled = fill_optional_hooks(engine)
+        if filled:
+            logger.info("engine lacks %s; using the contract's defaults", ", ".join(filled))
         self.worker_config = worker_config
         self.monitor = monitor or EngineHealthMonitorConfig.from_env()
         self.worker_id = secrets.randbits(63)
@@ -115,6 +226,16 @@ class EngineHost:
         # ``generate``, so the marks live exactly as long as the request's context.
         self._marks: weakref.WeakKeyDictionary[Context, _RequestMarks] = weakref.WeakKeyDictionary()
         self.admission: AdmissionGate | None = None
+        mode = getattr(worker_config, "disaggregation_mode", None)
+        # Compared by value: a Dynamo WorkerConfig carries Dynamo's own enum.
+        self.defers_abort = getattr(mode, "value", mode) == "decode"
+
+    @property
+    def multi_choice(self) -> bool:
+        """Whether the engine yields ``n`` choices itself (else the host fans ``n`` out)."""
+        config = self.engine_config
+        runtime_data = (config.runtime_data if config is not None else None) or {}
+        return runtime_data.get(MULTI_CHOICE_RUNTIME_KEY) is True
 
     @property
     def is_raw(self) -> bool:
@@ -193,9 +314,15 @@ class EngineHost:
         return task
 
     def cancel(self, context: Context) -> None:
-        """Cancel a request on the caller's behalf (graceful stop, then ``abort``)."""
+        """Cancel a request on the caller's behalf: mark it stopped; the engine ends it
+        with ``finish_reason="cancelled"`` and is then aborted once.
+
+        Every caller (a client gone, a deadline, an admin abort, a stop string) goes
+        through here, so each gets the same order and the decode-role rule.
+        """
         context.stop_generating()
-        self._schedule_abort(context)
+        if not self._marks_of(context).active:
+            self._schedule_abort(context)
 
     def _marks_of(self, context: Context) -> _RequestMarks:
         marks = self._marks.get(context)
@@ -206,6 +333,9 @@ class EngineHost:
     def _schedule_abort(self, context: Context) -> None:
         marks = self._marks_of(context)
         if marks.abort_sent or marks.finished:
+            return
+        if self.defers_abort and not context.first_token_seen:
+            # Decode role: the prefill peer owns the request until the first token.
             return
         marks.abort_sent = True
         self.spawn(self._abort(context))
@@ -231,16 +361,50 @@ class EngineHost:
             context.current_span().add_event("admitted")
         self._inflight += 1
         self._last_activity = time.monotonic()
+        try:
+            expected = 1
+            if not self.is_raw:
+                n = (request.get("sampling_options") or {}).get("n") or 1
+                expected = n if isinstance(n, int) and n > 0 else 1
+            if expected > 1 and not self.multi_choice:
+                stream = self._fan_out(request, context, expected)
+            else:
+                stream = self._generate_one(request, context, expected)
+            try:
+                async for chunk in stream:
+                    yield chunk
+            finally:
+                await stream.aclose()
+        finally:
+            self._inflight -= 1
+            self._last_activity = time.monotonic()
+            if gate is not None:
+                gate.release()
+
+    async def _generate_one(
+        self, request: dict[str, Any], context: Context, expected: int
+    ) -> AsyncGenerator[dict, None]:
+        """One engine request, its generator run by its own task (see the module
+        docstring: a consumer going away must not reach the engine as ``CancelledError``)."""
+        marks = self._marks_of(context)
+        marks.active = True
         raw = self.is_raw
-        expected = 1
-        if not raw:
-            n = (request.get("sampling_options") or {}).get("n") or 1
-            expected = n if isinstance(n, int) and n > 0 else 1
+        top_k = None if raw else (request.get("output_options") or {}).get("logprobs")
+        if not isinstance(top_k, int) or isinstance(top_k, bool):
+            top_k = None
         finished: set[int] = set()
         agen: AsyncGenerator[dict, None] = self.engine.generate(request, context)  # type: ignore[attr-defined]
-        completed = False
+        queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue(maxsize=1)
+        pump = self.spawn(self._pump(agen, queue))
+        completed = ended = False
         try:
-            async for chunk in agen:
+            while True:
+                chunk, error = await queue.get()
+                ended = chunk is _END
+                if error is not None:
+                    raise error
+                if ended:
+                    break
                 if raw:
                     yield chunk
                     continue
@@ -252,55 +416,156 @@ class EngineHost:
                     continue
                 if chunk.get("token_ids") and not context.first_token_seen:
                     context.notify_first_token()
+                if top_k is not None and chunk.get("top_logprobs"):
+                    chunk["top_logprobs"] = [_top(alts, top_k) for alts in chunk["top_logprobs"]]
                 if chunk.get("finish_reason"):
                     finished.add(index)
                     if len(finished) == expected:
-                        self._marks_of(context).finished = True
                         completed = True
+                        self._end(context)
+                        self.spawn(self._drain_after_terminal(pump, queue, context))
                         yield chunk
-                        self.spawn(self._drain_after_terminal(agen, context))
                         return
                 yield chunk
             if not raw:
                 missing = sorted(set(range(expected)) - finished)
                 raise EngineError(f"engine ended the stream without a terminal for {missing}")
-            self._marks_of(context).finished = True
             completed = True
-        except (asyncio.CancelledError, GeneratorExit):
-            context.kill()
-            self._schedule_abort(context)
-            raise
+            self._end(context)
         except PenstockError:
             raise
         except Exception as exc:
             logger.exception("generate failed for request %s", context.id())
-            raise engine_exception_to_error(exc) from exc
+            overload = self.admission.overload_status if self.admission is not None else 529
+            raise engine_exception_to_error(exc, overload) from exc
         finally:
-            self._inflight -= 1
-            self._last_activity = time.monotonic()
-            if gate is not None:
-                gate.release()
-            if not completed and not context.is_stopped():
+            marks.active = False
+            if not completed:
+                # The consumer went away or the stream failed: mark it first, then let
+                # the engine wind down before it is aborted.
                 context.kill()
-                self._schedule_abort(context)
+                self.spawn(self._wind_down(pump, queue, context, ended))
+
+    def _end(self, context: Context) -> None:
+        """The request ended with its terminal: abort only if it had been stopped."""
+        if context.is_stopped():
+            self._schedule_abort(context)
+        else:
+            self._marks_of(context).finished = True
+
+    async def _pump(
+        self,
+        agen: AsyncGenerator[dict, None],
+        queue: asyncio.Queue[tuple[Any, BaseException | None]],
+    ) -> None:
+        try:
+            async for item in agen:
+                await queue.put((item, None))
+        except Exception as exc:
+            await queue.put((_END, exc))
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                await agen.aclose()
+        await queue.put((_END, None))
+
+    async def _wind_down(
+        self,
+        pump: asyncio.Task[None],
+        queue: asyncio.Queue[tuple[Any, BaseException | None]],
+        context: Context,
+        ended: bool,
+    ) -> None:
+        """Read a killed request's stream to its end (bounded), then abort it once."""
+        try:
+            async with asyncio.timeout(_CANCEL_GRACE_S):
+                while not ended:
+                    chunk, _ = await queue.get()
+                    ended = chunk is _END
+                    if isinstance(chunk, dict) and chunk.get("token_ids"):
+                        context.notify_first_token()
+        except TimeoutError:
+            logger.warning(
+                "engine kept request %s running %gs after its cancellation; closing it",
+                context.id(),
+                _CANCEL_GRACE_S,
+            )
+        finally:
+            pump.cancel()
+            self._schedule_abort(context)
+
+    async def _fan_out(
+        self, request: dict[str, Any], parent: Context, n: int
+    ) -> AsyncGenerator[dict, None]:
+        """``n`` choices from an engine that yields one: n requests, merged as choices."""
+        self._marks_of(parent).finished = True
+        children = [parent.detached(f"{parent.id()}-{i}") for i in range(n)]
+        queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
+
+        async def run(index: int) -> None:
+            stream = self._generate_one(_choice_request(request, index), children[index], 1)
+            try:
+                async for chunk in stream:
+                    chunk["index"] = index
+                    await queue.put((chunk, None))
+            except Exception as exc:
+                await queue.put((_END, exc))
+                return
+            finally:
+                await stream.aclose()
+            await queue.put((_END, None))
+
+        async def propagate_stop() -> None:
+            await parent.async_killed_or_stopped()
+            for child in children:
+                if parent.is_killed():
+                    child.kill()
+                self.cancel(child)
+
+        watcher = self.spawn(propagate_stop())
+        runs = [self.spawn(run(i)) for i in range(n)]
+        remaining = n
+        try:
+            while remaining:
+                chunk, error = await queue.get()
+                if error is not None:
+                    raise error
+                if chunk is _END:
+                    remaining -= 1
+                    continue
+                yield chunk
+        finally:
+            watcher.cancel()
+            for task in runs:
+                task.cancel()
 
     def _contract_violation(self, context: Context, what: str) -> None:
         logger.error("engine contract violation (request %s): %s", context.id(), what)
 
     async def _drain_after_terminal(
-        self, agen: AsyncGenerator[dict, None], context: Context
+        self,
+        pump: asyncio.Task[None],
+        queue: asyncio.Queue[tuple[Any, BaseException | None]],
+        context: Context,
     ) -> None:
         try:
             async with asyncio.timeout(_DRAIN_AFTER_TERMINAL_S):
-                async for _ in agen:
+                while True:
+                    chunk, error = await queue.get()
+                    if error is not None:
+                        logger.error(
+                            "engine raised after the terminal (request %s): %r",
+                            context.id(),
+                            error,
+                        )
+                        return
+                    if chunk is _END:
+                        return
                     self._contract_violation(context, "chunk after the terminal dropped")
         except TimeoutError:
             self._contract_violation(context, "stream kept running after the terminal")
-        except Exception:
-            logger.exception("engine raised after the terminal (request %s)", context.id())
         finally:
-            with contextlib.suppress(Exception):
-                await agen.aclose()
+            pump.cancel()
 
     # -- health canary ----------------------------------------------------------------
 

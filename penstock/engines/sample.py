@@ -51,11 +51,13 @@ from tokenizers import Tokenizer
 
 from penstock.engines.context import Context
 from penstock.engines.contract import (
+    MULTI_CHOICE_RUNTIME_KEY,
     EngineConfig,
     GenerateChunk,
     GenerateRequest,
     LLMEngine,
     LlmRegistration,
+    PushSource,
     WorkerConfig,
 )
 from penstock.engines.health import (
@@ -225,6 +227,7 @@ class SampleLLMEngine(LLMEngine):
         self._flights: set[_Flight] = set()
         self._changed = asyncio.Event()
         self._publisher: Any = None
+        self._kv_events: Any = None
         self._passes: asyncio.Task[None] | None = None
         self._active = asyncio.Event()
         self._pass_counter = 0
@@ -274,11 +277,14 @@ class SampleLLMEngine(LLMEngine):
         return EngineConfig(
             model=self.model,
             served_model_name=self.model,
-            runtime_data=(
-                {TOKEN_BUDGET_RUNTIME_KEY: self.token_budget.as_runtime_data()}
-                if self.token_budget is not None
-                else None
-            ),
+            runtime_data={
+                MULTI_CHOICE_RUNTIME_KEY: True,
+                **(
+                    {TOKEN_BUDGET_RUNTIME_KEY: self.token_budget.as_runtime_data()}
+                    if self.token_budget is not None
+                    else {}
+                ),
+            },
             llm=LlmRegistration(
                 context_length=self.context_length,
                 kv_cache_block_size=KV_BLOCK_SIZE,
@@ -316,6 +322,8 @@ class SampleLLMEngine(LLMEngine):
             key = hash(tuple(prompt))
             self._prefix_queries += 1
             self._prefix_hits += key in self.prefix_cache
+            if key not in self.prefix_cache:
+                self._publish_stored(key, prompt_len)
             self.prefix_cache.add(key)
         try:
             if held:
@@ -360,6 +368,27 @@ class SampleLLMEngine(LLMEngine):
 
     def attach_snapshot_publisher(self, publisher: Any) -> None:
         self._publisher = publisher
+
+    async def kv_event_sources(self) -> list[Any]:
+        return [PushSource(on_ready=self._kv_ready, dp_rank=0)]
+
+    def _kv_ready(self, publisher: Any) -> None:
+        self._kv_events = publisher
+
+    def _publish_stored(self, key: int, prompt_len: int) -> None:
+        """A new prompt prefix is cached: one stored event for its whole blocks."""
+        if self._kv_events is None:
+            return
+        blocks = max(1, prompt_len // KV_BLOCK_SIZE)
+        self._kv_events.publish_stored(
+            token_ids=[],
+            num_block_tokens=[KV_BLOCK_SIZE] * blocks,
+            block_hashes=[hash((key, i)) for i in range(blocks)],
+        )
+
+    def _publish_cleared(self) -> None:
+        if self._kv_events is not None:
+            self._kv_events.clear_all()
 
     async def _report_passes(self) -> None:
         """One simulated forward pass per interval while requests run, then a heartbeat."""
@@ -535,6 +564,7 @@ class SampleLLMEngine(LLMEngine):
         aborted = await self._apply_hold("pause", _Hold(mode))
         if clear_cache:
             self.prefix_cache.clear()
+            self._publish_cleared()
         return {"status": "paused", "mode": mode, "aborted": aborted}
 
     async def _resume(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -563,6 +593,7 @@ class SampleLLMEngine(LLMEngine):
             aborted = await self._apply_hold("sleep", _Hold(mode, set(tags), level))
         if "kv_cache" in tags:
             self.prefix_cache.clear()
+            self._publish_cleared()
         hold = self._holds["sleep"]
         return {
             "status": "sleeping",
@@ -590,6 +621,7 @@ class SampleLLMEngine(LLMEngine):
     async def _flush_cache(self, body: dict[str, Any]) -> dict[str, Any]:
         flushed = len(self.prefix_cache)
         self.prefix_cache.clear()
+        self._publish_cleared()
         return {"status": "ok", "flushed_entries": flushed}
 
     async def _abort_request(self, body: dict[str, Any]) -> dict[str, Any]:

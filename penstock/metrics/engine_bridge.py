@@ -1,4 +1,12 @@
-"""What the host hands an engine for metrics: text callbacks and a snapshot publisher.
+"""What the host hands an engine for metrics: text callbacks, a snapshot publisher and
+KV event publishers.
+
+:class:`EngineMetrics` offers what Dynamo's Rust ``EngineMetrics`` does, so
+``dynamo.common.backend.metrics.register_engine_registry`` / ``register_global_registry``
+work unchanged: ``auto_labels`` (injected into every bridged series),
+``register_prometheus_expfmt_callback`` (text appended to ``/metrics``) and
+``register_prometheus_typed_callback`` (Dynamo's OTLP feed; kept, not exported, since the
+same families already reach ``/metrics`` as text).
 
 The publisher is Penstock's stand-in for Dynamo's Rust-owned ``SnapshotPublisher``: besides
 the seed's ``publish(rank, snapshot)`` for KV snapshots, it takes one
@@ -26,14 +34,36 @@ class EngineMetrics:
     """Handle passed to ``engine.register_prometheus``.
 
     Engines register callbacks returning Prometheus text; ``/metrics`` appends their
-    output at scrape time.
+    output at scrape time. ``auto_labels`` are Dynamo's (``dynamo_namespace``,
+    ``dynamo_component``, ``dynamo_endpoint``, ``worker_id``, ``model``, ``model_name``),
+    set by the gateway before ``register_prometheus`` runs.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, auto_labels: dict[str, str] | None = None) -> None:
         self._callbacks: list[Callable[[], str]] = []
+        self._typed_callbacks: list[Callable[[], list[Any]]] = []
+        self.auto_labels: dict[str, str] = dict(auto_labels or {})
 
     def add_expfmt_callback(self, callback: Callable[[], str]) -> None:
         self._callbacks.append(callback)
+
+    def register_prometheus_expfmt_callback(self, callback: Callable[[], str]) -> None:
+        """Dynamo's name for :meth:`add_expfmt_callback`."""
+        self._callbacks.append(callback)
+
+    def register_prometheus_typed_callback(self, callback: Callable[[], list[Any]]) -> None:
+        """Families as ``(name, help, type, unit, samples)`` tuples (Dynamo's OTLP feed)."""
+        self._typed_callbacks.append(callback)
+
+    def typed(self) -> list[Any]:
+        """Every typed callback's families, a failing callback skipped."""
+        families: list[Any] = []
+        for callback in self._typed_callbacks:
+            try:
+                families.extend(callback())
+            except Exception:
+                logger.exception("engine typed metrics callback failed")
+        return families
 
     def render(self) -> str:
         parts = []
@@ -193,3 +223,77 @@ class SnapshotPublisher:
             self.usage.labels(*labels).set(snapshot.gpu_cache_usage)
             if snapshot.kv_cache_hit_rate is not None:
                 self.hit_rate.labels(*labels).set(snapshot.kv_cache_hit_rate)
+
+
+class KvEventPublisher:
+    """What a ``PushSource``'s ``on_ready`` receives: one per data-parallel rank.
+
+    Dynamo relays these events to its KV router; a single-process gateway has no router,
+    so they are counted (``penstock_component_kv_events_total``) and the blocks they
+    leave stored tracked (``penstock_component_kv_stored_blocks``) for dashboards; each
+    event is logged at DEBUG. Called from engine threads.
+    """
+
+    def __init__(self, families: KvEventFamilies, dp_rank: int) -> None:
+        self.dp_rank = dp_rank
+        labels = (families.model, str(dp_rank))
+        self._stored = families.events.labels(*labels, "stored")
+        self._removed = families.events.labels(*labels, "removed")
+        self._cleared = families.events.labels(*labels, "cleared")
+        self._blocks = families.blocks.labels(*labels)
+        self._lock = threading.Lock()
+        self._live: set[int] = set()
+
+    def publish_stored(
+        self,
+        token_ids: list[int],
+        num_block_tokens: list[int],
+        block_hashes: list[int],
+        parent_hash: int | None = None,
+        **extra: Any,
+    ) -> None:
+        if len(num_block_tokens) != len(block_hashes):
+            raise ValueError("num_block_tokens and block_hashes must have the same length")
+        with self._lock:
+            self._live.update(block_hashes)
+            self._blocks.set(len(self._live))
+        self._stored.inc()
+        logger.debug(
+            "kv stored rank=%d blocks=%s parent=%s", self.dp_rank, block_hashes, parent_hash
+        )
+
+    def publish_removed(self, block_hashes: list[int]) -> None:
+        with self._lock:
+            self._live.difference_update(block_hashes)
+            self._blocks.set(len(self._live))
+        self._removed.inc()
+        logger.debug("kv removed rank=%d blocks=%s", self.dp_rank, block_hashes)
+
+    def clear_all(self) -> None:
+        with self._lock:
+            self._live.clear()
+            self._blocks.set(0)
+        self._cleared.inc()
+
+
+class KvEventFamilies:
+    """The KV event families of one served model."""
+
+    def __init__(self, model: str, registry: CollectorRegistry) -> None:
+        self.model = model
+        labels = ["model", "dp_rank"]
+        self.events = Counter(
+            "penstock_component_kv_events",
+            "KV cache events an engine published (stored, removed, cleared)",
+            [*labels, "kind"],
+            registry=registry,
+        )
+        self.blocks = Gauge(
+            "penstock_component_kv_stored_blocks",
+            "KV blocks stored and not yet removed, by the engine's KV events",
+            labels,
+            registry=registry,
+        )
+
+    def publisher(self, dp_rank: int) -> KvEventPublisher:
+        return KvEventPublisher(self, dp_rank)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from penstock.engines.context import Context
-from penstock.engines.contract import WorkerConfig
+from penstock.engines.contract import MULTI_CHOICE_RUNTIME_KEY, EngineConfig, WorkerConfig
 from penstock.engines.health import HEALTH_CHECK_KEY, EngineHealthMonitorConfig
 from penstock.engines.host import EngineHost, EngineState
 from penstock.errors import EngineError, InvalidRequestError
@@ -167,8 +167,17 @@ async def test_a_stream_without_terminal_becomes_an_error() -> None:
         await drain(host, "no_terminal")
 
 
+class MultiChoiceScriptedEngine(ScriptedEngine):
+    """Advertises that it yields ``n`` choices itself (so the host does not fan out)."""
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        config = await super().start(worker_id)
+        config.runtime_data = {MULTI_CHOICE_RUNTIME_KEY: True}
+        return config
+
+
 async def test_n_choices_each_need_their_own_terminal() -> None:
-    host = make_host()
+    host = make_host(MultiChoiceScriptedEngine())
     await host.start()
     chunks = [
         c async for c in host.generate({"token_ids": [1], "sampling_options": {"n": 1}}, Context())

@@ -25,6 +25,7 @@ from transformers import AutoConfig
 
 from penstock.engines.context import Context
 from penstock.engines.contract import (
+    MULTI_CHOICE_RUNTIME_KEY,
     EngineConfig,
     GenerateChunk,
     GenerateRequest,
@@ -258,6 +259,7 @@ class TransformersEngine(LLMEngine):
         return EngineConfig(
             model=self.served_model_name,
             served_model_name=self.served_model_name,
+            runtime_data={MULTI_CHOICE_RUNTIME_KEY: True},
             llm=LlmRegistration(
                 context_length=self.context_length,
                 kv_cache_block_size=KV_BLOCK_SIZE,
