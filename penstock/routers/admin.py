@@ -231,7 +231,9 @@ async def engine_update(name: str, request: Request) -> dict[str, Any]:
     return {**result, "state": plane.state.name}
 
 
-@router.api_route("/engine/{name}", methods=["GET", "POST"])
+# One route per method, each with its own OpenAPI operation id.
+@router.get("/engine/{name}", operation_id="rl_route_get")
+@router.post("/engine/{name}", operation_id="rl_route_post")
 async def rl_route(name: str, request: Request) -> dict[str, Any] | None:
     plane = admin_plane(request)
     handler = plane.registry.routes.get(name)

@@ -20,7 +20,9 @@ from penstock.serving.generate import health_generate as serve_health_generate
 router = APIRouter(tags=["sglang"])
 
 
-@router.api_route("/generate", methods=["POST", "PUT"], response_model=None)
+# One route per method, each with its own OpenAPI operation id (SGLang accepts both).
+@router.post("/generate", response_model=None, operation_id="generate_post")
+@router.put("/generate", response_model=None, operation_id="generate_put")
 async def generate(body: GenerateBody, request: Request) -> Response:
     return await serve_generate(request.app.state.gateway, body, request)
 

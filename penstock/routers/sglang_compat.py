@@ -203,7 +203,8 @@ async def weights_checker(request: Request) -> dict[str, Any]:
     return await plane.checker.run(await json_object_body(request))
 
 
-@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+@router.get("/get_weights_by_name", operation_id="get_weights_by_name_get")
+@router.post("/get_weights_by_name", operation_id="get_weights_by_name_post")
 async def get_weights_by_name(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
     body = dict(await json_object_body(request))

@@ -47,3 +47,18 @@ async def test_the_keyed_schema_lists_the_routes() -> None:
             assert "/openapi.json" in page.text
     finally:
         await gateway.host.cleanup()
+
+
+async def test_every_operation_has_its_own_id() -> None:
+    gateway = await start_gateway()
+    try:
+        async for client in asgi_client(gateway):
+            document = (await client.get("/openapi.json")).json()
+    finally:
+        await gateway.host.cleanup()
+    ids = [
+        operation["operationId"]
+        for operations in document["paths"].values()
+        for operation in operations.values()
+    ]
+    assert ids and len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
