@@ -146,6 +146,13 @@ class Settings(BaseSettings):
     http_timeout_s: float | None = Field(None, gt=0)
     http_connect_timeout_s: float = Field(5.0, gt=0)
     http_keepalive_timeout_s: float = Field(15.0, gt=0)
+    # Media parts of chat requests (image_url, input_audio, audio_url), fetched and decoded
+    # by the gateway before the engine sees the request; each item is also bounded by
+    # media_fetch_max_mb (downloads) or media_max_data_url_mb (data: URLs).
+    media_max_images_per_request: int = Field(16, ge=0)
+    media_max_image_pixels: int = Field(4096 * 4096, gt=0)
+    media_max_audio_per_request: int = Field(4, ge=0)
+    media_max_audio_s: float = Field(600.0, gt=0)
 
     @field_validator("allowed_media_networks")
     @classmethod

@@ -310,6 +310,27 @@ def _add_media_fetch_flags(serve: argparse.ArgumentParser) -> None:
         choices=["httpx", "aiohttp"],
         help=f"media fetch library (default: {_default('http_backend')})",
     )
+    for flag, field, what in (
+        ("--media-max-images-per-request", "media_max_images_per_request", "image parts"),
+        ("--media-max-audio-per-request", "media_max_audio_per_request", "audio parts"),
+    ):
+        serve.add_argument(
+            flag,
+            type=int,
+            help=f"{what} one chat request may carry; more get 400 (default: {_default(field)})",
+        )
+    serve.add_argument(
+        "--media-max-image-pixels",
+        type=int,
+        help="width x height of one image in a request; larger ones get 413 before their "
+        f"pixels are decoded (default: {_default('media_max_image_pixels')})",
+    )
+    serve.add_argument(
+        "--media-max-audio-s",
+        type=float,
+        help="seconds of one audio clip in a request; longer ones get 413 "
+        f"(default: {_default('media_max_audio_s'):g})",
+    )
 
 
 def _engine_help(own: list[str]) -> str | None:

@@ -16,9 +16,11 @@ from penstock import __version__
 from penstock.app.handlers import install_error_handlers
 from penstock.app.middleware import GatewayMiddleware, OpenRequests
 from penstock.gateway import Gateway
+from penstock.http import create_http_client
 from penstock.media.artifacts import in_memory, local_folder
 from penstock.media.service import MediaService
 from penstock.metrics.http import HttpMetricsMiddleware
+from penstock.multimodal.inputs import MediaInputs
 from penstock.rl.plane import install_admin_plane
 from penstock.routers import (
     admin,
@@ -90,6 +92,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         media = MediaService(gateway, store=store, db_path=db_path, workers=settings.media_workers)
         logger.info("video jobs kept in %s, generated media in %s", db_path or "memory", store)
         app.state.media = media
+        # One client for every media fetch of the server: its connection pool is shared.
+        http_client = create_http_client(settings)
+        app.state.media_inputs = MediaInputs.from_settings(settings, http_client)
         try:
             media.start()
             gateway.host.start_monitor()
@@ -97,6 +102,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         finally:
             await gateway.host.stop_monitor()
             await media.stop()
+            await http_client.close()
 
     # FastAPI's own doc pages skip the app's dependencies, so unless they are public the
     # same pages are added as ordinary routes, which the inference key guards.

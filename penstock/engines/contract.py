@@ -23,6 +23,14 @@ written against an older ``dynamo.common.backend``) the documented default.
 ``n`` > 1: an engine that yields several choices itself advertises it with
 ``EngineConfig.runtime_data[MULTI_CHOICE_RUNTIME_KEY] = True``; the host fans any other
 engine's ``n`` out into n single-choice requests.
+
+Media input: an engine that takes images (audio) in chat requests advertises
+``runtime_data[SUPPORTS_IMAGE_INPUT] = True`` (``SUPPORTS_AUDIO_INPUT``); the gateway refuses
+media parts for any other engine. It fetches and decodes the media itself and hands them
+over in ``request["multi_modal_data"]``, Dynamo's item shape: ``{"image_url": [{"Decoded":
+<RGB PIL.Image>}, ...], "audio_url": [{"Decoded": (<mono float32 ndarray>, <sample rate>)},
+...]}``, in the order of the parts; ``ImageLoader.load_image_batch`` and
+``AudioLoader.load_audio_batch`` accept these items as they are.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ from penstock.engines.health import parse_health_check_payload_cli
 from penstock.errors import EngineLoadError
 
 MULTI_CHOICE_RUNTIME_KEY = "multi_choice"
+SUPPORTS_IMAGE_INPUT = "supports_image_input"
+SUPPORTS_AUDIO_INPUT = "supports_audio_input"
 
 
 class GenerateRequest(TypedDict, total=False):

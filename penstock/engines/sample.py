@@ -30,6 +30,10 @@ It also implements the RL admin controls in a simulated but observable way:
   ``TokenBudget`` of ``N`` tokens that the gateway enforces.
 * **LoRA**: an adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``
   holding ``token_shift``) adds its shift for requests whose ``model`` names it.
+* **media input**: ``--image-input`` / ``--audio-input`` advertise ``supports_image_input``
+  / ``supports_audio_input``; the reply then starts with what the gateway handed over,
+  ``[image WxH]`` per image and ``[audio S.SSs RATEHz]`` per clip (one token per step,
+  within ``max_tokens``), before the usual rotation.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ from tokenizers import Tokenizer
 from penstock.engines.context import Context
 from penstock.engines.contract import (
     MULTI_CHOICE_RUNTIME_KEY,
+    SUPPORTS_AUDIO_INPUT,
+    SUPPORTS_IMAGE_INPUT,
     EngineConfig,
     GenerateChunk,
     GenerateRequest,
@@ -186,6 +192,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--endpoint-types", default="chat,completions")
     parser.add_argument("--health-check-payload", default=None)
+    parser.add_argument(
+        "--image-input",
+        action="store_true",
+        help="accept image parts and start each reply with the size of every image",
+    )
+    parser.add_argument(
+        "--audio-input",
+        action="store_true",
+        help="accept audio parts and start each reply with the length of every clip",
+    )
     return parser
 
 
@@ -201,6 +217,8 @@ class SampleLLMEngine(LLMEngine):
         max_tokens: int = 16,
         context_length: int = 2048,
         token_budget: int | None = None,
+        image_input: bool = False,
+        audio_input: bool = False,
     ) -> None:
         if delay < 0:
             raise ValueError("--delay must be >= 0")
@@ -214,6 +232,9 @@ class SampleLLMEngine(LLMEngine):
         self.token_budget = (
             TokenBudget(token_budget, True, True) if token_budget is not None else None
         )
+        self.image_input = image_input
+        self.audio_input = audio_input
+        self.tokenizer: Tokenizer | None = None
         self.vocab_size = 0
         self.ordinary_ids: list[int] = []
         self.bos_token_id = 1
@@ -247,6 +268,8 @@ class SampleLLMEngine(LLMEngine):
             max_tokens=args.max_tokens,
             context_length=args.context_length,
             token_budget=args.token_budget,
+            image_input=args.image_input,
+            audio_input=args.audio_input,
         )
         config = WorkerConfig(
             namespace="penstock",
@@ -260,6 +283,7 @@ class SampleLLMEngine(LLMEngine):
 
     async def start(self, worker_id: int) -> EngineConfig:
         tokenizer = Tokenizer.from_file(str(self.tokenizer_dir / "tokenizer.json"))
+        self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         special_ids = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         # Only ids that decode to whole characters on their own, so every emitted token is
@@ -279,6 +303,8 @@ class SampleLLMEngine(LLMEngine):
             served_model_name=self.model,
             runtime_data={
                 MULTI_CHOICE_RUNTIME_KEY: True,
+                SUPPORTS_IMAGE_INPUT: self.image_input,
+                SUPPORTS_AUDIO_INPUT: self.audio_input,
                 **(
                     {TOKEN_BUDGET_RUNTIME_KEY: self.token_budget.as_runtime_data()}
                     if self.token_budget is not None
@@ -297,6 +323,21 @@ class SampleLLMEngine(LLMEngine):
     def token_at(self, step: int, choice: int, shift: int = 0) -> int:
         return self.ordinary_ids[(step + choice + shift) % len(self.ordinary_ids)]
 
+    def _media_report(self, request: GenerateRequest) -> list[int]:
+        """The token ids of ``[image WxH]`` / ``[audio S.SSs RATEHz]`` per media item."""
+        data = request.get("multi_modal_data") or {}
+        if not data or self.tokenizer is None:
+            return []
+        words = []
+        for item in data.get("image_url", []):
+            width, height = item["Decoded"].size
+            words.append(f"[image {width}x{height}]")
+        for item in data.get("audio_url", []):
+            waveform, rate = item["Decoded"]
+            words.append(f"[audio {len(waveform) / rate:.2f}s {rate:g}Hz]")
+        ids: list[int] = self.tokenizer.encode(" ".join(words), add_special_tokens=False).ids
+        return ids
+
     def _shift_for(self, request: GenerateRequest) -> int:
         adapter = self.adapters.get(request.get("model") or "")
         return self.weights.token_shift + (adapter.token_shift if adapter else 0)
@@ -313,6 +354,7 @@ class SampleLLMEngine(LLMEngine):
         n = sampling.get("n") or 1
         logprobs = output.get("logprobs")
         top_k = min(int(logprobs), MAX_TOP_LOGPROBS) if logprobs is not None else None
+        lead = self._media_report(request)
         # Canaries probe that the engine runs; a pause must not make it look dead.
         held = not is_probe(request)
         flight = _Flight(context, prompt_len)
@@ -344,7 +386,7 @@ class SampleLLMEngine(LLMEngine):
                 flight.generated += 1
                 shift = self._shift_for(request)
                 for choice in range(n):
-                    token = self.token_at(step, choice, shift)
+                    token = lead[step] if step < len(lead) else self.token_at(step, choice, shift)
                     chunk: GenerateChunk = {
                         "token_ids": [token],
                         "index": choice,

@@ -5,6 +5,10 @@ health canaries). With ``--steps N`` that delay is split into N simulated denois
 each reported as a progress object (``status`` ``in_progress``, ``progress``, ``step``,
 ``total_steps``) before the answer, as a real diffusion engine reports them; a request
 cancelled meanwhile ends after the current step.
+
+With ``--input-reference`` it advertises that it takes a reference image
+(``accepts_input_reference``) and answers a request that carries one with that image
+itself, so what the gateway fetched and decoded can be seen in the result.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from penstock.engines.health import (
     is_probe,
     parse_health_check_payload_cli,
 )
-from penstock.multimodal.encoding import encode_image
+from penstock.multimodal.encoding import data_url_bytes, encode_image
+from penstock.multimodal.limits import VideoLimits
 
 MAX_IMAGES = 10
 _PIXEL_PNG_B64 = base64.b64encode(
@@ -56,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--endpoint-types", default="images")
     parser.add_argument("--health-check-payload", default=None)
+    parser.add_argument(
+        "--input-reference",
+        action="store_true",
+        help="take a reference image (input_reference) and answer with it",
+    )
     return parser
 
 
@@ -75,7 +85,9 @@ def _image_count(request: RawRequest) -> int:
 class SampleDiffusionEngine(DiffusionEngine):
     """Answers ``n`` copies of a 1x1 PNG, as ``b64_json`` or a ``data:`` URL."""
 
-    def __init__(self, model: str, *, delay: float = 0.05, steps: int = 0) -> None:
+    def __init__(
+        self, model: str, *, delay: float = 0.05, steps: int = 0, input_reference: bool = False
+    ) -> None:
         if delay < 0:
             raise ValueError("--delay must be >= 0")
         if steps < 0:
@@ -83,13 +95,16 @@ class SampleDiffusionEngine(DiffusionEngine):
         self.model = model
         self.delay = delay
         self.steps = steps
+        self.input_reference = input_reference
 
     @classmethod
     async def from_args(
         cls, argv: list[str] | None = None
     ) -> tuple[SampleDiffusionEngine, WorkerConfig]:
         args = _parser().parse_args(argv)
-        engine = cls(args.model, delay=args.delay, steps=args.steps)
+        engine = cls(
+            args.model, delay=args.delay, steps=args.steps, input_reference=args.input_reference
+        )
         config = WorkerConfig(
             namespace=args.namespace,
             component=args.component,
@@ -103,7 +118,14 @@ class SampleDiffusionEngine(DiffusionEngine):
         return engine, config
 
     async def start(self, worker_id: int) -> EngineConfig:
-        return EngineConfig(model=self.model, served_model_name=self.model)
+        runtime_data = (
+            VideoLimits(accepts_input_reference=True).to_runtime_data()
+            if self.input_reference
+            else None
+        )
+        return EngineConfig(
+            model=self.model, served_model_name=self.model, runtime_data=runtime_data
+        )
 
     async def generate(
         self, request: RawRequest, context: Context
@@ -124,10 +146,15 @@ class SampleDiffusionEngine(DiffusionEngine):
                     }
             elif self.delay:
                 await asyncio.sleep(self.delay)
+        png_b64 = _PIXEL_PNG_B64
+        reference = request.get("input_reference")
+        if self.input_reference and isinstance(reference, str):
+            # The gateway hands references over as base64 PNG data: URLs.
+            png_b64 = reference.partition(",")[2] if data_url_bytes(reference) else png_b64
         if response_format == "b64_json":
-            item = {"b64_json": _PIXEL_PNG_B64}
+            item = {"b64_json": png_b64}
         else:
-            item = {"url": f"data:image/png;base64,{_PIXEL_PNG_B64}"}
+            item = {"url": f"data:image/png;base64,{png_b64}"}
         yield {"created": int(time.time()), "data": [dict(item) for _ in range(count)]}
 
     async def health_check_payload(self) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ encodings validate against the same schema.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ from penstock.multimodal.encoding import (
     decode_image,
     image_data_url,
 )
+from penstock.multimodal.inputs import MediaInputs, MediaRef
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -114,11 +116,13 @@ def served_for(gateway: Gateway, model: str, endpoint_type: str, route: str) -> 
     return served
 
 
-def reference_data_url(value: Any) -> str:
+async def reference_data_url(value: Any, media: MediaInputs) -> str:
     """A client's ``input_reference`` as a PNG ``data:`` URL for the engine.
 
-    Accepts an uploaded file, a base64 ``data:`` URL, bare base64, or the OpenAI object
-    form ``{"image_url": ...}``. Anything that does not decode as an image is a 415.
+    Accepts an uploaded file, a base64 ``data:`` URL, bare base64, an http(s) or
+    ``file://`` URL (fetched by the image loader, under the server's media URL policy and
+    limits), or the OpenAI object form ``{"image_url": ...}``. Anything that does not
+    decode as an image is a 415. Decoding and encoding run in a worker thread.
     """
     if isinstance(value, dict):
         if value.get("file_id"):
@@ -129,12 +133,9 @@ def reference_data_url(value: Any) -> str:
             )
         value = value.get("image_url")
     if isinstance(value, str):
-        if value.startswith(("http://", "https://")):
-            raise InvalidRequestError(
-                "input_reference: remote URLs are not fetched; upload the image or send "
-                "it as a data: URL",
-                param="input_reference",
-            )
+        if value[:8].lower().startswith(("http://", "https://", "file://")):
+            (image,) = await media.load_images([MediaRef(value, "input_reference")])
+            return await asyncio.to_thread(image_data_url, image)
         data = data_url_bytes(value)
         if data is None:
             raise UnsupportedMediaTypeError(
@@ -148,6 +149,10 @@ def reference_data_url(value: Any) -> str:
             "input_reference: expected an image upload or a data: URL", param="input_reference"
         )
     try:
-        return image_data_url(decode_image(data))
+        return await asyncio.to_thread(_png_data_url, data)
     except UndecodableImage as exc:
         raise UnsupportedMediaTypeError(f"input_reference: {exc}", param="input_reference") from exc
+
+
+def _png_data_url(data: bytes) -> str:
+    return image_data_url(decode_image(data))

@@ -137,6 +137,9 @@ class AudioLoader:
     async def _load_decoded(self, metadata: Any) -> tuple[np.ndarray, float]:
         from penstock.multimodal.transfer import TransferRequest
 
+        if isinstance(metadata, tuple):
+            # ``(waveform, sample_rate)`` the gateway decoded in this process.
+            return metadata
         if self._receiver is None:
             raise ValueError("Could not load decoded media from frontend")
         request = TransferRequest.model_validate(metadata)
@@ -150,8 +153,9 @@ class AudioLoader:
     async def load_audio_batch(
         self, audio_mm_items: list[dict[str, Any]]
     ) -> list[tuple[np.ndarray, float]]:
-        """Load audio from multimodal data items (``Url`` or ``Decoded``), concurrently, in
-        order; errors are chosen as for images."""
+        """Load audio from multimodal data items (``Url`` or ``Decoded``: a transfer, or a
+        ``(waveform, sample_rate)`` decoded in this process), concurrently, in order;
+        errors are chosen as for images."""
         for index, item in enumerate(audio_mm_items):
             if not isinstance(item, dict) or set(item) not in ({"Url"}, {"Decoded"}):
                 raise ValueError(f"audio item {index} must have exactly one of Url, Decoded")

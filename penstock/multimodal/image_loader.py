@@ -158,6 +158,9 @@ class ImageLoader:
     async def _load_decoded(self, metadata: Any) -> Image.Image:
         from penstock.multimodal.transfer import TransferRequest
 
+        if isinstance(metadata, Image.Image):
+            # Decoded in this process by the gateway: nothing to transfer.
+            return metadata
         if self._receiver is None:
             raise ValueError("Could not load decoded media from frontend")
         request = TransferRequest.model_validate(metadata)
@@ -174,7 +177,8 @@ class ImageLoader:
 
         Each item has exactly one key: ``Url`` (a reference, loaded as by
         :meth:`load_image`), ``Decoded`` (a ``TransferRequest`` of a ``(height, width, 3)``
-        uint8 tensor; needs ``enable_frontend_decoding``) or ``UuidOnly`` (an empty slot,
+        uint8 tensor, which needs ``enable_frontend_decoding``, or an image the gateway
+        already decoded in this process, returned as it is) or ``UuidOnly`` (an empty slot,
         None in the result, for a backend cache lookup; needs ``preserve_uuid_slots``).
 
         The first ``HttpStatusError`` wins, then the first ``UrlValidationError``, then

@@ -13,6 +13,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from penstock.routers.deps import media_inputs
 from penstock.routers.json_body import FastJSONRoute
 from penstock.schemas.openai import ChatCompletionRequest
 from penstock.serving.chat import create_chat_completion as serve_chat_completion
@@ -22,4 +23,6 @@ router = APIRouter(tags=["openai"], route_class=FastJSONRoute)
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    return await serve_chat_completion(request.app.state.gateway, body, request)
+    return await serve_chat_completion(
+        request.app.state.gateway, body, request, media_inputs(request)
+    )

@@ -29,7 +29,7 @@ from penstock.media.requests import (
 )
 from penstock.multimodal.encoding import IMAGE_CONTENT_TYPES, data_url_bytes
 from penstock.multimodal.limits import MediaParamError, VideoLimits, parse_size
-from penstock.routers.deps import media_service
+from penstock.routers.deps import media_inputs, media_service
 from penstock.routers.security import media_owner
 from penstock.schemas.images import ImageData, NvCreateImageRequest, NvImagesResponse
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, MediaPassthroughRejected
@@ -41,7 +41,9 @@ ENDPOINT_TYPE = "images"
 _IMAGE_ID_RE = re.compile(r"^img_[0-9a-f]{32}-\d{1,2}$")
 
 
-def _engine_request(request: Request, body: dict[str, Any]) -> tuple[Any, dict[str, Any], str]:
+async def _engine_request(
+    request: Request, body: dict[str, Any]
+) -> tuple[Any, dict[str, Any], str]:
     gateway: Gateway = request.app.state.gateway
     reference = body.pop("input_reference", None)
     fill_default_model(body, gateway, ENDPOINT_TYPE)
@@ -68,7 +70,9 @@ def _engine_request(request: Request, body: dict[str, Any]) -> tuple[Any, dict[s
     except MediaPassthroughRejected as exc:
         raise InvalidRequestError(str(exc), param=exc.keys[0], code="unsupported_field") from exc
     if reference not in (None, ""):
-        engine_request["input_reference"] = reference_data_url(reference)
+        engine_request["input_reference"] = await reference_data_url(
+            reference, media_inputs(request)
+        )
     engine_request.update(model=served.name, response_format="b64_json")
     engine_request.setdefault("extra_args", {})[ENDPOINT_TYPE_KEY] = ENDPOINT_TYPE
     return served, engine_request, image.response_format or "url"
@@ -77,7 +81,7 @@ def _engine_request(request: Request, body: dict[str, Any]) -> tuple[Any, dict[s
 @router.post("/v1/images/generations")
 async def generate_images(request: Request) -> dict[str, Any]:
     body = await read_media_body(request, file_fields=frozenset({"input_reference"}))
-    served, engine_request, response_format = _engine_request(request, body)
+    served, engine_request, response_format = await _engine_request(request, body)
     service = media_service(request)
     image_id = f"img_{uuid.uuid4().hex}"
     terminal = await unless_disconnected(

@@ -55,7 +55,7 @@ from penstock.media.requests import (
 from penstock.media.service import JobEvent, MediaService
 from penstock.multimodal.encoding import VIDEO_CONTENT_TYPES
 from penstock.multimodal.limits import MediaParamError, VideoLimits, plan_video
-from penstock.routers.deps import media_service
+from penstock.routers.deps import media_inputs, media_service
 from penstock.routers.security import media_owner
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, MediaPassthroughRejected
 from penstock.schemas.video import NvCreateVideoRequest, NvVideosResponse, VideoData
@@ -125,7 +125,9 @@ async def _new_job(request: Request) -> tuple[VideoJob, bool, str]:
                 f"input_reference: the model '{served.name}' does not take a reference image",
                 param="input_reference",
             )
-        engine_request["input_reference"] = reference_data_url(reference)
+        engine_request["input_reference"] = await reference_data_url(
+            reference, media_inputs(request)
+        )
     engine_request.pop("stream", None)
     engine_request.update(
         model=served.name,

@@ -48,7 +48,32 @@ class ImagePart(_Strict):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class InputAudio(_Strict):
+    # Base64 audio bytes, as OpenAI's input_audio part sends them.
+    data: str
+    # The container: wav and mp3 in OpenAI's API; any PyAV can open is accepted.
+    format: Annotated[str, Field(pattern=r"^[A-Za-z0-9.+-]{1,32}$")]
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioURL(_Strict):
+    url: str
+
+
+class AudioURLPart(_Strict):
+    """vLLM's audio reference part, for audio at a URL."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+
+ContentPart = Annotated[
+    TextPart | ImagePart | InputAudioPart | AudioURLPart, Field(discriminator="type")
+]
 
 
 def _list_or_str(value: Any) -> str:

@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from penstock.errors import InvalidRequestError
 from penstock.gateway import Gateway, ServedModel
+from penstock.multimodal.inputs import MediaInputs
 from penstock.schemas.openai import ChatCompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import request_deadline
@@ -129,12 +130,12 @@ def _parse_tool_calls(body: ChatCompletionRequest, model: ServedModel) -> bool:
 
 
 async def create_chat_completion(
-    gateway: Gateway, body: ChatCompletionRequest, request: Request
+    gateway: Gateway, body: ChatCompletionRequest, request: Request, media: MediaInputs
 ) -> Response:
     deadline = request_deadline(request, gateway.settings)
     model = served_model(gateway, body, "chat", "chat completions")
     uploader = metadata_uploader(body, gateway.settings)
-    prompt = await chat_prompt(gateway, body, model, deadline, request)
+    prompt = await chat_prompt(gateway, body, model, deadline, request, media)
     max_tokens = body.max_new_tokens
     check_budget(len(prompt.token_ids), max_tokens, model, "messages")
     engine_request = generate_request(

@@ -6,18 +6,26 @@ context length, what the engine can honour) live here, so the routes stay thin.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 from starlette.requests import Request
 
 from penstock.engines.context import Context
-from penstock.engines.contract import GenerateRequest
+from penstock.engines.contract import SUPPORTS_AUDIO_INPUT, SUPPORTS_IMAGE_INPUT, GenerateRequest
 from penstock.errors import InvalidRequestError, clip
 from penstock.gateway import Gateway, ServedModel
 from penstock.metadata_upload import MetadataUploader, under_root
+from penstock.multimodal.inputs import MediaInputs, MediaRef
 from penstock.preprocess import Preprocessor, check_prompt_chars
-from penstock.schemas.openai import ChatCompletionRequest, CompletionRequest, SamplingFields
+from penstock.schemas.openai import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    InputAudio,
+    SamplingFields,
+)
 from penstock.serving.deadline import Deadline
 from penstock.settings import Settings
 
@@ -27,7 +35,6 @@ T = TypeVar("T")
 # Fields an engine's runtime_data may advertise to accept requests the gateway would
 # otherwise refuse rather than let the engine ignore silently.
 SUPPORTS_RESPONSE_FORMAT = "supports_response_format"
-SUPPORTS_IMAGE_INPUT = "supports_image_input"
 
 
 class PassthroughRequest(GenerateRequest, total=False):
@@ -286,11 +293,14 @@ async def chat_prompt(
     model: ServedModel,
     deadline: Deadline | None,
     request: Request,
+    media: MediaInputs,
 ) -> ChatPrompt:
     """Render and tokenize the conversation, checking what the engine can take.
 
     Messages too long to fit are refused by their length before any rendering; the
-    rendering and the tokenizing of a large request run off the event loop.
+    rendering and the tokenizing of a large request run off the event loop. Media parts
+    are checked against the engine and the limits first, then fetched and decoded while
+    the prompt is tokenized.
     """
     pre = model.preprocessor
     if pre is None:
@@ -299,30 +309,16 @@ async def chat_prompt(
             "start the server with --tokenizer PATH, or send token ids to /v1/completions",
             param="messages",
         )
-    images: list[dict[str, Any]] = []
+    images, audio = media_refs(body.messages)
+    check_media(gateway.settings, model, body.model, images, audio)
     messages: list[dict[str, Any]] = []
     chars = 0
     for message in body.messages:
-        if isinstance(message.content, list):
-            images += [
-                part.image_url.model_dump(exclude_none=True)
-                for part in message.content
-                if part.type == "image_url"
-            ]
         rendered = message.model_dump(exclude_none=True)
         rendered["content"] = _flatten_content(message.content)
         chars += len(rendered["content"])
         messages.append(rendered)
     check_prompt_length(gateway.settings, model, pre, chars, "messages")
-    multi_modal_data: dict[str, Any] | None = None
-    if images:
-        if not engine_capability(model, SUPPORTS_IMAGE_INPUT):
-            raise InvalidRequestError(
-                f"The model '{body.model}' does not accept image input",
-                param="messages",
-                code="unsupported_content",
-            )
-        multi_modal_data = {"image_url": images}
     response_format: dict[str, Any] | None = None
     if body.response_format is not None and body.response_format.type != "text":
         if not engine_capability(model, SUPPORTS_RESPONSE_FORMAT):
@@ -334,20 +330,117 @@ async def chat_prompt(
             )
         response_format = body.response_format.model_dump(by_alias=True)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-    token_ids = await off_loop(
-        gateway,
-        deadline,
-        max(chars, body_size(request)),
-        render_and_tokenize,
-        gateway.settings,
-        model,
-        pre,
-        messages,
-        add_generation_prompt=body.add_generation_prompt,
-        tools=tools,
-        chat_template_kwargs=body.chat_template_kwargs,
-    )
+
+    async def prompt_and_media() -> tuple[list[int], dict[str, Any] | None]:
+        loads = asyncio.ensure_future(load_media(media, images, audio))
+        try:
+            token_ids = await gateway.preprocess.run(
+                max(chars, body_size(request)),
+                render_and_tokenize,
+                gateway.settings,
+                model,
+                pre,
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                tools=tools,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+        except BaseException:
+            loads.cancel()
+            raise
+        return token_ids, await loads
+
+    work = prompt_and_media()
+    token_ids, multi_modal_data = await (work if deadline is None else deadline.within(work))
     return ChatPrompt(token_ids, multi_modal_data, response_format)
+
+
+def media_refs(messages: list[ChatMessage]) -> tuple[list[MediaRef], list[MediaRef]]:
+    """The image and the audio references of a conversation, in order, each with the
+    field that named it."""
+    images: list[MediaRef] = []
+    audio: list[MediaRef] = []
+    for m, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for p, part in enumerate(message.content):
+            where = f"messages[{m}].content[{p}]"
+            if part.type == "image_url":
+                images.append(MediaRef(part.image_url.url, f"{where}.image_url.url"))
+            elif part.type == "input_audio":
+                url = _audio_data_url(part.input_audio)
+                audio.append(MediaRef(url, f"{where}.input_audio.data"))
+            elif part.type == "audio_url":
+                audio.append(MediaRef(part.audio_url.url, f"{where}.audio_url.url"))
+    return images, audio
+
+
+def _audio_data_url(audio: InputAudio) -> str:
+    return f"data:audio/{audio.format.lower()};base64,{audio.data}"
+
+
+def check_media(
+    settings: Settings,
+    model: ServedModel,
+    name: str,
+    images: list[MediaRef],
+    audio: list[MediaRef],
+) -> None:
+    """400 for media the engine can't take or more items than the operator allows."""
+    for refs, capability, kind, limit, flag in (
+        (
+            images,
+            SUPPORTS_IMAGE_INPUT,
+            "image",
+            settings.media_max_images_per_request,
+            "--media-max-images-per-request",
+        ),
+        (
+            audio,
+            SUPPORTS_AUDIO_INPUT,
+            "audio",
+            settings.media_max_audio_per_request,
+            "--media-max-audio-per-request",
+        ),
+    ):
+        if not refs:
+            continue
+        if not engine_capability(model, capability):
+            raise InvalidRequestError(
+                f"The model '{name}' does not accept {kind} input",
+                param=refs[0].param,
+                code="unsupported_content",
+            )
+        if len(refs) > limit:
+            raise InvalidRequestError(
+                f"at most {limit} {kind} parts are allowed per request (the server's {flag}); "
+                f"got {len(refs)}",
+                param=refs[limit].param,
+                code="too_many_media_items",
+            )
+
+
+async def load_media(
+    media: MediaInputs, images: list[MediaRef], audio: list[MediaRef]
+) -> dict[str, Any] | None:
+    """The engine's ``multi_modal_data``: every item fetched and decoded, in Dynamo's
+    ``Decoded`` item shape (see :mod:`penstock.engines.contract`); None without media."""
+    if not images and not audio:
+        return None
+    image_loads = asyncio.ensure_future(media.load_images(images))
+    audio_loads = asyncio.ensure_future(media.load_audio(audio))
+    try:
+        loaded_images, loaded_audio = await asyncio.gather(image_loads, audio_loads)
+    finally:
+        # One kind failing ends the other's loads too.
+        image_loads.cancel()
+        audio_loads.cancel()
+    data: dict[str, Any] = {}
+    if loaded_images:
+        data["image_url"] = [{"Decoded": image} for image in loaded_images]
+    if loaded_audio:
+        data["audio_url"] = [{"Decoded": waveform} for waveform in loaded_audio]
+    return data
 
 
 def render_and_tokenize(

@@ -77,7 +77,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
                     }
                 ]
             },
-            "messages",
+            "messages[0].content[0].image_url.url",
             ["image input"],
         ),
     ],

@@ -211,8 +211,9 @@ class CapableEngine(SampleLLMEngine):
         import json
 
         seen = {
-            "image_urls": [
-                item["url"] for item in (request.get("multi_modal_data") or {}).get("image_url", [])
+            "image_sizes": [
+                list(item["Decoded"].size)
+                for item in (request.get("multi_modal_data") or {}).get("image_url", [])
             ],
             "response_format": request.get("response_format"),
         }
