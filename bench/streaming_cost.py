@@ -214,7 +214,7 @@ async def non_streaming(server: Server, concurrency: int, rounds: int) -> tuple[
 async def open_streams(server: Server, counts: list[int]) -> dict[int, float]:
     """RSS growth (MB per 1,000 streams) with each count of streams open at once."""
     url = server.url + "/v1/chat/completions"
-    body = chat_body(10_000, True)
+    body = chat_body(1000, True)
     async with session(max(counts) + 10) as client:
         await stream_once(client, url, chat_body(4, True))
         await asyncio.sleep(1)
