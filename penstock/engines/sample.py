@@ -36,10 +36,8 @@ import math
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import safetensors.numpy
 from tokenizers import Tokenizer
 
 from penstock.engines.context import Context
@@ -66,6 +64,9 @@ from penstock.metrics.forward_pass import (
     WelfordAccumulator,
 )
 
+if TYPE_CHECKING:
+    import numpy as np
+
 SAMPLE_TOKENIZER_DIR = Path(__file__).parent / "assets" / "sample-tokenizer"
 MAX_TOP_LOGPROBS = 20
 
@@ -91,6 +92,10 @@ class SampleWeights:
 
 def write_sample_weights(path: Path, token_shift: int) -> Path:
     """Write a weights file the engine loads (``path`` is a file or a folder)."""
+    # NumPy only when weights are written or loaded: a served sample engine idles without.
+    import numpy as np
+    import safetensors.numpy
+
     target = path / WEIGHTS_FILE if path.is_dir() else path
     safetensors.numpy.save_file({"token_shift": np.array([token_shift], dtype=np.int64)}, target)
     return target
@@ -120,6 +125,8 @@ def load_sample_weights(path: Path, file_name: str = WEIGHTS_FILE) -> SampleWeig
     file = path / file_name if path.is_dir() else path
     if not file.is_file():
         raise ValueError(f"no weights at {path}: expected a .safetensors file or {file_name}")
+    import safetensors.numpy
+
     try:
         tensors = safetensors.numpy.load_file(file)
     except Exception as exc:
@@ -627,6 +634,8 @@ class SampleLLMEngine(LLMEngine):
         if not isinstance(named, dict):
             raise _BadBody("`named_tensors` must be an object of name -> nested list")
         version = _optional_str(body, "weight_version")
+        import numpy as np
+
         try:
             tensors = {name: np.asarray(value) for name, value in named.items()}
         except (TypeError, ValueError) as exc:
