@@ -20,7 +20,7 @@ import uvicorn
 
 from penstock.app.connections import ConnectionLimits, guarded_protocol, raise_open_file_limit
 from penstock.app.factory import create_app, media_store_location
-from penstock.app.middleware import OpenRequests
+from penstock.app.middleware import OpenRequests, WireSend
 from penstock.engines.admission import AdmissionGate
 from penstock.engines.contract import parse_endpoint_types
 from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
@@ -316,7 +316,7 @@ async def serve(settings: Settings) -> int:
                 max_connections=settings.max_connections,
             )
             config = uvicorn.Config(
-                app,
+                WireSend(app),
                 http=guarded_protocol(limits),
                 log_level=settings.log_level,
                 # uvicorn's own lines go through the root handler, in the chosen format.
