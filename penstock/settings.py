@@ -196,6 +196,8 @@ class Settings(BaseSettings):
     # A prompt longer than context length x this many characters is refused before it is
     # tokenized; None: the longest token of the model's vocabulary, in characters.
     max_chars_per_token: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # The event loop the server runs on; auto: uvloop where it is installed.
+    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
 
     @model_validator(mode="after")
     def _default_timeout_within_the_max(self) -> Settings:

@@ -236,6 +236,13 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         help="prompts longer than context length x this many characters get 400 before "
         "tokenizing (default: the longest token of the model's vocabulary, in characters)",
     )
+    serve.add_argument(
+        "--loop",
+        dest="event_loop",
+        choices=["auto", "asyncio", "uvloop"],
+        help="event loop of the server; auto: uvloop where it is installed, else asyncio "
+        f"(default: {_default('event_loop')})",
+    )
     _add_media_fetch_flags(serve)
     serve.add_argument(
         "--otlp-endpoint",
@@ -377,10 +384,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(settings.log_level, settings.log_format)
     _export_model_cache(settings)
-    from penstock.app.server import serve
+    from penstock.app.server import event_loop_factory, serve
 
     try:
-        requests_cut = asyncio.run(serve(settings))
+        loop_factory = event_loop_factory(settings.event_loop)
+    except ImportError:
+        print("penstock: error: --loop uvloop: uvloop is not installed", file=sys.stderr)
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            requests_cut = runner.run(serve(settings))
     except EngineLoadError as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 2

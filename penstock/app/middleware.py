@@ -20,7 +20,7 @@ from penstock.errors import (
     ServiceUnavailableError,
 )
 from penstock.serving.framing import error_frame
-from penstock.serving.sse import DONE_FRAME
+from penstock.serving.sse import DONE_FRAME, WIRE_SEND_KEY
 
 if TYPE_CHECKING:
     from penstock.gateway import Gateway
@@ -194,6 +194,19 @@ class GatewayMiddleware:
     def _too_large(self) -> PayloadTooLargeError:
         limit_mb = self.max_body_bytes / (1024 * 1024)
         return PayloadTooLargeError(f"Request body exceeds the {limit_mb:g} MB limit")
+
+
+class WireSend:
+    """Outermost, around the whole app: leaves the server's ``send`` in the scope, where an
+    event stream finds it for its body frames (see :mod:`penstock.serving.sse`)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[WIRE_SEND_KEY] = send
+        await self.app(scope, receive, send)
 
 
 def _route_template(scope: Scope) -> str:

@@ -47,10 +47,8 @@ import math
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import safetensors.numpy
 from tokenizers import Tokenizer
 
 from penstock.engines.context import Context
@@ -82,6 +80,9 @@ from penstock.metrics.forward_pass import (
     WelfordAccumulator,
 )
 
+if TYPE_CHECKING:
+    import numpy as np
+
 SAMPLE_TOKENIZER_DIR = Path(__file__).parent / "assets" / "sample-tokenizer"
 MAX_TOP_LOGPROBS = 20
 
@@ -107,6 +108,10 @@ class SampleWeights:
 
 def write_sample_weights(path: Path, token_shift: int) -> Path:
     """Write a weights file the engine loads (``path`` is a file or a folder)."""
+    # NumPy only when weights are written or loaded: a served sample engine idles without.
+    import numpy as np
+    import safetensors.numpy
+
     target = path / WEIGHTS_FILE if path.is_dir() else path
     safetensors.numpy.save_file({"token_shift": np.array([token_shift], dtype=np.int64)}, target)
     return target
@@ -136,6 +141,8 @@ def load_sample_weights(path: Path, file_name: str = WEIGHTS_FILE) -> SampleWeig
     file = path / file_name if path.is_dir() else path
     if not file.is_file():
         raise ValueError(f"no weights at {path}: expected a .safetensors file or {file_name}")
+    import safetensors.numpy
+
     try:
         tensors = safetensors.numpy.load_file(file)
     except Exception as exc:
@@ -708,6 +715,8 @@ class SampleLLMEngine(LLMEngine):
     async def _update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         self._require_held_for_update()
         version = _optional_str(body, "weight_version")
+        import numpy as np
+
         if "serialized_named_tensors" in body:
             tensors = _decode_serialized(body["serialized_named_tensors"])
         else:
@@ -729,6 +738,8 @@ class SampleLLMEngine(LLMEngine):
         }
 
     def _checksum(self) -> tuple[str, dict[str, str]]:
+        import numpy as np
+
         raw = np.array([self.weights.token_shift], dtype=np.int64).tobytes()
         digest = hashlib.sha256(raw).hexdigest()
         return combine_digests([("token_shift", "int64", (1,), digest)]), {"token_shift": digest}
@@ -815,6 +826,8 @@ class SampleLLMEngine(LLMEngine):
 def _decode_serialized(payloads: Any) -> dict[str, np.ndarray]:
     if not isinstance(payloads, list) or len(payloads) != 1 or not isinstance(payloads[0], str):
         raise _BadBody("`serialized_named_tensors` must be a list of one base64 string")
+    import safetensors.numpy
+
     try:
         return dict(safetensors.numpy.load(base64.b64decode(payloads[0], validate=True)))
     except Exception as exc:

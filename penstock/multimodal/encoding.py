@@ -1,15 +1,21 @@
 """Encode generated frames (H.264 MP4 via PyAV, still images via Pillow) and decode
-reference images sent by clients."""
+reference images sent by clients.
+
+PyAV, NumPy and Pillow are imported where they are used: the routers import this module
+for its constants, and a server whose engine makes no media never needs them (PyAV alone
+is ~20 MB of RSS).
+"""
 
 from __future__ import annotations
 
 import base64
 import binascii
 import io
+from typing import TYPE_CHECKING
 
-import av
-import numpy as np
-from PIL import Image, UnidentifiedImageError
+if TYPE_CHECKING:
+    import numpy as np
+    from PIL import Image
 
 VIDEO_CONTENT_TYPES = {"mp4": "video/mp4"}
 IMAGE_CONTENT_TYPES = {"png": "image/png", "webp": "image/webp", "jpeg": "image/jpeg"}
@@ -22,6 +28,8 @@ class UndecodableImage(ValueError):
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:
     """Float frames in [0, 1] (what diffusers returns) to uint8 RGB."""
+    import numpy as np
+
     if frames.dtype == np.uint8:
         return frames
     return (np.clip(frames, 0.0, 1.0) * 255.0).round().astype(np.uint8)
@@ -34,6 +42,8 @@ def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
     height, width = frames.shape[1], frames.shape[2]
     if height % 2 or width % 2:
         raise ValueError(f"H.264 needs an even size, got {width}x{height}")
+    import av
+
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
@@ -53,6 +63,8 @@ def encode_image(pixels: np.ndarray, image_format: str) -> bytes:
         raise ValueError(
             f"output_format '{image_format}' is not supported: use {', '.join(_PILLOW_FORMATS)}"
         )
+    from PIL import Image
+
     buffer = io.BytesIO()
     Image.fromarray(pixels, mode="RGB").save(buffer, format=pillow_format)
     return buffer.getvalue()
@@ -60,6 +72,8 @@ def encode_image(pixels: np.ndarray, image_format: str) -> bytes:
 
 def decode_image(data: bytes) -> Image.Image:
     """Fully decode ``data`` as an RGB image, or raise :class:`UndecodableImage`."""
+    from PIL import Image, UnidentifiedImageError
+
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.load()

@@ -54,20 +54,24 @@ def error_frame(error: PenstockError) -> bytes:
     return b"data: " + orjson.dumps(error.envelope()) + b"\n\n"
 
 
+def final_frames(exc: Exception) -> tuple[bytes, bytes]:
+    """What ends a stream that failed after its first byte: one error frame and DONE."""
+    if isinstance(exc, PenstockError):
+        if exc.status_code >= 500:
+            logger.error("stream failed: %s", exc.message)
+        return error_frame(exc), DONE_FRAME
+    logger.error("stream failed", exc_info=exc)
+    return error_frame(InternalServerError()), DONE_FRAME
+
+
 async def with_error_frame(frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """After the first byte an error can't change the status: send one error frame + DONE."""
     try:
         async for frame in frames:
             yield frame
-    except PenstockError as exc:
-        if exc.status_code >= 500:
-            logger.error("stream failed: %s", exc.message)
-        yield error_frame(exc)
-        yield DONE_FRAME
-    except Exception:
-        logger.exception("stream failed")
-        yield error_frame(InternalServerError())
-        yield DONE_FRAME
+    except Exception as exc:
+        for frame in final_frames(exc):
+            yield frame
 
 
 def json_response(content: dict[str, Any]) -> Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -24,9 +24,9 @@ from penstock.serving.choice import ChoiceState, Delta
 from penstock.serving.deadline import Deadline
 from penstock.serving.framing import (
     ChunkEncoder,
+    final_frames,
     json_response,
     unless_disconnected,
-    with_error_frame,
 )
 from penstock.serving.generation import Generation, merge, usage
 from penstock.serving.sse import DONE_FRAME, EventStreamResponse
@@ -105,7 +105,7 @@ async def _stream(plan: ResponsePlan) -> Response:
     options = plan.body.stream_options
     include_usage = bool(options and options.include_usage)
     continuous_usage = bool(options and options.continuous_usage_stats)
-    deltas = merge([generation.deltas() for generation in generations])
+    deltas = _deltas(generations)
     deadline = plan.deadline
     # Wait for the engine's first output before committing to 200, so errors the engine
     # raises at once (bad parameters) and a deadline passing in the queue still get their
@@ -115,40 +115,47 @@ async def _stream(plan: ResponsePlan) -> Response:
     else:
         first = await deadline.within(anext(deltas, None))
 
+    # One generator between the engine's chunks and the wire: each layer of async
+    # generators costs every chunk a resumption. Errors after the first byte end the
+    # stream here, as ``with_error_frame`` would.
     async def frames() -> AsyncIterator[bytes]:
-        for item in fmt.prelude(generations):
-            yield encoder.frame([item], generations[-1].weight_version)
-        delta = first
         try:
-            while delta is not None:
-                item = fmt.chunk_choice(delta)
-                if item is not None:
-                    running = usage(generations) if continuous_usage else None
-                    yield encoder.frame([item], delta.weight_version, running)
-                if deadline is None:
-                    delta = await anext(deltas, None)
-                else:
-                    delta = await deadline.within(anext(deltas, None))
-        finally:
-            if deadline is not None:
-                deadline.close()
-            # A deadline can end the loop between waits, with the engine request still
-            # open: close it now rather than whenever the generator is collected.
-            await deltas.aclose()
-        await _upload_metadata(plan)
-        if include_usage:
-            yield encoder.frame([], generations[-1].weight_version, usage(generations))
-        yield DONE_FRAME
+            for item in fmt.prelude(generations):
+                yield encoder.frame([item], generations[-1].weight_version)
+            delta = first
+            try:
+                while delta is not None:
+                    item = fmt.chunk_choice(delta)
+                    if item is not None:
+                        running = usage(generations) if continuous_usage else None
+                        yield encoder.frame([item], delta.weight_version, running)
+                    if deadline is None:
+                        delta = await anext(deltas, None)
+                    else:
+                        delta = await deadline.within(anext(deltas, None))
+            finally:
+                if deadline is not None:
+                    deadline.close()
+                # A deadline can end the loop between waits, with the engine request still
+                # open: close it now rather than whenever the generator is collected.
+                await deltas.aclose()
+            await _upload_metadata(plan)
+            if include_usage:
+                yield encoder.frame([], generations[-1].weight_version, usage(generations))
+            yield DONE_FRAME
+        except Exception as exc:
+            for frame in final_frames(exc):
+                yield frame
 
     return EventStreamResponse(
-        with_error_frame(frames()),
+        frames(),
         keepalive_s=generations[0].gateway.settings.sse_keepalive_s,
     )
 
 
 async def _fold(plan: ResponsePlan) -> dict[str, Any]:
     generations = plan.generations
-    async for _ in merge([generation.deltas() for generation in generations]):
+    async for _ in _deltas(generations):
         pass
     await _upload_metadata(plan)
     fmt = plan.format
@@ -169,6 +176,13 @@ async def _fold(plan: ResponsePlan) -> dict[str, Any]:
     response.update(fmt.response_fields(generations))
     reshape = getattr(fmt, "reshape", None)
     return reshape(response) if reshape is not None else response
+
+
+def _deltas(generations: list[Generation]) -> AsyncGenerator[Delta, None]:
+    """The deltas of every generation; one generation's own, without a merging layer."""
+    if len(generations) == 1:
+        return generations[0].deltas()  # type: ignore[return-value]
+    return merge([generation.deltas() for generation in generations])
 
 
 async def _upload_metadata(plan: ResponsePlan) -> None:

@@ -1,0 +1,64 @@
+"""The event-stream response: the start through the middleware chain, frames to the wire."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from penstock.app.middleware import WireSend
+from penstock.serving.sse import DONE_FRAME, WIRE_SEND_KEY, EventStreamResponse
+
+
+async def frames() -> AsyncIterator[bytes]:
+    yield b"data: 1\n\n"
+    yield DONE_FRAME
+
+
+async def never_disconnects() -> dict[str, Any]:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+async def test_frames_skip_the_chain_when_the_wire_send_is_known() -> None:
+    chain: list[dict[str, Any]] = []
+    wire: list[dict[str, Any]] = []
+
+    async def through_chain(message: dict[str, Any]) -> None:
+        chain.append(message)
+
+    async def server_send(message: dict[str, Any]) -> None:
+        wire.append(message)
+
+    response = EventStreamResponse(frames(), keepalive_s=0)
+    scope = {"type": "http", WIRE_SEND_KEY: server_send}
+    await response(scope, never_disconnects, through_chain)
+    assert [m["type"] for m in chain] == ["http.response.start"]
+    assert [m["body"] for m in wire] == [b"data: 1\n\n", DONE_FRAME, b""]
+    assert wire[-1]["more_body"] is False
+
+
+async def test_without_it_every_message_goes_through_the_chain() -> None:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await EventStreamResponse(frames(), keepalive_s=0)({"type": "http"}, never_disconnects, send)
+    assert [m.get("body") for m in sent] == [None, b"data: 1\n\n", DONE_FRAME, b""]
+
+
+async def test_wire_send_leaves_the_server_send_in_http_scopes_only() -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        seen.append(dict(scope))
+
+    async def send(message: dict[str, Any]) -> None:
+        return None
+
+    wrapped = WireSend(app)
+    await wrapped({"type": "http"}, never_disconnects, send)
+    await wrapped({"type": "lifespan"}, never_disconnects, send)
+    assert seen[0][WIRE_SEND_KEY] is send
+    assert WIRE_SEND_KEY not in seen[1]
