@@ -242,3 +242,30 @@ async def test_vllm_pause_sleep_and_wake_take_a_json_body_like_the_query_string(
     assert (await client.post("/wake_up", json={})).json() == {"status": "awake"}
     wrong = await client.post("/sleep", json={"level": 7})
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "level"
+
+
+async def test_a_safetensors_push_updates_the_sample_engine_and_its_checksum() -> None:
+    import base64
+
+    import numpy as np
+    import safetensors.numpy
+
+    gateway = await start_gateway()
+    try:
+        async for client in asgi_client(gateway):
+            before = (await client.post("/weights_checker", json={"action": "checksum"})).json()
+            assert (await client.post("/pause", params={"mode": "abort"})).status_code == 200
+            weights = safetensors.numpy.save({"token_shift": np.array([3], dtype=np.int64)})
+            pushed = await client.post(
+                "/update_weights_from_tensor",
+                json={
+                    "serialized_named_tensors": [base64.b64encode(weights).decode()],
+                    "weight_version": "v9",
+                },
+            )
+            assert pushed.status_code == 200, pushed.text
+            assert pushed.json()["weight_version"] == "v9"
+            after = (await client.post("/weights_checker", json={"action": "checksum"})).json()
+            assert after["checksum"] == pushed.json()["checksum"] != before["checksum"]
+    finally:
+        await gateway.host.cleanup()
