@@ -710,7 +710,12 @@ class SampleLLMEngine(LLMEngine):
         except ValueError as exc:
             raise _BadBody(str(exc)) from exc
         self._install(weights, version)
-        return {"status": "ok", "model_path": model_path, "weight_version": self.weight_version}
+        return {
+            "status": "ok",
+            "model_path": model_path,
+            "weight_version": self.weight_version,
+            "checksum": self._checksum()[0],
+        }
 
     async def _update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         self._require_held_for_update()

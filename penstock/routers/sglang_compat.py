@@ -138,7 +138,7 @@ async def update_weights_from_disk(request: Request) -> dict[str, Any]:
         update_body["weight_version"] = weight_version
     if abort_all:
         await _abort_all(plane)
-    await plane.state.update_weights(
+    outcome = await plane.state.update_weights(
         "update_weights_from_disk", update_body, weight_version, param="model_path"
     )
     if flush and plane.state.supports("control", "flush_cache"):
@@ -148,6 +148,7 @@ async def update_weights_from_disk(request: Request) -> dict[str, Any]:
         "message": "Succeeded to update model weights.",
         "num_paused_requests": 0,
         "weight_version": plane.state.weight_version,
+        "checksum": outcome.engine.get("checksum"),
     }
 
 

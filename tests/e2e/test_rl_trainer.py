@@ -194,9 +194,9 @@ async def pause_and_update(
         updated = await expect(
             await admin.post("/engine/update_weights_from_disk", json={"model_path": str(weights)}),
             200,
-            RL_OK_KEYS | {"version", "version_declared"},
+            RL_OK_KEYS | {"version", "version_declared", "checksum"},
         )
-        assert updated["state"] == "paused"
+        assert updated["state"] == "paused" and updated["checksum"]
         labelled = await expect(
             await admin.post("/engine/set_weight_version", json={"weight_version": version}),
             200,
@@ -212,7 +212,7 @@ async def pause_and_update(
                 "/engine/update/update_weights_from_disk", json={"model_path": str(weights)}
             ),
             200,
-            {"status", "model_path", "weight_version", "state"},
+            {"status", "model_path", "weight_version", "state", "checksum"},
         )
         labelled = await expect(
             await admin.post("/update_weight_version", json={"new_version": version}),
@@ -230,9 +230,9 @@ async def pause_and_update(
         updated = await expect(
             await admin.post("/update_weights_from_disk", json={"model_path": str(weights)}),
             200,
-            {"success", "message", "num_paused_requests", "weight_version"},
+            {"success", "message", "num_paused_requests", "weight_version", "checksum"},
         )
-        assert updated["success"] is True
+        assert updated["success"] is True and updated["checksum"]
         await expect(
             await admin.post("/engine/update/update_weight_version", json={"new_version": version}),
             200,
