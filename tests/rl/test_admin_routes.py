@@ -169,11 +169,13 @@ async def test_sglang_dialect_shapes(client: httpx.AsyncClient, tmp_path: Path) 
     updated = await client.post(
         "/update_weights_from_disk", json={"model_path": str(weights), "weight_version": "s1"}
     )
+    checksum = (await client.post("/weights_checker", json={"action": "checksum"})).json()
     assert updated.json() == {
         "success": True,
         "message": "Succeeded to update model weights.",
         "num_paused_requests": 0,
         "weight_version": "s1",
+        "checksum": checksum["checksum"],
     }
     assert (await client.get("/get_weight_version")).json() == {"weight_version": "s1"}
     continued = (await client.post("/continue_generation")).json()
