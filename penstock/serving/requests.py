@@ -287,6 +287,26 @@ def _flatten_content(content: Any) -> str:
     return "\n".join(part.text for part in content if part.type == "text")
 
 
+# Media parts as HF chat templates name them: the template writes the model's placeholder.
+_TEMPLATE_MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "audio_url": "audio"}
+
+
+def _template_content(content: Any) -> str | list[dict[str, str]]:
+    """Text as one string; content with media as its parts, media where they were sent
+    (templates that only print content join the text parts, see ``chat_template``)."""
+    if not isinstance(content, list) or not any(
+        part.type in _TEMPLATE_MEDIA_PARTS for part in content
+    ):
+        return _flatten_content(content)
+    parts: list[dict[str, str]] = []
+    for part in content:
+        if part.type == "text":
+            parts.append({"type": "text", "text": part.text})
+        elif part.type in _TEMPLATE_MEDIA_PARTS:
+            parts.append({"type": _TEMPLATE_MEDIA_PARTS[part.type]})
+    return parts
+
+
 async def chat_prompt(
     gateway: Gateway,
     body: ChatCompletionRequest,
@@ -315,8 +335,8 @@ async def chat_prompt(
     chars = 0
     for message in body.messages:
         rendered = message.model_dump(exclude_none=True)
-        rendered["content"] = _flatten_content(message.content)
-        chars += len(rendered["content"])
+        rendered["content"] = _template_content(message.content)
+        chars += len(_flatten_content(message.content))
         messages.append(rendered)
     check_prompt_length(gateway.settings, model, pre, chars, "messages")
     response_format: dict[str, Any] | None = None
