@@ -737,6 +737,7 @@ class TransformersEngine(LLMEngine):
             await asyncio.to_thread(self._load_weights, source)
         except CheckpointError as exc:
             return _error(f"weight update failed, the previous weights keep serving: {exc}")
+        self._weights_changed()
         self._weights_source = source
         if version is not None:
             self.weight_version = version
@@ -754,6 +755,11 @@ class TransformersEngine(LLMEngine):
         plan = plan_weight_update(self.model, read_safetensors(source))
         with scheduler.step_lock:
             apply_weight_update(plan)
+
+    def _weights_changed(self) -> None:
+        # Cached image features came from the old vision tower.
+        if self.vision is not None:
+            self.vision.forget()
 
     def _pushable_model(self, update: str, body: Body) -> Any:
         """The live model, if ``update`` may write into it now; else a refusal to return."""
@@ -777,6 +783,7 @@ class TransformersEngine(LLMEngine):
             result = await asyncio.to_thread(run, model)
         except WeightSyncError as exc:
             return _error(f"{update} refused, the previous weights keep serving: {exc}")
+        self._weights_changed()
         version = body.get("weight_version")
         if version is not None:
             self.weight_version = version

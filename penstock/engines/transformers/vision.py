@@ -124,6 +124,7 @@ class VisionEncoder:
         self._step_lock = step_lock
         self.device = device
         self.dtype = dtype
+        self.cache_bytes = cache_bytes
         self.cache = AsyncEncoderCache(MultimodalEmbeddingCacheManager(cache_bytes))
         self.encoder_calls = 0
         self.cache_hits = 0
@@ -186,6 +187,10 @@ class VisionEncoder:
         if isinstance(features, list | tuple):
             features = features[0]
         return features.reshape(-1, features.shape[-1]).contiguous()
+
+    def forget(self) -> None:
+        """Drop every cached feature: new weights make them stale."""
+        self.cache = AsyncEncoderCache(MultimodalEmbeddingCacheManager(self.cache_bytes))
 
     def _expand(self, prompt: list[int], features: list[torch.Tensor]) -> list[int]:
         expanded: list[int] = []

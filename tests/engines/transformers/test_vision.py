@@ -4,11 +4,13 @@ output, a repeated image is encoded once, image and text requests share the batc
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 from PIL import Image
 
 from penstock.engines.contract import SUPPORTS_IMAGE_INPUT
@@ -115,3 +117,24 @@ async def test_only_a_vlm_advertises_image_input(tiny_model_dir: Path) -> None:
             await run(engine, request)
     finally:
         await engine.cleanup()
+
+
+async def test_new_weights_drop_the_cached_image_features(vlm: TransformersEngine) -> None:
+    assert vlm.vision is not None
+    picture = _image((70, 70, 140))
+    before = await tokens(vlm, _with_images(vlm, picture, max_tokens=6))
+    calls = vlm.vision.encoder_calls
+    name = next(
+        n for n in vlm.model.state_dict() if n.endswith("multi_modal_projector.linear_2.weight")
+    )
+    pushed = {name: vlm.model.state_dict()[name].neg().contiguous()}
+    payload = base64.b64encode(safetensors.torch.save(pushed)).decode()
+    await vlm.engine_control("pause_generation", {"mode": "wait"})
+    updated = await vlm.engine_update(
+        "update_weights_from_tensor", {"serialized_named_tensors": [payload]}
+    )
+    assert updated["status"] == "ok", updated
+    await vlm.engine_control("resume_generation", {})
+    after = await tokens(vlm, _with_images(vlm, picture, max_tokens=6))
+    assert vlm.vision.encoder_calls == calls + 1
+    assert after != before, "the image was encoded again, by the new projector"
