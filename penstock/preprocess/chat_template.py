@@ -184,14 +184,39 @@ def _template_message(message: dict[str, Any], index: int, content_parts: bool) 
         )
     rendered = dict(message)
     content = message.get("content")
-    if content_parts and isinstance(content, list):
-        rendered["content"] = [part for part in content if isinstance(part, dict)]
-    else:
-        rendered["content"] = _text_content(content)
+    parts = _media_parts(content) if content_parts else None
+    rendered["content"] = parts if parts is not None else _text_content(content)
     tool_calls = message.get("tool_calls")
     if isinstance(tool_calls, list):
         rendered["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
     return rendered
+
+
+# OpenAI media part types as HF templates name them.
+_MEDIA_PART_TYPES = {
+    "image_url": "image",
+    "image": "image",
+    "input_audio": "audio",
+    "audio_url": "audio",
+    "audio": "audio",
+}
+
+
+def _media_parts(content: Any) -> list[dict[str, Any]] | None:
+    """Content with media as HF-style parts; None when it is text only."""
+    if not isinstance(content, list):
+        return None
+    parts = [part for part in content if isinstance(part, dict)]
+    if not any(part.get("type") in _MEDIA_PART_TYPES for part in parts):
+        return None
+    shaped: list[dict[str, Any]] = []
+    for part in parts:
+        kind = part.get("type")
+        if kind == "text" and "text" in part:
+            shaped.append({"type": "text", "text": part["text"]})
+        elif kind in _MEDIA_PART_TYPES:
+            shaped.append({"type": _MEDIA_PART_TYPES[kind]})
+    return shaped
 
 
 def _text_content(content: Any) -> Any:

@@ -287,24 +287,11 @@ def _flatten_content(content: Any) -> str:
     return "\n".join(part.text for part in content if part.type == "text")
 
 
-# Media parts as HF chat templates name them: the template writes the model's placeholder.
-_TEMPLATE_MEDIA_PARTS = {"image_url": "image", "input_audio": "audio", "audio_url": "audio"}
+_MEDIA_PART_TYPES = frozenset({"image_url", "input_audio", "audio_url"})
 
 
-def _template_content(content: Any) -> str | list[dict[str, str]]:
-    """Text as one string; content with media as its parts, media where they were sent
-    (templates that only print content join the text parts, see ``chat_template``)."""
-    if not isinstance(content, list) or not any(
-        part.type in _TEMPLATE_MEDIA_PARTS for part in content
-    ):
-        return _flatten_content(content)
-    parts: list[dict[str, str]] = []
-    for part in content:
-        if part.type == "text":
-            parts.append({"type": "text", "text": part.text})
-        elif part.type in _TEMPLATE_MEDIA_PARTS:
-            parts.append({"type": _TEMPLATE_MEDIA_PARTS[part.type]})
-    return parts
+def _has_media(content: Any) -> bool:
+    return isinstance(content, list) and any(part.type in _MEDIA_PART_TYPES for part in content)
 
 
 async def chat_prompt(
@@ -335,7 +322,10 @@ async def chat_prompt(
     chars = 0
     for message in body.messages:
         rendered = message.model_dump(exclude_none=True)
-        rendered["content"] = _template_content(message.content)
+        # Content with media keeps its parts: the chat template places them (see
+        # ``preprocess.chat_template``); text-only content is one string.
+        if not _has_media(message.content):
+            rendered["content"] = _flatten_content(message.content)
         chars += len(_flatten_content(message.content))
         messages.append(rendered)
     check_prompt_length(gateway.settings, model, pre, chars, "messages")

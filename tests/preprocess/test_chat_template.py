@@ -220,10 +220,15 @@ def test_templates_that_loop_over_content_get_media_parts_in_place(
         {"type": "text", "text": "Compare "},
         {"type": "image"},
         {"type": "text", "text": " and "},
-        {"type": "image"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
     ]
     messages = [{"role": "user", "content": parts}]
     assert with_template(hf_style).render_chat(messages) == "Compare <image> and <image>"
+    # Text-only content is one string, whatever the template expects.
+    text_only = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    assert with_template(hf_style).render_chat(text_only) == "a\nb"
     filtered = with_template(
         "{% for m in messages %}{% for p in m.content | selectattr('type', 'equalto', 'image') %}"
         "[IMG]{% endfor %}{% endfor %}"

@@ -7,6 +7,10 @@ so the HTTP server keeps serving while the model computes.
 LoRA adapters (``load_lora`` / ``unload_lora``) are injected with peft (see :mod:`.lora`);
 a request whose ``model`` names a loaded adapter runs with it, in the same batch as
 requests for the base model and for other adapters.
+
+A vision-language checkpoint (LLaVA-style, see :mod:`.vision`) advertises image input:
+its requests' images become features once per distinct image, and their prefill runs
+from ``inputs_embeds``; they decode in the same batch as text-only requests.
 """
 
 from __future__ import annotations
