@@ -1,7 +1,14 @@
 """Rendering a model's Jinja chat template the way transformers does, inside a sandbox.
 
 Chat templates come with model folders and are untrusted code, so they run in jinja2's
-immutable sandbox. The environment mirrors ``transformers``' (``trim_blocks``,
+immutable sandbox.
+
+Message content reaches a template as one string, except in the messages that carry
+media parts when the template loops over ``message['content']`` (HF vision-language
+templates do): those get the parts themselves, text parts as sent and media parts as
+``{"type": "image"}`` / ``{"type": "audio"}``, so the template writes the model's own
+placeholder where each item sits. Templates that only print content get the text parts
+joined, media left out. The environment mirrors ``transformers``' (``trim_blocks``,
 ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``strftime_now``, a non-escaping
 ``tojson``, a no-op ``{% generation %}`` block) so Hub templates render identically.
 """
@@ -107,6 +114,24 @@ def compile_template(source: str) -> jinja2.Template:
     return _ENVIRONMENT.from_string(source)
 
 
+def iterates_content(source: str) -> bool:
+    """Whether the template loops over a message's ``content`` (as a list of parts)."""
+    try:
+        tree = _ENVIRONMENT.parse(source)
+    except jinja2.TemplateSyntaxError:
+        return False
+    return any(_is_content(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
+
+
+def _is_content(node: jinja2.nodes.Node) -> bool:
+    # `message['content'] | selectattr(...)` loops over content too.
+    while isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test) and node.node is not None:
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    return isinstance(node, jinja2.nodes.Getattr) and node.attr == "content"
+
+
 def render_template(
     template: jinja2.Template,
     *,
@@ -115,7 +140,9 @@ def render_template(
     tools: list[dict[str, Any]] | None,
     special_tokens: dict[str, str],
     chat_template_kwargs: dict[str, Any] | None,
+    content_parts: bool = False,
 ) -> str:
+    """``content_parts``: the template loops over content (see :func:`iterates_content`)."""
     variables: dict[str, Any] = dict(special_tokens)
     if chat_template_kwargs:
         reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(chat_template_kwargs))
@@ -127,7 +154,7 @@ def render_template(
             )
         variables.update(chat_template_kwargs)
     variables["messages"] = [
-        _template_message(message, index) for index, message in enumerate(messages)
+        _template_message(message, index, content_parts) for index, message in enumerate(messages)
     ]
     variables["tools"] = tools
     variables["add_generation_prompt"] = add_generation_prompt
@@ -148,7 +175,7 @@ def _describe(exc: Exception) -> str:
     return text if text else type(exc).__name__
 
 
-def _template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+def _template_message(message: dict[str, Any], index: int, content_parts: bool) -> dict[str, Any]:
     """The message as templates expect it: content as one string, tool arguments as objects."""
     if not isinstance(message, dict):
         raise InvalidRequestError(
@@ -156,11 +183,40 @@ def _template_message(message: dict[str, Any], index: int) -> dict[str, Any]:
             param=f"messages[{index}]",
         )
     rendered = dict(message)
-    rendered["content"] = _text_content(message.get("content"))
+    content = message.get("content")
+    parts = _media_parts(content) if content_parts else None
+    rendered["content"] = parts if parts is not None else _text_content(content)
     tool_calls = message.get("tool_calls")
     if isinstance(tool_calls, list):
         rendered["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
     return rendered
+
+
+# OpenAI media part types as HF templates name them.
+_MEDIA_PART_TYPES = {
+    "image_url": "image",
+    "image": "image",
+    "input_audio": "audio",
+    "audio_url": "audio",
+    "audio": "audio",
+}
+
+
+def _media_parts(content: Any) -> list[dict[str, Any]] | None:
+    """Content with media as HF-style parts; None when it is text only."""
+    if not isinstance(content, list):
+        return None
+    parts = [part for part in content if isinstance(part, dict)]
+    if not any(part.get("type") in _MEDIA_PART_TYPES for part in parts):
+        return None
+    shaped: list[dict[str, Any]] = []
+    for part in parts:
+        kind = part.get("type")
+        if kind == "text" and "text" in part:
+            shaped.append({"type": "text", "text": part["text"]})
+        elif kind in _MEDIA_PART_TYPES:
+            shaped.append({"type": _MEDIA_PART_TYPES[kind]})
+    return shaped
 
 
 def _text_content(content: Any) -> Any:

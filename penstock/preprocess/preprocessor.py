@@ -11,6 +11,7 @@ import jinja2
 from penstock.errors import InvalidRequestError, PreprocessorLoadError
 from penstock.preprocess.chat_template import (
     compile_template,
+    iterates_content,
     render_template,
     select_template_name,
 )
@@ -35,6 +36,9 @@ class Preprocessor:
         self._tokenizer = files.tokenizer
         self._special_tokens = files.special_tokens
         self._templates = _compile_templates(files)
+        self._content_parts = {
+            name: iterates_content(source) for name, source in files.chat_templates.items()
+        }
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.model_max_length: int | None = files.model_max_length
         self.bos_token_id: int | None = self._special_token_id("bos_token")
@@ -101,6 +105,7 @@ class Preprocessor:
             tools=tools,
             special_tokens=self._special_tokens,
             chat_template_kwargs=chat_template_kwargs,
+            content_parts=self._content_parts.get(name, False),
         )
 
     def tokenize_chat(

@@ -287,6 +287,13 @@ def _flatten_content(content: Any) -> str:
     return "\n".join(part.text for part in content if part.type == "text")
 
 
+_MEDIA_PART_TYPES = frozenset({"image_url", "input_audio", "audio_url"})
+
+
+def _has_media(content: Any) -> bool:
+    return isinstance(content, list) and any(part.type in _MEDIA_PART_TYPES for part in content)
+
+
 async def chat_prompt(
     gateway: Gateway,
     body: ChatCompletionRequest,
@@ -315,8 +322,11 @@ async def chat_prompt(
     chars = 0
     for message in body.messages:
         rendered = message.model_dump(exclude_none=True)
-        rendered["content"] = _flatten_content(message.content)
-        chars += len(rendered["content"])
+        # Content with media keeps its parts: the chat template places them (see
+        # ``preprocess.chat_template``); text-only content is one string.
+        if not _has_media(message.content):
+            rendered["content"] = _flatten_content(message.content)
+        chars += len(_flatten_content(message.content))
         messages.append(rendered)
     check_prompt_length(gateway.settings, model, pre, chars, "messages")
     response_format: dict[str, Any] | None = None

@@ -205,3 +205,36 @@ def test_strftime_now_gives_the_current_date(with_template: WithTemplate) -> Non
     before = f"{datetime.now():%Y-%m}"
     rendered = preprocessor.render_chat([])
     assert rendered in {before, f"{datetime.now():%Y-%m}"}
+
+
+def test_templates_that_loop_over_content_get_media_parts_in_place(
+    with_template: WithTemplate,
+) -> None:
+    hf_style = (
+        "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}"
+        "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>"
+        "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "{% endfor %}"
+    )
+    parts = [
+        {"type": "text", "text": "Compare "},
+        {"type": "image"},
+        {"type": "text", "text": " and "},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+    ]
+    messages = [{"role": "user", "content": parts}]
+    assert with_template(hf_style).render_chat(messages) == "Compare <image> and <image>"
+    # Text-only content is one string, whatever the template expects.
+    text_only = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    assert with_template(hf_style).render_chat(text_only) == "a\nb"
+    filtered = with_template(
+        "{% for m in messages %}{% for p in m.content | selectattr('type', 'equalto', 'image') %}"
+        "[IMG]{% endfor %}{% endfor %}"
+    )
+    assert filtered.render_chat(messages) == "[IMG][IMG]"
+    # A template that prints content as a string still gets the text parts joined.
+    assert with_template("{{ messages[0]['content'] }}").render_chat(messages) == (
+        "Compare \n and "
+    )

@@ -35,6 +35,7 @@ class EngineArgs:
     health_check_payload: str | None
     cpu_threads: int | None = None
     generation_config: str = "auto"
+    encoder_cache_bytes: int = 256 * 1024 * 1024
 
 
 def _positive_int(text: str) -> int:
@@ -105,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: auto)",
     )
     parser.add_argument(
+        "--encoder-cache-bytes",
+        type=_positive_int,
+        default=256 * 1024 * 1024,
+        help="bytes of image features a vision-language model keeps, so a repeated image "
+        "skips the vision tower (default: 268435456, 256 MiB)",
+    )
+    parser.add_argument(
         "--health-check-payload", help="canary request JSON or @file (replaces the default)"
     )
     return parser
@@ -126,4 +134,5 @@ def parse_args(argv: list[str]) -> EngineArgs:
         health_check_payload=namespace.health_check_payload,
         cpu_threads=namespace.cpu_threads,
         generation_config=namespace.generation_config,
+        encoder_cache_bytes=namespace.encoder_cache_bytes,
     )

@@ -7,6 +7,10 @@ so the HTTP server keeps serving while the model computes.
 LoRA adapters (``load_lora`` / ``unload_lora``) are injected with peft (see :mod:`.lora`);
 a request whose ``model`` names a loaded adapter runs with it, in the same batch as
 requests for the base model and for other adapters.
+
+A vision-language checkpoint (LLaVA-style, see :mod:`.vision`) advertises image input:
+its requests' images become features once per distinct image, and their prefill runs
+from ``inputs_embeds``; they decode in the same batch as text-only requests.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from transformers import AutoConfig
 from penstock.engines.context import Context
 from penstock.engines.contract import (
     MULTI_CHOICE_RUNTIME_KEY,
+    SUPPORTS_IMAGE_INPUT,
     EngineConfig,
     GenerateChunk,
     GenerateRequest,
@@ -53,6 +58,12 @@ from penstock.engines.transformers.scheduler import (
     Submission,
 )
 from penstock.engines.transformers.sync import WeightSync, checksum_control, weights_by_name
+from penstock.engines.transformers.vision import (
+    VisionEncoder,
+    check_vision_config,
+    is_vision_config,
+    load_vision_model,
+)
 from penstock.engines.transformers.weights import (
     CheckpointError,
     apply_weight_update,
@@ -175,6 +186,9 @@ class TransformersEngine(LLMEngine):
         self._unloading: set[str] = set()
         self._retired: set[str] = set()
         self.weight_sync = WeightSync()
+        # Set for vision-language checkpoints: encodes images, expands their placeholders.
+        self.vision: VisionEncoder | None = None
+        self._load_model: Callable[..., Any] = load_model
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -211,8 +225,11 @@ class TransformersEngine(LLMEngine):
         if self.args.cpu_threads is not None:
             torch.set_num_threads(self.args.cpu_threads)
         self.dtype = _resolve_dtype(self.args.dtype, self.device, config)
+        if is_vision_config(config):
+            check_vision_config(config)
+            self._load_model = load_vision_model
         self.model = await asyncio.to_thread(
-            load_model, self.model_path, dtype=self.dtype, device=self.device
+            self._load_model, self.model_path, dtype=self.dtype, device=self.device
         )
         text_config = self.model.config.get_text_config(decoder=True)
         model_limit = getattr(text_config, "max_position_embeddings", None)
@@ -246,6 +263,16 @@ class TransformersEngine(LLMEngine):
             on_forward_pass=self._on_forward_pass,
             worker_id=str(worker_id),
         )
+        if self._load_model is load_vision_model:
+            self.vision = VisionEncoder(
+                self.model_path,
+                self.model.config,
+                model=lambda: self.model,
+                step_lock=self.scheduler.step_lock,
+                device=self.device,
+                dtype=self.dtype,
+                cache_bytes=self.args.encoder_cache_bytes,
+            )
         self.scheduler.start()
         logger.info(
             "transformers engine ready: %s on %s (%s), context %d, %d sequences, %d KV tokens",
@@ -259,7 +286,10 @@ class TransformersEngine(LLMEngine):
         return EngineConfig(
             model=self.served_model_name,
             served_model_name=self.served_model_name,
-            runtime_data={MULTI_CHOICE_RUNTIME_KEY: True},
+            runtime_data={
+                MULTI_CHOICE_RUNTIME_KEY: True,
+                SUPPORTS_IMAGE_INPUT: self.vision is not None,
+            },
             llm=LlmRegistration(
                 context_length=self.context_length,
                 kv_cache_block_size=KV_BLOCK_SIZE,
@@ -296,14 +326,26 @@ class TransformersEngine(LLMEngine):
         scheduler = self._require_scheduler()
         adapter = self._adapter_for(request.get("model"))
         prompt = _token_ids(request.get("token_ids"), self.vocab_size)
-        params = parse_sampling_params(
-            dict(request),
-            prompt_len=len(prompt),
-            context_length=self.context_length,
-            vocab_size=self.vocab_size,
-            max_num_seqs=self.args.max_num_seqs,
-            defaults=self.sampling_defaults,
-        )
+
+        def sampling_params() -> Any:
+            return parse_sampling_params(
+                dict(request),
+                prompt_len=len(prompt),
+                context_length=self.context_length,
+                vocab_size=self.vocab_size,
+                max_num_seqs=self.args.max_num_seqs,
+                defaults=self.sampling_defaults,
+            )
+
+        params = sampling_params()
+        embed = None
+        if self.vision is not None:
+            # Expanded image placeholders lengthen the prompt: its limits are checked again.
+            prompt, embed = await self.vision.prepare(prompt, request.get("multi_modal_data"))
+            if embed is not None:
+                params = sampling_params()
+        elif request.get("multi_modal_data"):
+            raise ValueError("multi_modal_data: this model takes text only")
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[list[Any]] = asyncio.Queue()
 
@@ -313,7 +355,9 @@ class TransformersEngine(LLMEngine):
             except RuntimeError:
                 logger.debug("request %s: event loop closed before delivery", context.id())
 
-        submission = Submission(context.id(), context, prompt, params, deliver, adapter)
+        submission = Submission(
+            context.id(), context, prompt, params, deliver, adapter, embed=embed
+        )
         scheduler.submit(submission)
         remaining = params.n
         try:
@@ -413,6 +457,8 @@ class TransformersEngine(LLMEngine):
         ]
         for kind, value in self.memory_bytes().items():
             lines.append(f'penstock_engine_memory_bytes{{model="{label}",kind="{kind}"}} {value}')
+        if self.vision is not None:
+            lines += self.vision.prometheus_lines(label)
         return "\n".join(lines) + "\n"
 
     def memory_bytes(self) -> dict[str, int]:
@@ -589,7 +635,7 @@ class TransformersEngine(LLMEngine):
         scheduler = self._require_scheduler()
         device, dtype = self._placement()
         if self.model is None:
-            model = load_model(self.model_path, dtype=dtype, device=device)
+            model = self._load_model(self.model_path, dtype=dtype, device=device)
             if self._weights_source is not None:
                 apply_weight_update(
                     plan_weight_update(model, read_safetensors(self._weights_source))
@@ -695,6 +741,7 @@ class TransformersEngine(LLMEngine):
             await asyncio.to_thread(self._load_weights, source)
         except CheckpointError as exc:
             return _error(f"weight update failed, the previous weights keep serving: {exc}")
+        self._weights_changed()
         self._weights_source = source
         if version is not None:
             self.weight_version = version
@@ -712,6 +759,11 @@ class TransformersEngine(LLMEngine):
         plan = plan_weight_update(self.model, read_safetensors(source))
         with scheduler.step_lock:
             apply_weight_update(plan)
+
+    def _weights_changed(self) -> None:
+        # Cached image features came from the old vision tower.
+        if self.vision is not None:
+            self.vision.forget()
 
     def _pushable_model(self, update: str, body: Body) -> Any:
         """The live model, if ``update`` may write into it now; else a refusal to return."""
@@ -735,6 +787,7 @@ class TransformersEngine(LLMEngine):
             result = await asyncio.to_thread(run, model)
         except WeightSyncError as exc:
             return _error(f"{update} refused, the previous weights keep serving: {exc}")
+        self._weights_changed()
         version = body.get("weight_version")
         if version is not None:
             self.weight_version = version

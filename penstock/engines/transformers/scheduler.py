@@ -77,6 +77,9 @@ class Submission:
     deliver: Deliver
     # peft's name of the LoRA adapter the request runs with; None runs the base model.
     adapter: str | None = None
+    # Builds the prompt's ``inputs_embeds`` from (model, prompt ids) at prefill, for
+    # prompts whose placeholder tokens stand for image features; None feeds the ids.
+    embed: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     cancelled: bool = False
     # Arrived before a pause in "wait" mode: still runs, the pause waits for it.
     drain: bool = False
@@ -429,8 +432,12 @@ class BatchScheduler:
                 self._finish(seq, "cancelled", outbox, last_chunk=None)
             return []
         prompt = torch.tensor([submission.prompt_ids], device=self.device)
+        if submission.embed is None:
+            inputs = {"input_ids": prompt}
+        else:
+            inputs = {"inputs_embeds": submission.embed(self.model, prompt)}
         output = self.model(
-            input_ids=prompt,
+            **inputs,
             cache=DynamicCache(),
             use_cache=True,
             logits_to_keep=1,
