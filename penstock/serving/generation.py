@@ -201,6 +201,11 @@ class Generation:
         usage = chunk.get("completion_usage")
         if not usage:
             return
+        reported = usage.get("prompt_tokens")
+        # The engine's count wins: it includes what it expanded the prompt into (image
+        # feature tokens of a vision-language model), which the gateway never sees.
+        if isinstance(reported, int) and not isinstance(reported, bool) and reported >= 0:
+            self.prompt_tokens = reported
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         if isinstance(cached, int):

@@ -77,13 +77,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield process
 
 
-def chat(server: ServerProcess, *images: str, max_tokens: int = 8) -> httpx.Response:
+def chat_content(*images: str) -> list[dict[str, Any]]:
     content: list[dict[str, Any]] = [{"type": "text", "text": "what is in"}]
     content += [{"type": "image_url", "image_url": {"url": url}} for url in images]
     content.append({"type": "text", "text": "this picture?"})
+    return content
+
+
+def chat(server: ServerProcess, *images: str, max_tokens: int = 8) -> httpx.Response:
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": content}],
+        "messages": [{"role": "user", "content": chat_content(*images)}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -139,3 +143,16 @@ def test_text_and_image_requests_run_concurrently(server: ServerProcess) -> None
     assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
     ids = [completion_ids(r) for r in replies]
     assert ids[0] == ids[2] and ids[1] == ids[3] and ids[0] != ids[1]
+
+
+def test_usage_counts_the_image_feature_tokens(server: ServerProcess) -> None:
+    image = data_url(png((5, 5, 5)))
+    answer = chat(server, image, max_tokens=1).json()
+    messages = [{"role": "user", "content": chat_content(image)}]
+    rendered = httpx.post(
+        f"{server.base_url}/tokenize", json={"model": MODEL, "messages": messages}, timeout=60
+    )
+    assert rendered.status_code == 200, rendered.text
+    # The tiny checkpoint turns the one placeholder token into 16 image feature tokens.
+    assert answer["usage"]["prompt_tokens"] == rendered.json()["count"] - 1 + 16
+    assert answer["usage"]["total_tokens"] == answer["usage"]["prompt_tokens"] + 1
