@@ -17,7 +17,7 @@ async def test_capabilities_lists_controls_updates_routes_state_and_version(
     body = (await client.get("/engine/capabilities")).json()
     assert body["object"] == "engine.capabilities"
     assert "pause_generation" in body["controls"] and "load_lora" in body["updates"]
-    assert len(body["rl_routes"]) == 16 and "update_weights_from_disk" in body["rl_routes"]
+    assert len(body["rl_routes"]) == 17 and "update_weights_from_nixl" in body["rl_routes"]
     assert body["state"]["state"] == "serving" and body["weight_version"] is None
     assert body["lora"]["supported"] is True and body["lora"]["schemes"] == ["file", "hf", "s3"]
     assert (
