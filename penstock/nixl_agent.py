@@ -3,9 +3,12 @@ and weight pulls (:mod:`penstock.engines.weight_sync`) share.
 
 The NIXL module is imported on first use (``nixl`` or ``nixl_cu12``/``nixl_cu13``,
 whichever is installed: ``pip install 'penstock[nixl]'``). Agents are created with the UCX
-backend only, so NIXL does not try plugins that cannot load here. Between processes on
-one host UCX copies through the kernel (``cma``), with GPU memory on CUDA machines. An
-agent is not thread-safe: one owner at a time.
+backend only, so NIXL does not try plugins that cannot load here. NIXL's progress thread
+spins about half a core even while idle; an agent whose owner keeps polling while a peer
+may need it (its own transfers, and notifications while a peer connects or reads) goes
+without it (``progress_thread=False``): polling makes the same progress. Between
+processes on one host UCX copies through the kernel (``cma``), with GPU memory on CUDA
+machines. An agent is not thread-safe: one owner at a time.
 """
 
 from __future__ import annotations
@@ -50,10 +53,11 @@ def mem_type_of(tensor: torch.Tensor) -> tuple[str, int]:
 class NixlAgent:
     """One NIXL agent over UCX, and the notifications it has received but not yet used."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, *, progress_thread: bool = True) -> None:
         api = nixl_api()
         self.name = f"penstock-{role}-{uuid.uuid4().hex[:12]}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        self.agent = api.nixl_agent(self.name, config)
         self.remotes: set[str] = set()
         self._arrived: set[tuple[str, bytes]] = set()
 
@@ -116,6 +120,8 @@ class NixlAgent:
         try:
             state = self.agent.transfer(handle)
             while state == "PROC":
+                # Lets the process's other threads (its event loop) run between polls.
+                time.sleep(0)
                 state = self.agent.check_xfer_state(handle)
             return state == "DONE"
         finally:

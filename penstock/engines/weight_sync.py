@@ -93,7 +93,8 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     import torch
 
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+    # Hashed through the buffer protocol: no copy of the bytes.
+    return hashlib.sha256(flat.view(torch.uint8).numpy().data).hexdigest()
 
 
 def combine_digests(entries: Iterable[tuple[str, str, tuple[int, ...], str]]) -> str:
@@ -435,7 +436,8 @@ class NixlPuller:
         from penstock.nixl_agent import NixlAgent, mem_type_of
 
         if self._agent is None:
-            self._agent = NixlAgent("weights")
+            # Only this side starts transfers, and it polls them to the end.
+            self._agent = NixlAgent("weights", progress_thread=False)
         agent = self._agent
         try:
             peer = agent.add_remote(pull.agent_metadata)

@@ -17,8 +17,9 @@ The HTTP calls speak SGLang's routes. A broadcast posts the metadata and sends t
 at the same time; if the engine refuses the request while this side is still sending,
 the collective is abandoned with the engine's error and the group must be re-created
 (``destroy_group`` then ``init_group``). A NIXL push registers the tensors with this
-process's NIXL agent (made on the first push), posts their descriptors, waits for the
-engine's answer and its READ notification, then deregisters them; the engine reads this
+process's NIXL agent (made on the first push), posts their descriptors, polls the agent
+(which serves the engine's connection) until the engine answers and its READ
+notification is in, then deregisters them; the engine reads this
 process's memory meanwhile, so the tensors must not change until the call returns. Torch
 is imported only when a method needs it.
 """
@@ -203,7 +204,8 @@ class WeightPusher:
         from penstock.nixl_agent import NixlAgent
 
         if self._nixl is None:
-            self._nixl = NixlAgent("trainer")
+            # Polled below while the engine connects and reads: no idle progress thread.
+            self._nixl = NixlAgent("trainer", progress_thread=False)
         agent = self._nixl
         items = {name: t.detach().contiguous() for name, t in tensors.items()}
         registration = agent.agent.register_memory(distinct_regions(items.values()))
@@ -213,10 +215,15 @@ class WeightPusher:
             body["flush_cache"] = True
             if weight_version is not None:
                 body["weight_version"] = weight_version
-            answer = self.post("/update_weights_from_nixl", body)
-            # The answer follows the READ, whose notification may trail it a little; once
+            answered = self._pool.submit(self.post, "/update_weights_from_nixl", body)
+            notified = False
+            while not answered.done():
+                notified = notified or agent.take(None, notify.encode())
+                time.sleep(0.001)
+            answer = answered.result()
+            # The notification follows the READ, and may trail the answer a little; once
             # it is in, no READ of this memory is outstanding.
-            if not agent.wait_for(None, notify.encode(), notify_timeout_s):
+            if not notified and not agent.wait_for(None, notify.encode(), notify_timeout_s):
                 raise RuntimeError(f"the engine's READ notification {notify!r} never came")
             return answer
         finally:
