@@ -5,8 +5,9 @@ the same checkpoint here as the trainer, and for each method pauses, pushes ever
 tensor, resumes: ``update_weights_from_disk`` (safetensors written beforehand, not
 timed), gloo broadcast (per tensor, and one flattened bucket), and tensors (base64
 safetensors over HTTP in 24 MiB buckets; a larger tensor travels alone, so the server
-runs with --max-body-mb 400). GiB/s is the model's bytes over the push call alone;
-pause-to-resume includes the pause and resume calls.
+runs with --max-body-mb 400), and NIXL (the engine READs every tensor from this process
+over UCX; the push includes registering and deregistering them). GiB/s is the model's
+bytes over the push call alone; pause-to-resume includes the pause and resume calls.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ def timed(pusher: WeightPusher, push: Callable[[], object]) -> tuple[float, floa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=[],
+        help="run only the methods whose label contains one of these texts (default: all)",
+    )
     args = parser.parse_args()
     model_dir = ensure_default_model(default_model_cache_dir())
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -99,10 +106,13 @@ def main() -> None:
                 "tensors (safetensors, 24 MiB buckets; one tensor per bucket past that)": lambda: [
                     pusher.push_tensors(b) for b in buckets(unique)
                 ],
+                "nixl (engine READs over UCX)": lambda: pusher.push_nixl(unique),
             }
             print(f"model bytes: {gib:.3f} GiB ({len(unique)} tensors)")
             print(f"{'method':40} {'GiB/s':>7} {'push s':>7} {'pause->resume s':>16}")
             for label, push in methods.items():
+                if args.only and not any(part in label for part in args.only):
+                    continue
                 best = min(timed(pusher, push) for _ in range(args.repeats))
                 print(f"{label:40} {gib / best[0]:7.2f} {best[0]:7.2f} {best[1]:16.2f}")
             pusher.destroy_group()

@@ -21,7 +21,9 @@ It also implements the RL admin controls in a simulated but observable way:
   (base64 safetensors, see :mod:`penstock.engines.weight_sync`) or ``named_tensors``
   (``{"token_shift": [n]}``); it answers with the checksum of what it wrote, and
   ``weights_checksum`` / ``get_weights_by_name`` read the weights back, computed as the
-  transformers engine computes them.
+  transformers engine computes them. ``update_weights_from_nixl`` (when NIXL is
+  installed) READs ``token_shift`` from the trainer's registered memory for real, with
+  the body of :mod:`penstock.engines.weight_sync`, and answers with the same checksum.
 * **weight versions**: every chunk carries ``engine_data: {"weight_version": v}``.
 * **metrics**: while requests run it publishes one simulated forward pass (and a KV
   snapshot: 16-token blocks out of 1000) every ``max(--delay, 10 ms)``: the requests that
@@ -71,7 +73,13 @@ from penstock.engines.health import (
     parse_health_check_payload_cli,
 )
 from penstock.engines.token_budget import TOKEN_BUDGET_RUNTIME_KEY, TokenBudget
-from penstock.engines.weight_sync import combine_digests
+from penstock.engines.weight_sync import (
+    NixlPuller,
+    WeightSyncError,
+    check_against,
+    combine_digests,
+    parse_nixl_pull,
+)
 from penstock.metrics.forward_pass import (
     ComponentSnapshot,
     ForwardPassMetrics,
@@ -79,6 +87,7 @@ from penstock.metrics.forward_pass import (
     ScheduledRequestMetrics,
     WelfordAccumulator,
 )
+from penstock.nixl_agent import nixl_installed
 
 if TYPE_CHECKING:
     import numpy as np
@@ -261,6 +270,7 @@ class SampleLLMEngine(LLMEngine):
         self._pass_counter = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._puller: NixlPuller | None = None
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[SampleLLMEngine, WorkerConfig]:
@@ -587,13 +597,16 @@ class SampleLLMEngine(LLMEngine):
         }
 
     def _updates(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
-        return {
+        updates: dict[str, Callable[[dict[str, Any]], Any]] = {
             "update_weights_from_disk": self._update_from_disk,
             "update_weights_from_tensor": self._update_from_tensor,
             "update_weight_version": self._update_weight_version,
             "load_lora": self._load_lora,
             "unload_lora": self._unload_lora,
         }
+        if nixl_installed():
+            updates["update_weights_from_nixl"] = self._update_from_nixl
+        return updates
 
     async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
         handler = self._controls().get(control)
@@ -742,6 +755,34 @@ class SampleLLMEngine(LLMEngine):
             "checksum": self._checksum()[0],
         }
 
+    async def _update_from_nixl(self, body: dict[str, Any]) -> dict[str, Any]:
+        self._require_held_for_update()
+        version = _optional_str(body, "weight_version")
+        try:
+            shift = await asyncio.to_thread(self._pull_shift, body)
+        except WeightSyncError as exc:
+            raise _BadBody(str(exc)) from exc
+        self._install(SampleWeights(shift, "nixl"), version)
+        return {
+            "status": "ok",
+            "weight_version": self.weight_version,
+            "checksum": self._checksum()[0],
+        }
+
+    def _pull_shift(self, body: dict[str, Any]) -> int:
+        import torch
+
+        pull = parse_nixl_pull(body)
+        live = {"token_shift": torch.tensor([self.weights.token_shift], dtype=torch.int64)}
+        check_against(pull.specs, live)
+        if {spec.name for spec in pull.specs} != set(WEIGHT_SHAPES):
+            raise WeightSyncError("the sample model's one tensor is token_shift: send it")
+        if self._puller is None:
+            self._puller = NixlPuller()
+        landed = torch.zeros(1, dtype=torch.int64)
+        self._puller.read(pull, [0], [landed], last=True)
+        return int(landed[0])
+
     def _checksum(self) -> tuple[str, dict[str, str]]:
         import numpy as np
 
@@ -821,6 +862,9 @@ class SampleLLMEngine(LLMEngine):
 
     async def cleanup(self) -> None:
         self.started = False
+        puller, self._puller = self._puller, None
+        if puller is not None:
+            puller.close()
         passes, self._passes = self._passes, None
         if passes is not None:
             passes.cancel()

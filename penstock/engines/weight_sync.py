@@ -25,6 +25,17 @@ only form accepted unless the operator trusts payloads). A pickled payload (what
 on the same host its tensors may live in shared memory) is unpickled only with
 ``--trust-weight-payloads``, since unpickling runs code the sender chose.
 
+**NIXL pull** (``update_weights_from_nixl``): the trainer registers its tensors with a
+NIXL agent (UCX) and posts ``agent_name``, ``agent_metadata`` (base64 of the agent's
+metadata, taken after registering), ``names``/``dtypes``/``shapes`` as for a broadcast,
+``descriptors`` (one ``[address, nbytes, device_id]`` per name, ``nbytes`` equal to the
+declared shape times the dtype's size), ``mem_type`` (``DRAM``, the default, or
+``VRAM``) and an optional ``notify`` tag. The engine validates everything, then READs
+the bytes straight into its parameters (through a bounded scratch buffer when it holds
+a tensor in another dtype); its last READ carries ``notify`` (default
+``penstock-weights``), which tells the trainer its memory is free. The engine keeps the
+trainer's agent loaded between pushes (refreshing its metadata each time).
+
 Torch is imported inside the functions that need it: the gateway imports this module.
 """
 
@@ -41,6 +52,8 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+DEFAULT_NIXL_NOTIFY = "penstock-weights"
+NIXL_MEM_TYPES = ("DRAM", "VRAM")
 TRUST_FLAG = "--trust-weight-payloads"
 # Pickle protocols 2..5 open with PROTO (0x80) and the protocol number.
 _PICKLE_PREFIXES = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
@@ -80,7 +93,8 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     import torch
 
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+    # Hashed through the buffer protocol: no copy of the bytes.
+    return hashlib.sha256(flat.view(torch.uint8).numpy().data).hexdigest()
 
 
 def combine_digests(entries: Iterable[tuple[str, str, tuple[int, ...], str]]) -> str:
@@ -304,3 +318,160 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor]) -> str:
 
     plain = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     return base64.b64encode(save(plain)).decode()
+
+
+@dataclass(frozen=True)
+class NixlPull:
+    """A validated ``update_weights_from_nixl`` body."""
+
+    agent_name: str
+    agent_metadata: bytes
+    specs: list[TensorSpec]
+    descriptors: list[tuple[int, int, int]]
+    mem_type: str
+    notify: bytes
+
+
+def parse_nixl_pull(body: Mapping[str, Any]) -> NixlPull:
+    """Every field checked, sizes included, before any memory is touched."""
+    agent_name = body.get("agent_name")
+    if not isinstance(agent_name, str) or not agent_name:
+        raise WeightSyncError("'agent_name' must be the trainer's NIXL agent name")
+    encoded = body.get("agent_metadata")
+    try:
+        if not isinstance(encoded, str) or not encoded:
+            raise ValueError("missing")
+        metadata = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise WeightSyncError(
+            "'agent_metadata' must be base64 of the trainer agent's NIXL metadata"
+        ) from exc
+    specs = parse_specs(body)
+    mem_type = body.get("mem_type", "DRAM")
+    if mem_type not in NIXL_MEM_TYPES:
+        raise WeightSyncError(f"'mem_type' must be one of {', '.join(NIXL_MEM_TYPES)}")
+    notify = body.get("notify", DEFAULT_NIXL_NOTIFY)
+    if not isinstance(notify, str) or not notify:
+        raise WeightSyncError("'notify' must be a non-empty string")
+    raw = body.get("descriptors")
+    if not isinstance(raw, list) or len(raw) != len(specs):
+        raise WeightSyncError(
+            f"'descriptors' must hold one [address, nbytes, device_id] per name ({len(specs)})"
+        )
+    descriptors = []
+    for spec, entry in zip(specs, raw, strict=True):
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry)
+        ):
+            raise WeightSyncError(
+                f"'descriptors' of {spec.name} must be [address, nbytes, device_id]"
+            )
+        address, nbytes, device_id = entry
+        expected = _numel(spec.shape) * parse_dtype(spec.dtype).itemsize
+        if nbytes != expected:
+            raise WeightSyncError(
+                f"'descriptors' of {spec.name}: {nbytes} bytes, but shape {list(spec.shape)} "
+                f"of {spec.dtype} is {expected}"
+            )
+        if address == 0 and nbytes:
+            raise WeightSyncError(f"'descriptors' of {spec.name}: address 0")
+        descriptors.append((address, nbytes, device_id))
+    return NixlPull(agent_name, metadata, specs, descriptors, mem_type, notify.encode())
+
+
+def nixl_pull_body(
+    agent_name: str,
+    metadata: bytes,
+    tensors: Mapping[str, torch.Tensor],
+    notify: str = DEFAULT_NIXL_NOTIFY,
+) -> dict[str, Any]:
+    """The ``update_weights_from_nixl`` body for registered, contiguous ``tensors``."""
+    from penstock.nixl_agent import mem_type_of
+
+    items = list(tensors.items())
+    kinds = {mem_type_of(t)[0] for _, t in items}
+    if len(kinds) != 1:
+        raise WeightSyncError("one NIXL push holds tensors of one memory type")
+    return {
+        "agent_name": agent_name,
+        "agent_metadata": base64.b64encode(metadata).decode(),
+        "names": [name for name, _ in items],
+        "dtypes": [dtype_name(t.dtype) for _, t in items],
+        "shapes": [list(t.shape) for _, t in items],
+        "descriptors": [[t.data_ptr(), t.nbytes, mem_type_of(t)[1]] for _, t in items],
+        "mem_type": kinds.pop(),
+        "notify": notify,
+    }
+
+
+def distinct_regions(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Each memory region once (tied weights share theirs): NIXL registers a region once."""
+    seen: set[tuple[int, int, int]] = set()
+    regions = []
+    for tensor in tensors:
+        key = (tensor.data_ptr(), tensor.nbytes, tensor.get_device())
+        if key not in seen:
+            seen.add(key)
+            regions.append(tensor)
+    return regions
+
+
+class NixlPuller:
+    """The engine's NIXL agent (made on the first pull) and the READs into its memory."""
+
+    def __init__(self) -> None:
+        self._agent: Any = None
+
+    def read(
+        self, pull: NixlPull, indices: list[int], into: list[torch.Tensor], last: bool
+    ) -> None:
+        """READ the descriptors at ``indices`` into the contiguous tensors ``into``.
+
+        A descriptor outside the trainer's registered memory is refused by NIXL before
+        any byte moves (:class:`WeightSyncError`); a READ that fails midway raises
+        :class:`RuntimeError`.
+        """
+        from penstock.nixl_agent import NixlAgent, mem_type_of
+
+        if self._agent is None:
+            # Only this side starts transfers, and it polls them to the end.
+            self._agent = NixlAgent("weights", progress_thread=False)
+        agent = self._agent
+        try:
+            peer = agent.add_remote(pull.agent_metadata)
+        except Exception as exc:
+            raise WeightSyncError(f"'agent_metadata' is not NIXL agent metadata: {exc}") from exc
+        if peer != pull.agent_name:
+            raise WeightSyncError(
+                f"'agent_metadata' belongs to agent {peer!r}, not 'agent_name' {pull.agent_name!r}"
+            )
+        kind, device_id = mem_type_of(into[0])
+        registration = agent.agent.register_memory(distinct_regions(into))
+        try:
+            local = agent.agent.get_xfer_descs(
+                [(t.data_ptr(), t.nbytes, device_id) for t in into], kind
+            )
+            remote = agent.agent.get_xfer_descs(
+                [pull.descriptors[i] for i in indices], pull.mem_type
+            )
+            try:
+                handle = agent.agent.initialize_xfer(
+                    "READ", local, remote, peer, pull.notify if last else b""
+                )
+            except Exception as exc:
+                raise WeightSyncError(
+                    f"NIXL refused the descriptors (are they in memory agent {peer!r} "
+                    f"registered?): {exc}"
+                ) from exc
+            if not agent.run_blocking(handle):
+                raise RuntimeError(f"the NIXL READ from agent {peer!r} failed")
+        finally:
+            agent.agent.deregister_memory(registration)
+
+    def close(self) -> None:
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            for remote in list(agent.remotes):
+                agent.forget(remote)

@@ -94,7 +94,8 @@ class AudioLoader:
         self._client = http_client
         self._receiver: Any = None
         if enable_frontend_decoding:
-            from penstock.multimodal.transfer import NixlReadEmbeddingReceiver, nixl_api
+            from penstock.multimodal.transfer import NixlReadEmbeddingReceiver
+            from penstock.nixl_agent import nixl_api
 
             nixl_api()
             self._receiver = NixlReadEmbeddingReceiver(max_items=0)

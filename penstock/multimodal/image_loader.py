@@ -99,7 +99,8 @@ class ImageLoader:
         self._in_flight: dict[str, asyncio.Future[Image.Image]] = {}
         self._receiver: Any = None
         if enable_frontend_decoding:
-            from penstock.multimodal.transfer import NixlReadEmbeddingReceiver, nixl_api
+            from penstock.multimodal.transfer import NixlReadEmbeddingReceiver
+            from penstock.nixl_agent import nixl_api
 
             nixl_api()
             self._receiver = NixlReadEmbeddingReceiver(max_items=0)

@@ -16,10 +16,8 @@ request back into a tensor of the same shape, dtype and bytes, and is told with
   receiver READs it into a pre-registered slot (or a temporary buffer) and the READ's
   notification tells the sender its tensor is free.
 
-NIXL runs over UCX: between processes on one host it copies through the kernel (``cma``),
-with GPU memory on CUDA machines. The NIXL module is imported on first use (``nixl`` or
-``nixl_cu12``/``nixl_cu13``, whichever is installed: ``pip install 'penstock[nixl]'``).
-Nothing here is thread-safe; each object belongs to one event loop.
+NIXL runs over UCX (the agent and its import: :mod:`penstock.nixl_agent`). Nothing here
+is thread-safe; each object belongs to one event loop.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import importlib
 import itertools
 import logging
 import os
@@ -45,6 +42,8 @@ import msgpack
 import torch
 from pydantic import BaseModel
 from safetensors.torch import load_file, save_file
+
+from penstock.nixl_agent import NixlAgent, mem_type_of
 
 logger = logging.getLogger(__name__)
 
@@ -173,77 +172,14 @@ class LocalEmbeddingReceiver(AbstractEmbeddingReceiver):
                 os.unlink(path)
 
 
-def nixl_api() -> Any:
-    """The ``_api`` module of whichever NIXL package is installed."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    for name in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
-        with contextlib.suppress(ImportError):
-            return importlib.import_module(name)
-    raise RuntimeError("NIXL embedding transfer needs NIXL: pip install 'penstock[nixl]'")
-
-
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _mem_type(tensor: torch.Tensor) -> tuple[str, int]:
-    device = tensor.get_device()
-    return ("DRAM", 0) if device < 0 else ("VRAM", device)
-
-
-class _Agent:
-    """One NIXL agent over UCX, and the notifications it has received but not yet used."""
-
-    def __init__(self, role: str) -> None:
-        api = nixl_api()
-        self.name = f"penstock-{role}-{uuid.uuid4().hex[:12]}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
-        self.remotes: set[str] = set()
-        self._arrived: set[tuple[str, bytes]] = set()
-
-    def metadata(self) -> bytes:
-        """This agent's metadata as of now: it lists the memory registered so far."""
-        return bytes(self.agent.get_agent_metadata())
-
-    def add_remote(self, metadata: bytes) -> str:
-        """Load (or refresh) a peer's metadata; returns its agent name."""
-        name = self.agent.add_remote_agent(metadata)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        self.remotes.add(name)
-        return name
-
-    def poll(self) -> list[tuple[str, bytes]]:
-        return [
-            (remote, message)
-            for remote, messages in self.agent.get_new_notifs().items()
-            for message in messages
-        ]
-
-    def take(self, remote: str, message: bytes) -> bool:
-        """Whether that exact notification has arrived (consuming it)."""
-        self._arrived.update(self.poll())
-        if (remote, message) in self._arrived:
-            self._arrived.discard((remote, message))
-            return True
-        return False
-
-    async def run(self, local: Any, remote: Any, peer: str, op: str, tag: bytes) -> bool:
-        """One READ or WRITE to completion; False when it failed."""
-        handle = self.agent.initialize_xfer(op, local, remote, peer, tag)
-        try:
-            state = self.agent.transfer(handle)
-            while state == "PROC":
-                await asyncio.sleep(0)
-                state = self.agent.check_xfer_state(handle)
-            return state == "DONE"
-        finally:
-            self.agent.release_xfer_handle(handle)
 
 
 class _Registrations:
     """Memory registrations counted per region, so one tensor sent twice registers once."""
 
-    def __init__(self, agent: _Agent) -> None:
+    def __init__(self, agent: NixlAgent) -> None:
         self._agent = agent
         self._held: dict[tuple[int, int, int], tuple[Any, int]] = {}
 
@@ -279,15 +215,15 @@ class _NixlSender(AbstractEmbeddingSender):
     role = "sender"
 
     def __init__(self) -> None:
-        self._agent: _Agent | None = None
+        self._agent: NixlAgent | None = None
         self._registrations: _Registrations | None = None
         self._pending: dict[int, _Outgoing] = {}
         self._ids = itertools.count()
         self._poller: asyncio.Task[None] | None = None
 
-    def _ready(self) -> tuple[_Agent, _Registrations]:
+    def _ready(self) -> tuple[NixlAgent, _Registrations]:
         if self._agent is None or self._registrations is None:
-            self._agent = _Agent(self.role)
+            self._agent = NixlAgent(self.role)
             self._registrations = _Registrations(self._agent)
         return self._agent, self._registrations
 
@@ -337,11 +273,11 @@ class _NixlSender(AbstractEmbeddingSender):
             await asyncio.sleep(_POLL_S)
 
     @abstractmethod
-    def _serialize(self, agent: _Agent, tensor_id: int, tensor: torch.Tensor) -> Any:
+    def _serialize(self, agent: NixlAgent, tensor_id: int, tensor: torch.Tensor) -> Any:
         """The mode-specific ``serialized_request``."""
 
     @abstractmethod
-    async def _on_notification(self, agent: _Agent, remote: str, message: bytes) -> None:
+    async def _on_notification(self, agent: NixlAgent, remote: str, message: bytes) -> None:
         """Handle one notification from a receiver."""
 
 
@@ -357,7 +293,7 @@ class NixlWriteEmbeddingSender(_NixlSender):
 
     role = "write-sender"
 
-    def _serialize(self, agent: _Agent, tensor_id: int, tensor: torch.Tensor) -> Any:
+    def _serialize(self, agent: NixlAgent, tensor_id: int, tensor: torch.Tensor) -> Any:
         return NixlTransferRequest(
             sender_agent_id=agent.name,
             agent_metadata=base64.b64encode(agent.metadata()).decode(),
@@ -365,7 +301,7 @@ class NixlWriteEmbeddingSender(_NixlSender):
             tensor_size=tensor.nbytes,
         ).model_dump_json()
 
-    async def _on_notification(self, agent: _Agent, remote: str, message: bytes) -> None:
+    async def _on_notification(self, agent: NixlAgent, remote: str, message: bytes) -> None:
         try:
             tensor_id, (address, size, device_id, kind), slot_id, metadata = msgpack.unpackb(
                 message
@@ -441,16 +377,16 @@ class NixlWriteEmbeddingReceiver(AbstractEmbeddingReceiver):
     ) -> None:
         self.buffer_size = buffer_size
         self._device = device or _default_device()
-        self._agent: _Agent | None = None
+        self._agent: NixlAgent | None = None
         self._buffer: torch.Tensor | None = None
         self._ring = RingBuffer(buffer_size)
         self._ids = itertools.count()
         self._held: dict[int, int] = {}
         self._told_metadata: set[str] = set()
 
-    def _ready(self) -> tuple[_Agent, torch.Tensor]:
+    def _ready(self) -> tuple[NixlAgent, torch.Tensor]:
         if self._agent is None or self._buffer is None:
-            self._agent = _Agent("write-receiver")
+            self._agent = NixlAgent("write-receiver")
             # Touched now: registering untouched pages makes the first transfers slow.
             self._buffer = torch.zeros(self.buffer_size, dtype=torch.int8, device=self._device)
             self._agent.agent.register_memory(self._buffer)
@@ -512,8 +448,8 @@ class NixlReadEmbeddingSender(_NixlSender):
 
     role = "read-sender"
 
-    def _serialize(self, agent: _Agent, tensor_id: int, tensor: torch.Tensor) -> Any:
-        mem_type, device_id = _mem_type(tensor)
+    def _serialize(self, agent: NixlAgent, tensor_id: int, tensor: torch.Tensor) -> Any:
+        mem_type, device_id = mem_type_of(tensor)
         return {
             "agent_name": agent.name,
             "agent_metadata": base64.b64encode(agent.metadata()).decode(),
@@ -524,7 +460,7 @@ class NixlReadEmbeddingSender(_NixlSender):
             "mem_type": mem_type,
         }
 
-    async def _on_notification(self, agent: _Agent, remote: str, message: bytes) -> None:
+    async def _on_notification(self, agent: NixlAgent, remote: str, message: bytes) -> None:
         try:
             tensor_id = int(message)
         except ValueError:
@@ -552,14 +488,14 @@ class NixlReadEmbeddingReceiver(AbstractEmbeddingReceiver):
         self.slot_size = max_item_mm_token * embedding_hidden_size
         self.max_items = max_items
         self._device = device or _default_device()
-        self._agent: _Agent | None = None
+        self._agent: NixlAgent | None = None
         self._free: list[torch.Tensor] = []
         self._ids = itertools.count()
         self._held: dict[int, tuple[torch.Tensor, Any]] = {}
 
-    def _ready(self) -> _Agent:
+    def _ready(self) -> NixlAgent:
         if self._agent is None:
-            self._agent = _Agent("read-receiver")
+            self._agent = NixlAgent("read-receiver")
             if self.max_items:
                 pool = torch.zeros(
                     self.max_items, self.slot_size, dtype=torch.int8, device=self._device

@@ -58,6 +58,7 @@ class RLRoutes:
             "update_weights_from_disk": self.update_weights_from_disk,
             "update_weights_from_distributed": self.update_weights_from_distributed,
             "update_weights_from_tensor": self.update_weights_from_tensor,
+            "update_weights_from_nixl": self.update_weights_from_nixl,
             "init_weights_update_group": self.init_weights_update_group,
             "destroy_weights_update_group": self.destroy_weights_update_group,
             "get_weight_version": self.get_weight_version,
@@ -165,6 +166,13 @@ class RLRoutes:
         version = str_field(body, "weight_version")
         outcome = await self.admin.update_weights(
             "update_weights_from_tensor", dict(body), version, param="serialized_named_tensors"
+        )
+        return self._ok(**self._version(), checksum=outcome.engine.get("checksum"))
+
+    async def update_weights_from_nixl(self, body: dict[str, Any]) -> dict[str, Any]:
+        version = str_field(body, "weight_version")
+        outcome = await self.admin.update_weights(
+            "update_weights_from_nixl", dict(body), version, param="descriptors"
         )
         return self._ok(**self._version(), checksum=outcome.engine.get("checksum"))
 

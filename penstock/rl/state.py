@@ -17,7 +17,7 @@ Rules, whatever route or dialect asked:
 * repeating an operation in the state it leads to is a no-op (``changed=False``);
 * an invalid transition raises :class:`ConflictError` (409) carrying the current state;
 * weight updates need ``paused``: called while serving they get a 409 saying to pause;
-  that is every method (disk, distributed broadcast, tensors), each publishing its
+  that is every method (disk, distributed broadcast, tensors, NIXL), each publishing its
   ``weight_version`` only once it succeeded;
 * an operation that fails (the engine refuses or raises) restores the previous state,
   and the engine keeps its previous weights;

@@ -11,16 +11,23 @@
     assert reply["checksum"] == pusher.checksum(model.state_dict(), dtype=torch.float32)
     pusher.resume()
     pusher.push_tensors(some_tensors, weight_version="step-4")  # same, over HTTP
+    pusher.push_nixl(model.state_dict(), weight_version="step-5")  # the engine READs them
 
 The HTTP calls speak SGLang's routes. A broadcast posts the metadata and sends the bytes
 at the same time; if the engine refuses the request while this side is still sending,
 the collective is abandoned with the engine's error and the group must be re-created
-(``destroy_group`` then ``init_group``). Torch is imported only when a method needs it.
+(``destroy_group`` then ``init_group``). A NIXL push registers the tensors with this
+process's NIXL agent (made on the first push), posts their descriptors, polls the agent
+(which serves the engine's connection) until the engine answers and its READ
+notification is in, then deregisters them; the engine reads this
+process's memory meanwhile, so the tensors must not change until the call returns. Torch
+is imported only when a method needs it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -29,9 +36,11 @@ import httpx
 
 from penstock.engines.weight_sync import (
     DEFAULT_GROUP_NAME,
+    distinct_regions,
     dtype_name,
     encode_safetensors,
     init_custom_process_group,
+    nixl_pull_body,
     weights_checksum,
 )
 
@@ -60,10 +69,16 @@ class WeightPusher:
         self.group: Any = None
         self.group_name = DEFAULT_GROUP_NAME
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self._nixl: Any = None
+        self._pushes = itertools.count()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
+        agent, self._nixl = self._nixl, None
+        if agent is not None:
+            for remote in list(agent.remotes):
+                agent.forget(remote)
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         response = self.http.post(path, json=body or {})
@@ -177,3 +192,39 @@ class WeightPusher:
         if weight_version is not None:
             body["weight_version"] = weight_version
         return self.post("/update_weights_from_tensor", body)
+
+    def push_nixl(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        weight_version: str | None = None,
+        notify_timeout_s: float = 10.0,
+    ) -> dict[str, Any]:
+        """``update_weights_from_nixl``: the engine READs ``tensors`` from this process."""
+        from penstock.nixl_agent import NixlAgent
+
+        if self._nixl is None:
+            # Polled below while the engine connects and reads: no idle progress thread.
+            self._nixl = NixlAgent("trainer", progress_thread=False)
+        agent = self._nixl
+        items = {name: t.detach().contiguous() for name, t in tensors.items()}
+        registration = agent.agent.register_memory(distinct_regions(items.values()))
+        try:
+            notify = f"penstock-weights-{next(self._pushes)}"
+            body = nixl_pull_body(agent.name, agent.metadata(), items, notify)
+            body["flush_cache"] = True
+            if weight_version is not None:
+                body["weight_version"] = weight_version
+            answered = self._pool.submit(self.post, "/update_weights_from_nixl", body)
+            notified = False
+            while not answered.done():
+                notified = notified or agent.take(None, notify.encode())
+                time.sleep(0.001)
+            answer = answered.result()
+            # The notification follows the READ, and may trail the answer a little; once
+            # it is in, no READ of this memory is outstanding.
+            if not notified and not agent.wait_for(None, notify.encode(), notify_timeout_s):
+                raise RuntimeError(f"the engine's READ notification {notify!r} never came")
+            return answer
+        finally:
+            agent.agent.deregister_memory(registration)

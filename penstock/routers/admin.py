@@ -19,7 +19,7 @@ Routes
   ``GET|POST /engine/<rl route>``
       the RL routes (``liveness_probe``, ``pause_generation`` (default mode ``keep``),
       ``resume_generation``, ``flush_cache``, ``abort_request``,
-      ``update_weights_from_disk|_distributed|_tensor``,
+      ``update_weights_from_disk|_distributed|_tensor|_nixl``,
       ``init_weights_update_group``, ``destroy_weights_update_group``,
       ``get_weight_version``, ``set_weight_version``, ``load_lora``, ``unload_lora``,
       ``weights_checker``, ``get_weights_by_name``); every weight update answers with
@@ -111,6 +111,7 @@ SGLANG_ROUTES = (
     "/update_weights_from_distributed",
     "/destroy_weights_update_group",
     "/update_weights_from_tensor",
+    "/update_weights_from_nixl",
     "/weights_checker",
     "/get_weights_by_name",
 )

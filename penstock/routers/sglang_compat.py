@@ -33,7 +33,10 @@ responses:
   group_name, load_format?: "flattened_bucket", flush_cache=true,
   abort_all_requests=false, weight_version?}`` and ``POST /update_weights_from_tensor
   {serialized_named_tensors, load_format?, flush_cache=true, abort_all_requests=false,
-  weight_version?}`` (both need the paused state; formats in
+  weight_version?}`` and ``POST /update_weights_from_nixl {agent_name, agent_metadata,
+  names, dtypes, shapes, descriptors, mem_type="DRAM", notify?, flush_cache=true,
+  abort_all_requests=false, weight_version?}`` (the engine READs the trainer's registered
+  memory over NIXL; not an SGLang route) (all need the paused state; formats in
   :mod:`penstock.engines.weight_sync`) -> ``{"success": true, "message",
   "weight_version", "checksum"}``
 * ``POST /weights_checker {action: checksum|compare|reset, baseline?}`` ->
@@ -180,6 +183,11 @@ async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
 @router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(request: Request) -> dict[str, Any]:
     return await _push(request, "update_weights_from_tensor", "serialized_named_tensors")
+
+
+@router.post("/update_weights_from_nixl")
+async def update_weights_from_nixl(request: Request) -> dict[str, Any]:
+    return await _push(request, "update_weights_from_nixl", "descriptors")
 
 
 @router.post("/init_weights_update_group")

@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"gateway"},
     {"engines"},
     {"preprocess", "multimodal"},
-    {"http", "memory"},
+    {"http", "memory", "nixl_agent"},
     {"schemas", "metrics", "tracing", "errors", "settings", "__init__"},
 ]
 

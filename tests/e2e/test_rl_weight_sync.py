@@ -1,6 +1,7 @@
 """A real trainer (this process: torch, the tiny Llama, an optimizer) pushes its weights
-into a real ``penstock serve --engine transformers`` after each step, by gloo broadcast
-and by tensors, while 16 streaming requests run through pause/resume.
+into a real ``penstock serve --engine transformers`` after each step, by gloo broadcast,
+by tensors and by NIXL (the engine READs the trainer's memory), while 16 streaming
+requests run through pause/resume.
 
 After each push the engine's greedy ``/generate`` equals the trainer's own greedy
 forward, the checksums match, and every stream ends with one terminal and its version.
@@ -25,6 +26,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from penstock.engines.weight_sync import nixl_pull_body
+from penstock.nixl_agent import NixlAgent
 from penstock.rl.trainer import EngineRefused, WeightPusher
 from tests.support.server import ServerProcess, running_server
 from tests.support.tiny_llm import build_tiny_llama
@@ -149,13 +152,15 @@ async def test_trainer_pushes_after_each_step_while_rollouts_stream(
     seen = {pusher.checksum(state(model))}
     rollouts = [asyncio.create_task(rollout(server.base_url, i)) for i in range(ROLLOUTS)]
     await asyncio.sleep(0.3)
-    for step, method in enumerate(("broadcast", "flattened", "tensors"), start=1):
+    for step, method in enumerate(("broadcast", "flattened", "tensors", "nixl"), start=1):
         train_step(model, optimizer, step)
         version = f"step-{step}"
         await asyncio.to_thread(pusher.pause, "retract")
         weights = state(model)
         if method == "tensors":
             reply = await asyncio.to_thread(pusher.push_tensors, weights, weight_version=version)
+        elif method == "nixl":
+            reply = await asyncio.to_thread(pusher.push_nixl, weights, weight_version=version)
         else:
             reply = await asyncio.to_thread(
                 pusher.broadcast, weights, weight_version=version, flattened=method == "flattened"
@@ -176,7 +181,13 @@ async def test_trainer_pushes_after_each_step_while_rollouts_stream(
         assert len(finals) == 1 and events[-1] is finals[0]
         assert finals[0]["meta_info"]["finish_reason"]["type"] == "length"
         assert len(finals[0]["output_ids"]) == 24
-        assert finals[0]["meta_info"]["weight_version"] in {None, "step-1", "step-2", "step-3"}
+        assert finals[0]["meta_info"]["weight_version"] in {
+            None,
+            "step-1",
+            "step-2",
+            "step-3",
+            "step-4",
+        }
 
 
 def test_bad_pushes_are_400_and_the_old_weights_keep_serving(
@@ -197,6 +208,12 @@ def test_bad_pushes_are_400_and_the_old_weights_keep_serving(
         with pytest.raises(EngineRefused) as dtype:
             pusher.broadcast(wrong_dtype)
         assert dtype.value.status_code == 400 and "dtype" in str(dtype.value.body)
+        with pytest.raises(EngineRefused) as nixl_shape:
+            pusher.push_nixl(wrong_shape)
+        assert nixl_shape.value.status_code == 400 and "shape" in str(nixl_shape.value.body)
+        with pytest.raises(EngineRefused) as nixl_name:
+            pusher.push_nixl({"model.no_such.weight": torch.zeros(4)})
+        assert nixl_name.value.status_code == 400 and "no_such" in str(nixl_name.value.body)
         pickled = base64.b64encode(pickle.dumps([("lm_head.weight", torch.zeros(1))])).decode()
         refused = httpx.post(
             f"{server.base_url}/update_weights_from_tensor",
@@ -221,10 +238,37 @@ def server_vocab(server: ServerProcess) -> int:
 
 
 def test_update_while_serving_is_409(server: ServerProcess, pusher: WeightPusher) -> None:
-    with pytest.raises(EngineRefused) as refused:
-        pusher.push_tensors({"lm_head.weight": torch.zeros(1)})
-    assert refused.value.status_code == 409
-    assert "pause" in refused.value.body["error"]["message"]
+    for push in (pusher.push_tensors, pusher.push_nixl):
+        with pytest.raises(EngineRefused) as refused:
+            push({"lm_head.weight": torch.zeros(1)})
+        assert refused.value.status_code == 409
+        assert "pause" in refused.value.body["error"]["message"]
+
+
+def test_nixl_descriptors_outside_the_trainers_memory_are_400(
+    server: ServerProcess, pusher: WeightPusher
+) -> None:
+    vocab = server_vocab(server)
+    before = pusher.post("/weights_checker", {"action": "checksum"})["checksum"]
+    unregistered = {"lm_head.weight": torch.ones(vocab, 64)}
+    agent = NixlAgent("test")
+    garbled = nixl_pull_body("nobody", b"not metadata", unregistered)
+    outside = nixl_pull_body(agent.name, agent.metadata(), unregistered)
+    pusher.pause("retract")
+    try:
+        for body, named in ((garbled, "agent_metadata"), (outside, "registered")):
+            with pytest.raises(EngineRefused) as refused:
+                pusher.post("/engine/update/update_weights_from_nixl", body)
+            assert refused.value.status_code == 400
+            assert named in refused.value.body["error"]["message"]
+        capabilities = httpx.get(
+            f"{server.base_url}/engine/capabilities",
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        ).json()
+        assert "update_weights_from_nixl" in capabilities["weight_sync"]["methods"]
+    finally:
+        pusher.resume()
+    assert pusher.post("/weights_checker", {"action": "checksum"})["checksum"] == before
 
 
 def test_a_trainer_that_never_joins_fails_the_init_in_time(server: ServerProcess) -> None:

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from penstock.engines.sample import write_sample_weights
+from penstock.engines.weight_sync import nixl_pull_body, weights_checksum
+from penstock.nixl_agent import NixlAgent
 from tests.support.inprocess import asgi_client, start_gateway
 
 
@@ -17,7 +20,7 @@ async def test_capabilities_lists_controls_updates_routes_state_and_version(
     body = (await client.get("/engine/capabilities")).json()
     assert body["object"] == "engine.capabilities"
     assert "pause_generation" in body["controls"] and "load_lora" in body["updates"]
-    assert len(body["rl_routes"]) == 16 and "update_weights_from_disk" in body["rl_routes"]
+    assert len(body["rl_routes"]) == 17 and "update_weights_from_nixl" in body["rl_routes"]
     assert body["state"]["state"] == "serving" and body["weight_version"] is None
     assert body["lora"]["supported"] is True and body["lora"]["schemes"] == ["file", "hf", "s3"]
     assert (
@@ -271,3 +274,26 @@ async def test_a_safetensors_push_updates_the_sample_engine_and_its_checksum() -
             assert after["checksum"] == pushed.json()["checksum"] != before["checksum"]
     finally:
         await gateway.host.cleanup()
+
+
+async def test_sample_engine_reads_its_weights_over_nixl(client: httpx.AsyncClient) -> None:
+    trainer = NixlAgent("test-trainer")
+    shift = {"token_shift": torch.tensor([7], dtype=torch.int64)}
+    registration = trainer.agent.register_memory(list(shift.values()))
+    body = {**nixl_pull_body(trainer.name, trainer.metadata(), shift), "weight_version": "n1"}
+    try:
+        refused = await client.post("/update_weights_from_nixl", json=body)
+        assert refused.status_code == 409 and "pause" in refused.json()["error"]["message"]
+        await client.post("/pause_generation", json={"mode": "retract"})
+        wrong = {**body, "dtypes": ["float64"]}
+        bad = await client.post("/update_weights_from_nixl", json=wrong)
+        assert bad.status_code == 400 and "dtype" in bad.json()["error"]["message"]
+        updated = (await client.post("/update_weights_from_nixl", json=body)).json()
+        assert updated["checksum"] == weights_checksum(shift)[0]
+        assert updated["weight_version"] == "n1"
+        assert trainer.wait_for(None, body["notify"].encode(), 5)
+        read = (await client.get("/get_weights_by_name", params={"name": "token_shift"})).json()
+        assert read["values"] == [7]
+    finally:
+        trainer.agent.deregister_memory(registration)
+        await client.post("/continue_generation")

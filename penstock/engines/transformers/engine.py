@@ -74,6 +74,7 @@ from penstock.engines.transformers.weights import (
 )
 from penstock.engines.weight_sync import WeightSyncError
 from penstock.metrics.forward_pass import ComponentSnapshot, ForwardPassMetrics
+from penstock.nixl_agent import nixl_installed
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ _MEMORY_OPERATIONS = frozenset(
         "update_weights_from_disk",
         "update_weights_from_distributed",
         "update_weights_from_tensor",
+        "update_weights_from_nixl",
         "load_lora",
         "unload_lora",
     }
@@ -499,7 +501,7 @@ class TransformersEngine(LLMEngine):
         }
 
     def _updates(self) -> dict[str, Callable[[Body], Awaitable[Body]]]:
-        return {
+        updates: dict[str, Callable[[Body], Awaitable[Body]]] = {
             "update_weights_from_disk": self._update_weights_from_disk,
             "init_weights_update_group": self._init_weights_update_group,
             "update_weights_from_distributed": self._update_weights_from_distributed,
@@ -510,6 +512,9 @@ class TransformersEngine(LLMEngine):
             "load_lora": self._load_lora,
             "unload_lora": self._unload_lora,
         }
+        if nixl_installed():
+            updates["update_weights_from_nixl"] = self._update_weights_from_nixl
+        return updates
 
     async def engine_control(self, control: str, body: Body) -> Body:
         return await self._dispatch("control", self._controls(), control, body)
@@ -822,6 +827,14 @@ class TransformersEngine(LLMEngine):
             "update_weights_from_tensor",
             body,
             lambda model: self.weight_sync.load_tensors(model, body, trusted=trusted, lock=lock),
+        )
+
+    async def _update_weights_from_nixl(self, body: Body) -> Body:
+        lock = self._require_scheduler().step_lock
+        return await self._push(
+            "update_weights_from_nixl",
+            body,
+            lambda model: self.weight_sync.pull_nixl(model, body, lock=lock),
         )
 
     async def _weights_checksum(self, body: Body) -> Body:

@@ -1,4 +1,5 @@
-"""Weight pushes into the live model: collective broadcast, tensor payloads, verification.
+"""Weight pushes into the live model: collective broadcast, tensor payloads, NIXL pulls,
+verification.
 
 The wire formats and the checksum are in :mod:`penstock.engines.weight_sync`. Every push
 needs paused generation and is validated whole (names, shapes, dtypes) before the first
@@ -9,7 +10,10 @@ the group stays usable for its next push. Received tensors are copied into the
 parameters one by one, under the scheduler's step lock: no second copy of the model.
 A transfer that breaks midway (the trainer died) leaves the tensors received so far
 applied and the rest old; the update then fails, generation stays paused, and the
-trainer pushes again (or updates from disk).
+trainer pushes again (or updates from disk). A NIXL pull READs straight into the
+parameters it can (same dtype, contiguous); the others land in a scratch buffer of at
+most ``NIXL_SCRATCH_BYTES`` at a time and are cast into place, so no second copy of the
+model is made either.
 
 Level-2 sleep drops pushed weights as it drops any (vLLM's rule): ``wake_up`` restores
 the last checkpoint read from disk, and the trainer pushes again.
@@ -25,6 +29,7 @@ import torch
 from penstock.engines.transformers.weights import checkpoint_state_dict
 from penstock.engines.weight_sync import (
     DEFAULT_GROUP_NAME,
+    NixlPuller,
     TensorSpec,
     WeightSyncError,
     check_against,
@@ -32,6 +37,8 @@ from penstock.engines.weight_sync import (
     destroy_process_group,
     dtype_name,
     init_custom_process_group,
+    parse_dtype,
+    parse_nixl_pull,
     parse_specs,
     weights_checksum,
 )
@@ -39,6 +46,7 @@ from penstock.engines.weight_sync import (
 Body = dict[str, Any]
 DEFAULT_INIT_TIMEOUT_S = 30.0
 BACKENDS = ("gloo", "nccl")
+NIXL_SCRATCH_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
@@ -68,6 +76,7 @@ class WeightSync:
 
     def __init__(self) -> None:
         self.groups: dict[str, _Group] = {}
+        self.puller = NixlPuller()
 
     # -- groups ---------------------------------------------------------------------
 
@@ -129,6 +138,7 @@ class WeightSync:
     def close(self) -> None:
         for name in list(self.groups):
             self.destroy_group({"group_name": name})
+        self.puller.close()
 
     def _group(self, body: Body) -> _Group:
         name = body.get("group_name")
@@ -217,6 +227,54 @@ class WeightSync:
             for name, tensor in tensors.items():
                 live[name].copy_(tensor)
         return self._done({name: live[name] for name in tensors}, "tensor")
+
+    def pull_nixl(self, model: torch.nn.Module, body: Body, *, lock: Any) -> Body:
+        """``update_weights_from_nixl``: validate, then READ from the trainer's memory."""
+        pull = parse_nixl_pull(body)
+        live = checkpoint_state_dict(model)
+        check_against(pull.specs, live)
+        # Runs of tensors read by one READ each: a run ends where its scratch would pass
+        # the bound, so only tensors the model holds in another dtype cost memory.
+        runs: list[list[int]] = [[]]
+        scratch = 0
+        for index, spec in enumerate(pull.specs):
+            target = live[spec.name]
+            direct = parse_dtype(spec.dtype) == target.dtype and target.is_contiguous()
+            size = 0 if direct else target.numel() * parse_dtype(spec.dtype).itemsize
+            if runs[-1] and scratch + size > NIXL_SCRATCH_BYTES:
+                runs.append([])
+                scratch = 0
+            runs[-1].append(index)
+            scratch += size
+        written: dict[str, torch.Tensor] = {}
+        with lock, torch.no_grad():
+            for number, run in enumerate(runs):
+                into = []
+                for index in run:
+                    spec = pull.specs[index]
+                    target = live[spec.name]
+                    sent = parse_dtype(spec.dtype)
+                    direct = sent == target.dtype and target.is_contiguous()
+                    into.append(
+                        target
+                        if direct
+                        else torch.empty(spec.shape, dtype=sent, device=target.device)
+                    )
+                try:
+                    self.puller.read(pull, run, into, last=number == len(runs) - 1)
+                except WeightSyncError:
+                    if written:
+                        raise RuntimeError(
+                            f"the NIXL pull broke after {len(written)} of {len(pull.specs)} "
+                            "tensors; generation stays paused: push again"
+                        ) from None
+                    raise
+                for index, landed in zip(run, into, strict=True):
+                    target = live[pull.specs[index].name]
+                    if landed is not target:
+                        target.copy_(landed)
+                    written[pull.specs[index].name] = target
+        return self._done(written, "nixl")
 
     @staticmethod
     def _done(written: dict[str, torch.Tensor], how: str) -> Body:

@@ -34,6 +34,7 @@ def test_advertised_names(engine: TransformersEngine) -> None:
         "init_weights_update_group",
         "update_weights_from_distributed",
         "update_weights_from_tensor",
+        "update_weights_from_nixl",
         "destroy_weights_update_group",
         "update_weight_version",
         "set_weight_version",
