@@ -123,6 +123,7 @@ def plan_weight_update(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Pair each live tensor with its replacement, or raise ``CheckpointError``."""
     live = checkpoint_state_dict(model)
+    tensors = _named_as_loaded(model, tensors, live)
     unknown = sorted(set(tensors) - set(live))
     if unknown:
         raise CheckpointError(f"checkpoint tensors not in the model: {_describe(unknown)}")
@@ -147,6 +148,39 @@ def plan_weight_update(
         target = live[name]
         plan.append((target, new.to(dtype=target.dtype, device=target.device)))
     return plan
+
+
+def _named_as_loaded(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor], live: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the names the loaded model uses.
+
+    Some architectures are saved under older names than they load with (a LLaVA folder
+    says ``language_model.model.*``, the model ``model.language_model.*``); transformers
+    renames them while loading, and an update from the same folder must do the same.
+    """
+    if set(tensors) <= set(live):
+        return tensors
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:
+        return tensors
+    renamings = [
+        transform
+        for transform in get_model_conversion_mapping(model)
+        if isinstance(transform, WeightRenaming)
+    ]
+    if not renamings:
+        return tensors
+    prefix = getattr(model, "base_model_prefix", None)
+    renamed: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        target = name
+        if name not in live:
+            target, _ = rename_source_key(name, renamings, [], prefix, live)
+        renamed[target] = tensor
+    return renamed
 
 
 def apply_weight_update(plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -138,3 +138,24 @@ async def test_new_weights_drop_the_cached_image_features(vlm: TransformersEngin
     after = await tokens(vlm, _with_images(vlm, picture, max_tokens=6))
     assert vlm.vision.encoder_calls == calls + 1
     assert after != before, "the image was encoded again, by the new projector"
+
+
+def test_a_llava_folder_updates_from_disk_under_its_loaded_names(tiny_vlm_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from penstock.engines.transformers.weights import (
+        apply_weight_update,
+        plan_weight_update,
+        read_safetensors,
+    )
+
+    # The folder names tensors as LLaVA was saved (language_model.model.*); the loaded
+    # model as transformers renames them (model.language_model.*).
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+    fresh = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    apply_weight_update(plan_weight_update(model, read_safetensors(tiny_vlm_dir)))
+    assert all(torch.equal(model.state_dict()[name], fresh[name]) for name in fresh)
