@@ -40,6 +40,7 @@ from penstock.engines.contract import (
 )
 from penstock.engines.health import build_health_check_payload, parse_health_check_payload_cli
 from penstock.engines.transformers.args import EngineArgs, parse_args
+from penstock.engines.transformers.cpu_weights import load_kernel, pack_model
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from penstock.engines.transformers.generation_config import load_sampling_defaults
 from penstock.engines.transformers.lora import (
@@ -182,6 +183,8 @@ class TransformersEngine(LLMEngine):
         self._paused_by_sleep = False
         self._memory_lock = asyncio.Lock()
         self._bos_or_eos = 0
+        # Linear and embedding weights kept in bfloat16, computed in float32 (see cpu_weights).
+        self.bf16_weights = False
         self.lora = AdapterSet()
         # Adapters being unloaded, and unloaded ones: their names are refused, never served
         # by the base model in their place.
@@ -233,6 +236,7 @@ class TransformersEngine(LLMEngine):
         self.model = await asyncio.to_thread(
             self._load_model, self.model_path, dtype=self.dtype, device=self.device
         )
+        await asyncio.to_thread(self._choose_cpu_weights, config)
         text_config = self.model.config.get_text_config(decoder=True)
         model_limit = getattr(text_config, "max_position_embeddings", None)
         if self.args.max_model_len is not None:
@@ -277,10 +281,11 @@ class TransformersEngine(LLMEngine):
             )
         self.scheduler.start()
         logger.info(
-            "transformers engine ready: %s on %s (%s), context %d, %d sequences, %d KV tokens",
+            "transformers engine ready: %s on %s (%s%s), context %d, %d sequences, %d KV tokens",
             self.model_path,
             self.device,
             str(self.dtype).removeprefix("torch."),
+            ", bfloat16 weights" if self.bf16_weights else "",
             self.context_length,
             self.args.max_num_seqs,
             kv_tokens,
@@ -300,6 +305,22 @@ class TransformersEngine(LLMEngine):
                 max_num_batched_tokens=self.context_length,
             ),
         )
+
+    def _choose_cpu_weights(self, config: Any) -> None:
+        choice = self.args.cpu_weight_dtype
+        if self.device is None or self.device.type != "cpu" or self.dtype != torch.float32:
+            return
+        if choice == "auto":
+            stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+            choice = "bfloat16" if str(stored).removeprefix("torch.") == "bfloat16" else "float32"
+        if choice != "bfloat16":
+            return
+        failure = load_kernel(self.args.model_cache_dir)
+        if failure is not None:
+            logger.warning("weights stay float32 (--cpu-weight-dtype): %s", failure)
+            return
+        pack_model(self.model)
+        self.bf16_weights = True
 
     async def cleanup(self) -> None:
         scheduler, self.scheduler = self.scheduler, None
@@ -654,6 +675,9 @@ class TransformersEngine(LLMEngine):
 
     def _install_forward_module(self, scheduler: BatchScheduler) -> None:
         """Point the scheduler at the module to call (call with ``step_lock`` held)."""
+        if self.bf16_weights:
+            # A model reloaded after deep sleep comes back float32.
+            pack_model(self.model)
         scheduler.model = self.lora.forward_module(self.model)
         scheduler.adapters_loaded = bool(self.lora)
 

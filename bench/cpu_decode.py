@@ -1,0 +1,147 @@
+"""The CPU engine against transformers' own ``generate``, in one process, runs alternating.
+
+Loads SmolLM2-135M-Instruct (the default model) once for ``generate`` (float32, greedy)
+and starts the transformers engine twice: ``--cpu-weight-dtype float32`` and the default
+(bfloat16 weights, float32 arithmetic). Each round times, in turn, ``generate`` at
+concurrency 1 and both engines at concurrency 1 and 16, all with the same thread count.
+Last, checks that both engines' greedy tokens equal ``generate``'s on every prompt.
+
+    .venv/bin/python bench/cpu_decode.py [--rounds 3] [--tokens 64] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from penstock.engines.context import Context
+from penstock.engines.transformers import TransformersEngine
+from penstock.engines.transformers.args import default_model_cache_dir
+from penstock.engines.transformers.default_model import prepare_default_model
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about rivers.",
+    "Explain what a CPU does in one sentence.",
+    "List the planets of the solar system.",
+    "What is 12 times 7?",
+    "Give me a tip for learning Python.",
+    "Why is the sky blue?",
+]
+
+
+def hf_generate(model: object, prompt: list[int], tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[attr-defined]
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+async def engine_tokens(engine: TransformersEngine, prompt: list[int], tokens: int) -> list[int]:
+    request = {
+        "token_ids": prompt,
+        "sampling_options": {"temperature": 0.0},
+        "stop_conditions": {"max_tokens": tokens, "ignore_eos": True},
+    }
+    out: list[int] = []
+    async for chunk in engine.generate(request, Context()):
+        out += chunk["token_ids"]
+    return out
+
+
+async def engine_rate(
+    engine: TransformersEngine, prompts: list[list[int]], tokens: int, concurrency: int
+) -> float:
+    batch = [prompts[i % len(prompts)] for i in range(concurrency)]
+    started = time.perf_counter()
+    results = await asyncio.gather(*(engine_tokens(engine, p, tokens) for p in batch))
+    return sum(len(r) for r in results) / (time.perf_counter() - started)
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = await prepare_default_model(default_model_cache_dir())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for q in QUESTIONS
+    ]
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    common = ["--cpu-threads", str(args.threads), "--max-num-seqs", "16"]
+    engines: dict[str, TransformersEngine] = {}
+    for label, extra in (("fp32 weights", ["--cpu-weight-dtype", "float32"]), ("bf16 weights", [])):
+        engine, _ = await TransformersEngine.from_args(common + extra)
+        await engine.start(0)
+        await engine_tokens(engine, prompts[0], 4)
+        engines[label] = engine
+    hf_generate(reference, prompts[0], 4)
+    rates: dict[str, list[float]] = {}
+    try:
+        for round_ in range(args.rounds):
+            prompt = prompts[round_ % len(prompts)]
+            started = time.perf_counter()
+            hf_generate(reference, prompt, args.tokens)
+            rates.setdefault("generate, c1", []).append(
+                args.tokens / (time.perf_counter() - started)
+            )
+            for label, engine in engines.items():
+                for c in (1, 16):
+                    rate = await engine_rate(
+                        engine, [prompt] if c == 1 else prompts, args.tokens, c
+                    )
+                    rates.setdefault(f"engine {label}, c{c}", []).append(rate)
+            print(f"round {round_ + 1}, load average {os.getloadavg()[0]:.1f}", flush=True)
+        print(f"\nthreads {args.threads}, {args.tokens} tokens, tokens/s (median of rounds):")
+        base = statistics.median(rates["generate, c1"])
+        for label, values in rates.items():
+            median = statistics.median(values)
+            runs = ", ".join(f"{v:.1f}" for v in values)
+            print(f"  {label:<26} {median:7.1f}  {median / base:5.2f}x generate  [{runs}]")
+        mismatches = 0
+        for prompt in prompts:
+            expected = hf_generate(reference, prompt, args.tokens)
+            for label, engine in engines.items():
+                got = await engine_tokens(engine, prompt, args.tokens)
+                if got != expected:
+                    mismatches += 1
+                    same = next(
+                        i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b
+                    )
+                    print(f"  {label}: differs from generate at token {same}")
+        print(
+            f"greedy tokens equal to generate's: {2 * len(prompts) - mismatches}/{2 * len(prompts)}"
+        )
+    finally:
+        for engine in engines.values():
+            await engine.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))

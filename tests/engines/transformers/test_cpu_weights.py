@@ -1,0 +1,128 @@
+"""bfloat16-stored weights with float32 arithmetic: the same greedy tokens as ``generate``."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from penstock.engines.transformers import TransformersEngine, cpu_weights
+from penstock.engines.transformers.args import default_model_cache_dir
+from tests.engines.transformers.conftest import start_engine
+from tests.engines.transformers.helpers import greedy, run, tokens
+
+# Mixed lengths, so a decode batch holds left-padded rows.
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [12, 30, 31, 32, 33, 34, 35, 36, 37, 38, 60]]
+
+
+@pytest.fixture(scope="module")
+def kernel() -> None:
+    failure = cpu_weights.load_kernel(default_model_cache_dir())
+    if failure is not None:
+        pytest.skip(failure)
+
+
+def _as_bf16_checkpoint(source: Path, target: Path) -> Path:
+    model = LlamaForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    model.save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (target / name).write_bytes((source / name).read_bytes())
+    return target
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    return _as_bf16_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("tiny-bf16"))
+
+
+@pytest.fixture(scope="module")
+def other_bf16_dir(tmp_path_factory: pytest.TempPathFactory, other_tiny_model_dir: Path) -> Path:
+    return _as_bf16_checkpoint(other_tiny_model_dir, tmp_path_factory.mktemp("other-bf16"))
+
+
+def _generate(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 17, 80])
+def test_kernel_matches_float32_matmul(kernel: None, rows: int) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 48)
+    weight = torch.randn(37, 48).bfloat16()
+    bias = torch.randn(37)
+    layer = cpu_weights.Bf16WeightLinear(48, 37)
+    layer.weight.data, layer.bias.data = weight, bias
+    expected = F.linear(x, weight.float(), bias)
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+async def test_greedy_tokens_equal_generate_alone_and_in_a_mixed_batch(
+    kernel: None, bf16_dir: Path
+) -> None:
+    expected = [_generate(bf16_dir, prompt, 24) for prompt in PROMPTS]
+    engine = await start_engine(bf16_dir, "--max-num-seqs", "4")
+    try:
+        assert engine.bf16_weights
+        assert engine.model.lm_head.weight.dtype == torch.bfloat16
+        alone = [await tokens(engine, greedy(prompt, max_tokens=24)) for prompt in PROMPTS]
+        together = await asyncio.gather(
+            *(run(engine, greedy(prompt, max_tokens=24)) for prompt in PROMPTS)
+        )
+    finally:
+        await engine.cleanup()
+    assert alone == expected
+    assert [choices[0].token_ids for choices in together] == expected
+
+
+async def test_float32_flag_keeps_float32_weights(kernel: None, bf16_dir: Path) -> None:
+    engine = await start_engine(bf16_dir, "--cpu-weight-dtype", "float32")
+    try:
+        assert not engine.bf16_weights
+        assert engine.model.lm_head.weight.dtype == torch.float32
+    finally:
+        await engine.cleanup()
+
+
+async def test_weight_update_reaches_the_bf16_weights(
+    kernel: None, bf16_dir: Path, other_bf16_dir: Path
+) -> None:
+    wanted = _generate(other_bf16_dir, PROMPTS[0], 20)
+    engine: TransformersEngine = await start_engine(bf16_dir)
+    try:
+        assert await tokens(engine, greedy(PROMPTS[0], max_tokens=20)) != wanted
+        await engine.engine_control("pause_generation", {"mode": "wait"})
+        reply = await engine.engine_update(
+            "update_weights_from_disk", {"model_path": str(other_bf16_dir)}
+        )
+        assert reply["status"] == "ok"
+        await engine.engine_control("resume_generation", {})
+        assert await tokens(engine, greedy(PROMPTS[0], max_tokens=20)) == wanted
+        assert engine.model.lm_head.weight.dtype == torch.bfloat16
+    finally:
+        await engine.cleanup()
+
+
+async def test_weights_reloaded_after_deep_sleep_are_bf16_again(
+    kernel: None, bf16_dir: Path
+) -> None:
+    engine = await start_engine(bf16_dir)
+    try:
+        before = await tokens(engine, greedy(PROMPTS[1], max_tokens=12))
+        assert (await engine.engine_control("sleep", {"level": 2}))["status"] == "sleeping"
+        assert (await engine.engine_control("wake_up", {}))["status"] == "awake"
+        assert engine.model.lm_head.weight.dtype == torch.bfloat16
+        assert await tokens(engine, greedy(PROMPTS[1], max_tokens=12)) == before
+    finally:
+        await engine.cleanup()
