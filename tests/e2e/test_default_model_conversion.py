@@ -73,7 +73,9 @@ def test_ctrl_c_stops_the_conversion_and_the_next_start_finishes_it(tmp_path: Pa
     try:
         base_url = f"http://127.0.0.1:{port}"
         _wait_healthy(process, base_url, log_path)
-        assert sorted(path.name for path in cache.iterdir()) == [DEFAULT_NAME]
+        # The CPU engine's compiled bfloat16 kernel lives next to the models.
+        converted = [path.name for path in cache.iterdir() if path.name != "torch_extensions"]
+        assert converted == [DEFAULT_NAME]
         config = json.loads((cache / DEFAULT_NAME / "generation_config.json").read_text())
         assert config["temperature"] == 0.2
         assert config["max_new_tokens"] == 512
