@@ -313,3 +313,15 @@ class GatewayTimeoutError(PenstockError):
 class DisaggregatedWorkerError(EngineLoadError):
     """The engine is configured as one stage of a disaggregated pipeline (prefill, decode,
     encode), which one gateway process cannot serve alone."""
+
+
+class RaySetupError(StartupError):
+    """``--ray`` is asked for but can't run (Ray Serve is not installed, the cluster can't
+    be reached, the engine deployment failed to start)."""
+
+
+class ReplicaLostError(ServiceUnavailableError):
+    """The engine replica running a request died mid-request; the fleet replaces it, so
+    the client may retry."""
+
+    default_code = "replica_lost"

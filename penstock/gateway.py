@@ -33,6 +33,12 @@ class AdminStateView(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
+class FleetView(Protocol):
+    """A fleet of engine replicas behind this gateway (``--ray``), as ``/health`` shows it."""
+
+    def describe_fleet(self) -> dict[str, Any]: ...
+
+
 @dataclass
 class ServedModel:
     """One name clients can put in ``model``, and what serves it."""
@@ -95,6 +101,7 @@ class Gateway:
         self.draining = False
         self.http_inflight = 0
         self.admin: AdminStateView | None = None
+        self.fleet: FleetView | None = None
         self.weight_version: str | None = None
         self.metrics = FrontendMetrics()
         self.engine_metrics = EngineMetrics()

@@ -229,6 +229,26 @@ class Settings(BaseSettings):
     # admin key is not a licence to run code, so the operator opts in.
     trust_weight_payloads: bool = False
 
+    # --ray: the engine as a Ray Serve deployment of replicas, this process the ingress.
+    ray: bool = False
+    # Unset: start a local Ray cluster; "auto" or ray://host:port: join an existing one.
+    ray_address: str | None = None
+    ray_app_name: str = "penstock"
+    ray_replicas: int = Field(default=1, ge=1)
+    ray_replica_cpus: float = Field(default=1.0, ge=0)
+    ray_replica_gpus: float = Field(default=0.0, ge=0)
+    # Either bound set: autoscale between them on ongoing requests per replica.
+    ray_min_replicas: int | None = Field(default=None, ge=0)
+    ray_max_replicas: int | None = Field(default=None, ge=1)
+    ray_target_ongoing_requests: float = Field(default=2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _ray_bounds(self) -> Settings:
+        low, high = self.ray_min_replicas, self.ray_max_replicas
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"ray_min_replicas ({low}) must not exceed ray_max_replicas ({high})")
+        return self
+
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)

@@ -15,7 +15,13 @@ from pydantic import ValidationError
 
 from penstock.app.logs import configure_logging
 from penstock.engines.loading import BUILTIN_ENGINES, engine_options_help
-from penstock.errors import EngineLoadError, ListenError, MediaStoreError, TracingSetupError
+from penstock.errors import (
+    EngineLoadError,
+    ListenError,
+    MediaStoreError,
+    RaySetupError,
+    TracingSetupError,
+)
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import MODEL_CACHE_ENV, Settings
 from penstock.tracing import DEFAULT_SERVICE_NAME
@@ -264,7 +270,58 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         "MultiprocessingSerializer); unpickling runs code the sender chose, so only for "
         "trainers you trust (default: off, safetensors payloads only; pickled ones get 400)",
     )
+    _add_ray_flags(serve)
     return parser
+
+
+def _add_ray_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--ray",
+        action="store_const",
+        const=True,
+        help="run the engine as a Ray Serve deployment of replicas behind this gateway; "
+        "needs pip install 'penstock[ray]' (default: off, the engine runs in this process)",
+    )
+    serve.add_argument(
+        "--ray-address",
+        help="Ray cluster to join (auto, or ray://host:10001) (default: start a local one)",
+    )
+    serve.add_argument(
+        "--ray-app-name",
+        help=f"name of the Ray Serve application (default: {_default('ray_app_name')})",
+    )
+    serve.add_argument(
+        "--ray-replicas",
+        type=int,
+        help=f"engine replicas, or the initial count when autoscaling "
+        f"(default: {_default('ray_replicas')})",
+    )
+    serve.add_argument(
+        "--ray-replica-cpus",
+        type=float,
+        help=f"CPUs reserved per replica (default: {_default('ray_replica_cpus'):g})",
+    )
+    serve.add_argument(
+        "--ray-replica-gpus",
+        type=float,
+        help=f"GPUs reserved per replica (default: {_default('ray_replica_gpus'):g})",
+    )
+    serve.add_argument(
+        "--ray-min-replicas",
+        type=int,
+        help="autoscale on ongoing requests, down to this many replicas (default: no autoscaling)",
+    )
+    serve.add_argument(
+        "--ray-max-replicas",
+        type=int,
+        help="autoscale on ongoing requests, up to this many replicas (default: no autoscaling)",
+    )
+    serve.add_argument(
+        "--ray-target-ongoing-requests",
+        type=float,
+        help="ongoing requests per replica the autoscaler aims for "
+        f"(default: {_default('ray_target_ongoing_requests'):g})",
+    )
 
 
 def _add_media_fetch_flags(serve: argparse.ArgumentParser) -> None:
@@ -397,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     except EngineLoadError as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 2
-    except (ListenError, MediaStoreError, TracingSetupError) as exc:
+    except (ListenError, MediaStoreError, RaySetupError, TracingSetupError) as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -86,6 +86,8 @@ async def build_gateway(
 
     Raises on any failure, after the engine's partial state has been cleaned up.
     """
+    if settings.ray and engine is None:
+        return await _build_ray_gateway(settings)
     if engine is None:
         engine_cls = load_engine_class(settings.engine)
         engine, worker_config = await engine_cls.from_args(engine_argv(settings))
@@ -105,28 +107,8 @@ async def build_gateway(
     started = time.monotonic()
     await host.start()
     try:
-        gateway = Gateway(settings, host)
-        endpoint_types = parse_endpoint_types(
-            getattr(worker_config, "endpoint_types", None) or "chat,completions"
-        )
-        preprocessor = None
-        folder = _tokenizer_folder(settings, worker_config)
-        if folder is not None and not host.is_raw:
-            preprocessor = Preprocessor.from_folder(folder)
-        config = host.engine_config
-        assert config is not None
-        name = settings.served_model_name or host.served_model_name
-        aliases = [a for a in [config.model, *config.model_aliases] if a and a != name]
-        gateway.add_model(
-            ServedModel(
-                name=name,
-                host=host,
-                preprocessor=preprocessor,
-                endpoint_types=endpoint_types,
-                aliases=list(dict.fromkeys(aliases)),
-                tool_call_parser=_tool_call_parser(settings, worker_config),
-            )
-        )
+        gateway = _register_model(settings, host, worker_config)
+        name = gateway.listed_models()[0].name
         await _bridge_engine_metrics(gateway, engine, name)
         await engine.on_endpoint_ready(
             Endpoint(
@@ -140,6 +122,50 @@ async def build_gateway(
         await host.cleanup()
         raise
     logger.info("engine ready in %.1fs: serving %s", time.monotonic() - started, name)
+    return gateway
+
+
+async def _build_ray_gateway(settings: Settings) -> Gateway:
+    """The engine as a Ray Serve deployment (:mod:`penstock.ray`); this process the ingress."""
+    from penstock.ray.fleet import start_fleet
+
+    started = time.monotonic()
+    host = await start_fleet(settings)
+    try:
+        gateway = _register_model(settings, host, host.worker_config)  # type: ignore[arg-type]
+        gateway.fleet = host
+    except BaseException:
+        await host.cleanup()
+        raise
+    name = gateway.listed_models()[0].name
+    logger.info("engine fleet ready in %.1fs: serving %s", time.monotonic() - started, name)
+    return gateway
+
+
+def _register_model(settings: Settings, host: EngineHost, worker_config: Any) -> Gateway:
+    """The gateway around a started ``host``, with the model it serves registered."""
+    gateway = Gateway(settings, host)
+    endpoint_types = parse_endpoint_types(
+        getattr(worker_config, "endpoint_types", None) or "chat,completions"
+    )
+    preprocessor = None
+    folder = _tokenizer_folder(settings, worker_config)
+    if folder is not None and not host.is_raw:
+        preprocessor = Preprocessor.from_folder(folder)
+    config = host.engine_config
+    assert config is not None
+    name = settings.served_model_name or host.served_model_name
+    aliases = [a for a in [config.model, *config.model_aliases] if a and a != name]
+    gateway.add_model(
+        ServedModel(
+            name=name,
+            host=host,
+            preprocessor=preprocessor,
+            endpoint_types=endpoint_types,
+            aliases=list(dict.fromkeys(aliases)),
+            tool_call_parser=_tool_call_parser(settings, worker_config),
+        )
+    )
     return gateway
 
 

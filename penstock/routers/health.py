@@ -44,4 +44,6 @@ async def health(request: Request) -> JSONResponse:
         body["reason"] = readiness.reason
     if gateway.admin is not None:
         body["admin"] = gateway.admin.describe()
+    if gateway.fleet is not None:
+        body["fleet"] = gateway.fleet.describe_fleet()
     return JSONResponse(body, status_code=200 if readiness.ready else 503)

@@ -14,7 +14,7 @@ import penstock
 PACKAGE_ROOT = Path(penstock.__file__).parent
 
 LAYERS: list[set[str]] = [
-    {"app", "__main__"},
+    {"app", "ray", "__main__"},
     {"routers"},
     {"serving"},
     {"rl", "lora", "media", "metadata_upload"},

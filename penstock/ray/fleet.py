@@ -1,0 +1,299 @@
+"""The ingress side of ``penstock serve --ray``: the engine deployment and its host stand-in.
+
+:func:`start_fleet` connects to Ray (``--ray-address``, else a local cluster), deploys
+:class:`~penstock.ray.replica.EngineReplica` with the replica count, resources and
+autoscaling asked for, and returns a :class:`FleetHost`. :func:`build_ray_gateway` registers
+the served model from what a replica describes, as ``build_gateway`` does for a local
+engine, so the serving layer, the routers and the server (drain, connection limits) run
+unchanged.
+
+* Routing: Serve's handle router picks the replica (power of two choices on the replicas'
+  ongoing requests: with two replicas, the less loaded one).
+* Admission: the ingress holds the one :class:`AdmissionGate`, so ``--max-concurrency`` and
+  ``--max-queue`` bound the whole fleet; each replica accepts as many requests as that.
+* Cancellation: a consumer going away (client gone, deadline, a stop string, ``cancel``)
+  cancels the Serve stream; the replica's host then kills the request's context and
+  aborts it once. A request whose replica dies fails with :class:`ReplicaLostError`
+  (an error frame and ``[DONE]`` once streaming) and Serve starts a replacement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from penstock import errors
+from penstock.engines.admission import AdmissionGate
+from penstock.engines.constants import ModelInput
+from penstock.engines.context import Context
+from penstock.engines.contract import EngineConfig
+from penstock.engines.health import is_probe
+from penstock.engines.host import EngineState, HealthStatus
+from penstock.errors import (
+    EngineError,
+    InvalidRequestError,
+    PenstockError,
+    RaySetupError,
+    ReplicaLostError,
+)
+from penstock.ray import require_ray
+from penstock.ray.replica import EngineReplica
+from penstock.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+DEPLOYMENT_NAME = "penstock-engine"
+# How long stopping the deployment may take at exit (replicas drain their own requests).
+_SHUTDOWN_S = 20.0
+
+
+def rebuild_error(entry: dict[str, Any]) -> PenstockError:
+    """The :class:`PenstockError` a replica reported, with its status, code and param."""
+    cls = getattr(errors, str(entry.get("class")), None)
+    if not (isinstance(cls, type) and issubclass(cls, PenstockError)):
+        cls = PenstockError
+    try:
+        error = cls(str(entry.get("message")), param=entry.get("param"), code=entry.get("code"))
+    except TypeError:
+        error = PenstockError(str(entry.get("message")), code=entry.get("code"))
+    error.status_code = int(entry.get("status") or 500)
+    return error
+
+
+class FleetEngine:
+    """What the admin plane sees as the engine: fleet-wide controls and updates (pause,
+    weight updates) are not offered yet, so each admin route answers that none is."""
+
+    def __init__(self, class_name: str) -> None:
+        self.class_name = class_name
+
+    def supported_controls(self) -> set[str]:
+        return set()
+
+    def supported_updates(self) -> set[str]:
+        return set()
+
+    async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
+        raise InvalidRequestError(f"'{control}' is not offered across a Ray fleet yet")
+
+    async def engine_update(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
+        raise InvalidRequestError(f"'{update}' is not offered across a Ray fleet yet")
+
+
+@dataclass
+class ReplicaLoad:
+    """What the ingress has seen of one replica."""
+
+    served: int = 0
+    running: int = 0
+    lost: int = 0
+
+
+class FleetHost:
+    """Stands where :class:`~penstock.engines.host.EngineHost` stands, for a Serve fleet."""
+
+    def __init__(
+        self, handle: Any, description: dict[str, Any], settings: Settings, *, owns_ray: bool
+    ) -> None:
+        self._ray, self._serve = require_ray()
+        from ray.serve.exceptions import RequestCancelledError
+
+        self._cancelled_error = RequestCancelledError
+        self._stream_handle = handle.options(stream=True)
+        self._settings = settings
+        self._owns_ray = owns_ray
+        self.engine = FleetEngine(description["engine_class"])
+        self.engine_config: EngineConfig = description["engine_config"]
+        self.model_input: ModelInput = description["model_input"]
+        self.worker_config = SimpleNamespace(**description["worker"])
+        self.worker_id = 0
+        self.state = EngineState.RUNNING
+        self.health = HealthStatus()
+        self.admission: AdmissionGate | None = None
+        self.replicas: dict[str, ReplicaLoad] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._streams: weakref.WeakKeyDictionary[Context, Any] = weakref.WeakKeyDictionary()
+
+    @property
+    def is_raw(self) -> bool:
+        return self.model_input is ModelInput.Text
+
+    @property
+    def served_model_name(self) -> str:
+        configured = getattr(self.worker_config, "served_model_name", None)
+        return str(configured or self.engine_config.served_model_name or self.engine_config.model)
+
+    def describe_fleet(self) -> dict[str, Any]:
+        """Per replica, as seen from here: requests served, running, lost to its death."""
+        return {
+            "deployment": DEPLOYMENT_NAME,
+            "replicas": {name: vars(load) for name, load in sorted(self.replicas.items())},
+        }
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def cancel(self, context: Context) -> None:
+        """Stop the request: its replica's host kills its context and aborts it once."""
+        context.stop_generating()
+        stream = self._streams.get(context)
+        if stream is not None:
+            stream.cancel()
+
+    async def generate(self, request: dict[str, Any], context: Context) -> AsyncIterator[dict]:
+        if self.state is not EngineState.RUNNING:
+            raise EngineError("engine is not running")
+        gate = None if is_probe(request) else self.admission
+        if gate is not None:
+            await gate.acquire()
+        try:
+            async for chunk in self._remote(request, context):
+                yield chunk
+        finally:
+            if gate is not None:
+                gate.release()
+
+    async def _remote(self, request: dict[str, Any], context: Context) -> AsyncIterator[dict]:
+        stream = self._stream_handle.generate.remote(request, context.id())
+        self._streams[context] = stream
+        load: ReplicaLoad | None = None
+        completed = False
+        try:
+            async for message in stream:
+                if isinstance(message, str):
+                    load = self.replicas.setdefault(message, ReplicaLoad())
+                    load.served += 1
+                    load.running += 1
+                    continue
+                for item in message:
+                    if "error" in item and len(item) == 1:
+                        raise rebuild_error(item["error"])
+                    yield item
+            completed = True
+        except self._cancelled_error:
+            completed = True
+            if not context.is_stopped():
+                raise
+        except self._ray.exceptions.RayError as exc:
+            if load is not None:
+                load.lost += 1
+            logger.warning("request %s lost its engine replica: %s", context.id(), exc)
+            raise ReplicaLostError(
+                "the engine replica serving this request failed; retry the request"
+            ) from exc
+        finally:
+            self._streams.pop(context, None)
+            if load is not None:
+                load.running -= 1
+            if not completed:
+                stream.cancel()
+
+    def start_monitor(self) -> None:
+        """Serve probes each replica's ``check_health`` and replaces the failing ones."""
+
+    async def stop_monitor(self) -> None:
+        return None
+
+    async def cleanup(self) -> None:
+        """Delete the deployment, or shut down the Ray cluster this process started; bounded,
+        since a cluster whose processes were signalled too may no longer answer."""
+        if self.state is EngineState.STOPPED:
+            return
+        self.state = EngineState.STOPPED
+        try:
+            async with asyncio.timeout(_SHUTDOWN_S):
+                await asyncio.to_thread(self._stop_serving)
+        except TimeoutError:
+            logger.warning("Ray Serve did not stop within %gs; leaving it", _SHUTDOWN_S)
+        if self._owns_ray:
+            self._ray.shutdown()
+
+    def _stop_serving(self) -> None:
+        try:
+            if self._owns_ray:
+                self._serve.shutdown()
+            else:
+                self._serve.delete(self._settings.ray_app_name)
+        except Exception:
+            logger.warning("stopping the Ray Serve application failed", exc_info=True)
+
+
+def deployment_options(settings: Settings) -> dict[str, Any]:
+    """The engine deployment's Serve options from the ``--ray-*`` settings."""
+    actor: dict[str, Any] = {"num_cpus": settings.ray_replica_cpus}
+    if settings.ray_replica_gpus:
+        actor["num_gpus"] = settings.ray_replica_gpus
+    options: dict[str, Any] = {
+        "name": DEPLOYMENT_NAME,
+        "ray_actor_options": actor,
+        # The ingress gate bounds the fleet; a replica never refuses what it admitted.
+        "max_ongoing_requests": max(settings.max_concurrency, 1),
+        "graceful_shutdown_timeout_s": settings.graceful_shutdown_s,
+    }
+    low, high = settings.ray_min_replicas, settings.ray_max_replicas
+    if low is None and high is None:
+        options["num_replicas"] = settings.ray_replicas
+        return options
+    low = settings.ray_replicas if low is None else low
+    high = max(low, settings.ray_replicas) if high is None else high
+    options["autoscaling_config"] = {
+        "min_replicas": low,
+        "max_replicas": high,
+        "initial_replicas": min(max(settings.ray_replicas, low), high),
+        "target_ongoing_requests": settings.ray_target_ongoing_requests,
+    }
+    return options
+
+
+def _deploy(settings: Settings) -> tuple[Any, dict[str, Any], bool]:
+    ray, serve = require_ray()
+    owns_ray = not ray.is_initialized() and not settings.ray_address
+    try:
+        if not ray.is_initialized():
+            if settings.ray_address:
+                ray.init(address=settings.ray_address, log_to_driver=False)
+            else:
+                ray.init(include_dashboard=False, log_to_driver=False)
+        # The gateway process is the HTTP ingress: no Serve proxy is needed.
+        serve.start(proxy_location="Disabled")
+        app = serve.deployment(EngineReplica).options(**deployment_options(settings))
+        handle = serve.run(
+            app.bind(settings), name=settings.ray_app_name, route_prefix=None, blocking=False
+        )
+        description = handle.describe.remote().result()
+    except Exception as exc:
+        if owns_ray:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
+        raise RaySetupError(f"the engine deployment on Ray failed to start: {exc}") from exc
+    return handle, description, owns_ray
+
+
+async def start_fleet(settings: Settings) -> FleetHost:
+    """Deploy the engine replicas and wait until they serve; raises
+    :class:`~penstock.errors.RaySetupError` with the reason otherwise."""
+    require_ray()
+    handle, description, owns_ray = await asyncio.to_thread(_deploy, settings)
+    host = FleetHost(handle, description, settings, owns_ray=owns_ray)
+    host.admission = AdmissionGate(
+        settings.max_concurrency,
+        settings.max_queue,
+        settings.overload_status,
+        shed_log_interval_s=settings.overload_log_interval_s,
+    )
+    logger.info(
+        "Ray Serve deployment %s ready (%s)",
+        DEPLOYMENT_NAME,
+        ", ".join(f"{k}={v}" for k, v in deployment_options(settings).items() if k != "name"),
+    )
+    return host

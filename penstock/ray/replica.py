@@ -1,0 +1,166 @@
+"""One engine replica of the Ray Serve deployment: an :class:`EngineHost` in a Serve actor.
+
+The replica constructs and starts the engine exactly as the single-process server does
+(``--engine`` and the arguments after ``--`` unchanged), with the same host guarantees:
+start once, cleanup once (Serve calls ``__del__`` when it stops the replica), one terminal
+per choice, a consumer going away kills the request's context and aborts it once, the
+canary. Admission is not applied here: the ingress holds the one fleet-wide gate.
+
+Streams leave the replica as batches: each message carries every chunk the engine produced
+since the previous one, since a message through a Serve handle costs milliseconds. A
+:class:`~penstock.errors.PenstockError` travels as a final ``{"error": ...}`` batch entry
+(exceptions do not keep their fields across processes); the ingress raises it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+from penstock.app.server import engine_argv, refuse_disaggregated
+from penstock.engines.context import Context
+from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
+from penstock.engines.host import EngineHost, EngineState
+from penstock.engines.loading import load_engine_class
+from penstock.errors import PenstockError
+from penstock.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+# Worker-config fields the ingress needs to register the served model and tokenize.
+_WORKER_FIELDS = (
+    "served_model_name",
+    "model_name",
+    "endpoint_types",
+    "tool_call_parser",
+    "namespace",
+    "component",
+    "endpoint",
+)
+_END = object()
+
+
+def error_entry(error: PenstockError) -> dict[str, Any]:
+    return {
+        "error": {
+            "class": type(error).__name__,
+            "status": error.status_code,
+            "message": error.message,
+            "param": error.param,
+            "code": error.code,
+        }
+    }
+
+
+def replica_name() -> str:
+    """This replica's Serve actor name (``ray.get_actor(name, namespace="serve")`` finds it),
+    else host and pid."""
+    with contextlib.suppress(Exception):
+        import ray
+
+        name = ray.get_runtime_context().get_actor_name()
+        if name:
+            return str(name)
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class EngineReplica:
+    """The engine deployment's class; Serve constructs it once per replica."""
+
+    async def __init__(self, settings: Settings) -> None:
+        engine_cls = load_engine_class(settings.engine)
+        engine, worker_config = await engine_cls.from_args(engine_argv(settings))
+        refuse_disaggregated(worker_config)
+        override = (
+            parse_health_check_payload_cli(settings.health_check_payload)
+            if settings.health_check_payload
+            else load_health_check_from_env()
+        )
+        self.host = EngineHost(engine, worker_config, health_check_override=override)
+        self.name = replica_name()
+        self._live: dict[str, Context] = {}
+        try:
+            await self.host.start()
+        except BaseException:
+            await self.host.cleanup()
+            raise
+        self.host.start_monitor()
+        logger.info("engine replica %s ready", self.name)
+
+    def describe(self) -> dict[str, Any]:
+        """What the ingress registers the served model from."""
+        worker = self.host.worker_config
+        return {
+            "replica": self.name,
+            "engine_class": type(self.host.engine).__name__,
+            "engine_config": self.host.engine_config,
+            "model_input": self.host.model_input,
+            "worker": {name: getattr(worker, name, None) for name in _WORKER_FIELDS},
+        }
+
+    async def generate(
+        self, request: dict[str, Any], request_id: str
+    ) -> AsyncIterator[str | list[dict]]:
+        """Stream the request's chunks in batches; the first message is the replica's name.
+
+        Closing or cancelling the stream (the ingress's client left) ends the request as a
+        local consumer going away does: context killed, the engine aborted once.
+        """
+        context = Context(request_id)
+        self._live[request_id] = context
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        pump = asyncio.get_running_loop().create_task(self._pump(request, context, queue))
+        try:
+            yield self.name
+            while True:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                done = batch[-1] is _END
+                if done:
+                    batch.pop()
+                if batch:
+                    yield batch
+                if done:
+                    return
+        finally:
+            self._live.pop(request_id, None)
+            if not pump.done():
+                pump.cancel()
+                with contextlib.suppress(BaseException):
+                    await pump
+
+    async def _pump(self, request: dict[str, Any], context: Context, queue: asyncio.Queue) -> None:
+        try:
+            async for chunk in self.host.generate(request, context):
+                queue.put_nowait(chunk)
+        except PenstockError as exc:
+            queue.put_nowait(error_entry(exc))
+        except Exception:
+            logger.exception("replica %s: request %s failed", self.name, context.id())
+            queue.put_nowait(error_entry(PenstockError("Internal server error")))
+        queue.put_nowait(_END)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "replica": self.name,
+            "state": self.host.state.value,
+            "healthy": self.host.health.healthy,
+            "running": len(self._live),
+        }
+
+    def check_health(self) -> None:
+        """Serve's health probe: a replica whose engine stopped or failed its canary is
+        replaced."""
+        if self.host.state is not EngineState.RUNNING:
+            raise RuntimeError(f"engine is {self.host.state.value}")
+        if not self.host.health.healthy:
+            raise RuntimeError(self.host.health.reason or "engine unhealthy")
+
+    async def __del__(self) -> None:
+        await self.host.cleanup()

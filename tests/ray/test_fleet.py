@@ -1,0 +1,195 @@
+"""``penstock serve --ray`` on a local two-node Ray cluster: two replicas of the sample
+engine behind one gateway.
+
+The module starts the cluster (one CPU per node, one replica per node) and one server;
+the whole module takes about 60-90 s on two cores (cluster ~7 s, deployment ~10 s,
+replacing a killed replica ~10 s, teardown ~15 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ray = pytest.importorskip(
+    "ray", reason="Ray Serve is not installed: pip install 'penstock[ray]' to run tests/ray"
+)
+from openai import OpenAI  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from tests.support.server import REPO_ROOT, ServerProcess, start_server  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+MODEL = "sample-model"
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    # Replicas import the test engines from this checkout.
+    os.environ["PYTHONPATH"] = str(REPO_ROOT)
+    started = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    started.add_node(num_cpus=1)
+    started.wait_for_nodes()
+    ray.init(address=started.address, log_to_driver=False)
+    try:
+        yield started
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        started.shutdown()
+
+
+@pytest.fixture(scope="module")
+def marker(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ray-engine") / "engine.txt"
+
+
+@pytest.fixture(scope="module")
+def server(
+    cluster: Cluster, marker: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    args = [
+        "--ray",
+        "--ray-address",
+        cluster.address,
+        "--ray-replicas",
+        "2",
+        "--ray-replica-cpus",
+        "1",
+        "--engine",
+        "tests.support.doubles:AbortRecordingEngine",
+        "--",
+        "--marker",
+        str(marker),
+        "--delay",
+        "0.02",
+    ]
+    process = start_server(args, tmp_path_factory.mktemp("ray-server"), ready_timeout=120)
+    try:
+        yield process
+    finally:
+        if process.stop(signal.SIGTERM, timeout=60) != 0:
+            print(process.log())
+
+
+def fleet(server: ServerProcess) -> dict[str, dict[str, int]]:
+    return httpx.get(f"{server.base_url}/health", timeout=10).json()["fleet"]["replicas"]
+
+
+def stream_lines(server: ServerProcess, max_tokens: int, out: list[list[str]]) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": max_tokens, "stream": True}
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", json=body, timeout=60
+    ) as response:
+        out.append([line for line in response.iter_lines() if line])
+
+
+def run_streams(server: ServerProcess, count: int, max_tokens: int) -> list[threading.Thread]:
+    results: list[list[str]] = []
+    threads = [
+        threading.Thread(target=stream_lines, args=(server, max_tokens, results))
+        for _ in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    threads[0].results = results  # type: ignore[attr-defined]
+    return threads
+
+
+def test_chat_and_completions_stream_and_not_through_the_openai_client(
+    server: ServerProcess,
+) -> None:
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5)
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage is not None and chat.usage.completion_tokens == 5
+    pieces = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in pieces if chunk.choices)
+    assert text == chat.choices[0].message.content
+    completion = client.completions.create(model=MODEL, prompt="x", max_tokens=4, n=2)
+    assert [choice.finish_reason for choice in completion.choices] == ["length", "length"]
+    streamed = client.completions.create(model=MODEL, prompt="x", max_tokens=4, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == completion.choices[0].text
+
+
+def test_concurrent_requests_spread_over_both_replicas(server: ServerProcess) -> None:
+    before = fleet(server)
+    threads = run_streams(server, 6, 25)
+    for thread in threads:
+        thread.join()
+    results = threads[0].results  # type: ignore[attr-defined]
+    assert len(results) == 6 and all(lines[-1] == "data: [DONE]" for lines in results)
+    after = fleet(server)
+    served = {
+        name: load["served"] - before.get(name, {}).get("served", 0) for name, load in after.items()
+    }
+    assert len([n for n in served.values() if n > 0]) == 2, after
+    assert all(load["running"] == 0 for load in after.values())
+
+
+def test_a_client_disconnect_aborts_once_on_its_replica(
+    server: ServerProcess, marker: Path
+) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1500, "stream": True}
+    headers = {"X-Request-Id": "ray-leaving-early"}
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=30
+    ) as response:
+        lines = response.iter_lines()
+        next(lines)
+        next(lines)
+    deadline = time.monotonic() + 10
+    while "abort ray-leaving-early" not in marker.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert marker.read_text().splitlines().count("abort ray-leaving-early") == 1
+
+
+def test_a_killed_replica_fails_only_its_own_requests_and_is_replaced(
+    server: ServerProcess,
+) -> None:
+    threads = run_streams(server, 4, 150)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        running = {name: load["running"] for name, load in fleet(server).items()}
+        if sum(running.values()) == 4:
+            break
+        time.sleep(0.05)
+    victim = max(running, key=lambda name: running[name])
+    lost = running[victim]
+    assert 0 < lost < 4, running
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    for thread in threads:
+        thread.join()
+    results = threads[0].results  # type: ignore[attr-defined]
+    assert all(lines[-1] == "data: [DONE]" for lines in results)
+    failed = [json.loads(lines[-2][len("data: ") :]) for lines in results if "error" in lines[-2]]
+    assert len(failed) == lost
+    assert all(frame["error"]["code"] == "replica_lost" for frame in failed)
+
+    deadline = time.monotonic() + 60
+    replaced: set[str] = set()
+    while time.monotonic() < deadline and not replaced:
+        done = run_streams(server, 4, 10)
+        for thread in done:
+            thread.join()
+        outcome = done[0].results  # type: ignore[attr-defined]
+        assert all(lines[-1] == "data: [DONE]" for lines in outcome)
+        replaced = {
+            name for name, load in fleet(server).items() if name not in running and load["served"]
+        }
+        time.sleep(0.5)
+    assert replaced, fleet(server)
