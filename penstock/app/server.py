@@ -26,8 +26,8 @@ from penstock.engines.admission import AdmissionGate
 from penstock.engines.contract import parse_endpoint_types
 from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
 from penstock.engines.host import EngineHost
-from penstock.engines.loading import load_engine_class
-from penstock.errors import DisaggregatedWorkerError, ListenError
+from penstock.engines.loading import engine_argv, load_engine_class, refuse_disaggregated
+from penstock.errors import ListenError
 from penstock.gateway import Gateway, ServedModel
 from penstock.media.artifacts import check_location
 from penstock.metrics.engine_bridge import KvEventFamilies, SnapshotPublisher
@@ -51,14 +51,6 @@ class Endpoint:
     component: str
     name: str
     url: str
-
-
-def engine_argv(settings: Settings) -> list[str]:
-    """The engine's own arguments: ``--model`` is forwarded, then everything after ``--``."""
-    argv = list(settings.engine_args)
-    if settings.model:
-        argv = ["--model", settings.model, *argv]
-    return argv
 
 
 def _tokenizer_folder(settings: Settings, worker_config: Any) -> Path | None:
@@ -167,43 +159,6 @@ def _register_model(settings: Settings, host: EngineHost, worker_config: Any) ->
         )
     )
     return gateway
-
-
-_STAGE_REASONS = {
-    "prefill": (
-        "a prefill worker only computes the prompt's KV cache and hands it to a decode "
-        "worker (its replies stop after one token)"
-    ),
-    "decode": (
-        "a decode worker needs every request to arrive with the prefill_result a prefill "
-        "worker produced (on its own it rejects them all)"
-    ),
-    "encode": (
-        "an encode worker only turns media into an encoder_result for a prefill or "
-        "aggregated worker (it produces no text)"
-    ),
-}
-
-
-def refuse_disaggregated(worker_config: Any) -> None:
-    """Stop before the model loads when the engine is one stage of a disaggregated
-    pipeline: one gateway process serves one engine that does the whole request.
-
-    Raises :class:`~penstock.errors.DisaggregatedWorkerError` naming the stage, why it
-    can't serve alone, and what to run instead.
-    """
-    mode = getattr(worker_config, "disaggregation_mode", None)
-    # By value: a Dynamo WorkerConfig carries Dynamo's own enum.
-    value = str(getattr(mode, "value", mode) or "agg")
-    reason = _STAGE_REASONS.get(value)
-    if reason is None:
-        return
-    raise DisaggregatedWorkerError(
-        f"the engine is configured as a {value} worker (disaggregation_mode={value}): "
-        f"{reason}. Penstock serves one engine doing the whole request in one process, "
-        "so run this engine aggregated here (drop its disaggregation option, or pass "
-        "'agg'), or serve the prefill/decode/encode workers behind Dynamo's frontend."
-    )
 
 
 async def _bridge_engine_metrics(gateway: Gateway, engine: Any, model: str) -> None:

@@ -9,7 +9,8 @@ import io
 from typing import Any
 
 from penstock.engines.contract import model_input_of
-from penstock.errors import EngineLoadError
+from penstock.errors import DisaggregatedWorkerError, EngineLoadError
+from penstock.settings import Settings
 
 BUILTIN_ENGINES: dict[str, str] = {
     "transformers": "penstock.engines.transformers:TransformersEngine",
@@ -77,3 +78,48 @@ def _without_usage(text: str) -> str:
     if text.startswith("usage:"):
         _, _, text = text.partition("\n\n")
     return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("-h, "))
+
+
+def engine_argv(settings: Settings) -> list[str]:
+    """The engine's own arguments: ``--model`` is forwarded, then everything after ``--``."""
+    argv = list(settings.engine_args)
+    if settings.model:
+        argv = ["--model", settings.model, *argv]
+    return argv
+
+
+_STAGE_REASONS = {
+    "prefill": (
+        "a prefill worker only computes the prompt's KV cache and hands it to a decode "
+        "worker (its replies stop after one token)"
+    ),
+    "decode": (
+        "a decode worker needs every request to arrive with the prefill_result a prefill "
+        "worker produced (on its own it rejects them all)"
+    ),
+    "encode": (
+        "an encode worker only turns media into an encoder_result for a prefill or "
+        "aggregated worker (it produces no text)"
+    ),
+}
+
+
+def refuse_disaggregated(worker_config: Any) -> None:
+    """Stop before the model loads when the engine is one stage of a disaggregated
+    pipeline: one gateway process serves one engine that does the whole request.
+
+    Raises :class:`~penstock.errors.DisaggregatedWorkerError` naming the stage, why it
+    can't serve alone, and what to run instead.
+    """
+    mode = getattr(worker_config, "disaggregation_mode", None)
+    # By value: a Dynamo WorkerConfig carries Dynamo's own enum.
+    value = str(getattr(mode, "value", mode) or "agg")
+    reason = _STAGE_REASONS.get(value)
+    if reason is None:
+        return
+    raise DisaggregatedWorkerError(
+        f"the engine is configured as a {value} worker (disaggregation_mode={value}): "
+        f"{reason}. Penstock serves one engine doing the whole request in one process, "
+        "so run this engine aggregated here (drop its disaggregation option, or pass "
+        "'agg'), or serve the prefill/decode/encode workers behind Dynamo's frontend."
+    )

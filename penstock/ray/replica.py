@@ -22,11 +22,10 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
-from penstock.app.server import engine_argv, refuse_disaggregated
 from penstock.engines.context import Context
 from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
 from penstock.engines.host import EngineHost, EngineState
-from penstock.engines.loading import load_engine_class
+from penstock.engines.loading import engine_argv, load_engine_class, refuse_disaggregated
 from penstock.errors import PenstockError
 from penstock.settings import Settings
 
