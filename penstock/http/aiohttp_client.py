@@ -16,16 +16,17 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
-from penstock.errors import HttpConnectionError, HttpError, HttpTimeoutError, UrlValidationError
+from penstock.errors import HttpConnectionError
 from penstock.http.base import (
     _MAX_REDIRECTS,
     CHUNK_SIZE,
+    BackendErrors,
     HttpClient,
     HttpConfigBase,
     Response,
     connect_addresses,
 )
-from penstock.http.urls import UrlValidationPolicy, describe_media_source
+from penstock.http.urls import UrlValidationPolicy
 
 
 def _aiohttp() -> Any:
@@ -64,7 +65,12 @@ class AiohttpClient(HttpClient):
 
     def __init__(self, config: HttpConfigBase | None = None) -> None:
         super().__init__(config)
-        self._aiohttp = _aiohttp()
+        self._aiohttp = aiohttp = _aiohttp()
+        self._errors = BackendErrors(
+            timeout=(aiohttp.ServerTimeoutError, aiohttp.ConnectionTimeoutError),
+            too_many_redirects=(aiohttp.TooManyRedirects,),
+            invalid_url=(aiohttp.InvalidURL, ValueError),
+        )
         self._sessions: dict[object, Any] = {}
 
     def _session(self, pool_key: object) -> Any:
@@ -114,17 +120,6 @@ class AiohttpClient(HttpClient):
                 {k.lower(): v for k, v in response.headers.items()},
                 response.content.iter_chunked(CHUNK_SIZE),
             )
-
-    def _translate(self, exc: Exception, url: str) -> HttpError | UrlValidationError:
-        aiohttp = self._aiohttp
-        label = describe_media_source(url)
-        if isinstance(exc, aiohttp.ServerTimeoutError | aiohttp.ConnectionTimeoutError):
-            return HttpTimeoutError(f"Timed out fetching {label}: {type(exc).__name__}")
-        if isinstance(exc, aiohttp.TooManyRedirects):
-            return UrlValidationError(f"Too many redirects (max={_MAX_REDIRECTS}) for {label}")
-        if isinstance(exc, aiohttp.InvalidURL | ValueError):
-            return UrlValidationError(f"Invalid URL {label}: {exc}")
-        return HttpConnectionError(f"Could not fetch {label}: {type(exc).__name__}: {exc}")
 
     async def close(self) -> None:
         sessions, self._sessions = self._sessions, {}

@@ -114,6 +114,16 @@ async def connect_addresses(host: str, port: int, fallback: UrlValidationPolicy)
     return addresses
 
 
+@dataclass(frozen=True)
+class BackendErrors:
+    """Which of a backend's own exceptions mean a timeout, too many redirects or a bad URL;
+    any other becomes :class:`HttpConnectionError`."""
+
+    timeout: tuple[type[BaseException], ...]
+    too_many_redirects: tuple[type[BaseException], ...]
+    invalid_url: tuple[type[BaseException], ...]
+
+
 @dataclass
 class Response:
     """What a backend hands back: status, headers, and the body as chunks."""
@@ -132,6 +142,9 @@ class HttpClient(ABC):
     (``HttpError`` and its subclasses, ``UrlValidationError``); the backend's own
     exceptions never escape.
     """
+
+    # Set by each backend, from its HTTP library's exception classes.
+    _errors: BackendErrors
 
     def __init__(self, config: HttpConfigBase | None = None) -> None:
         self.config = config or HttpConfigBase()
@@ -240,9 +253,16 @@ class HttpClient(ABC):
     ) -> contextlib.AbstractAsyncContextManager[Response]:
         """Send a GET through the pool for ``pool_key``; the body is read lazily."""
 
-    @abstractmethod
     def _translate(self, exc: Exception, url: str) -> HttpError | UrlValidationError:
         """The unified exception for one of the backend's own."""
+        label = describe_media_source(url)
+        if isinstance(exc, self._errors.timeout):
+            return HttpTimeoutError(f"Timed out fetching {label}: {type(exc).__name__}")
+        if isinstance(exc, self._errors.too_many_redirects):
+            return UrlValidationError(f"Too many redirects (max={_MAX_REDIRECTS}) fetching {label}")
+        if isinstance(exc, self._errors.invalid_url):
+            return UrlValidationError(f"Invalid URL {label}: {exc}")
+        return HttpConnectionError(f"Could not fetch {label}: {type(exc).__name__}: {exc}")
 
     @abstractmethod
     async def close(self) -> None:

@@ -15,9 +15,17 @@ from typing import Any
 import httpcore
 import httpx
 
-from penstock.errors import HttpConnectionError, HttpError, HttpTimeoutError, UrlValidationError
-from penstock.http.base import CHUNK_SIZE, HttpClient, HttpConfigBase, Response, connect_addresses
-from penstock.http.urls import UrlValidationPolicy, describe_media_source
+from penstock.errors import HttpConnectionError
+from penstock.http.base import (
+    _MAX_REDIRECTS,
+    CHUNK_SIZE,
+    BackendErrors,
+    HttpClient,
+    HttpConfigBase,
+    Response,
+    connect_addresses,
+)
+from penstock.http.urls import UrlValidationPolicy
 
 
 class _PinnedBackend(httpcore.AsyncNetworkBackend):
@@ -55,6 +63,12 @@ class _PinnedBackend(httpcore.AsyncNetworkBackend):
 class HttpxClient(HttpClient):
     """httpx-backed concrete client."""
 
+    _errors = BackendErrors(
+        timeout=(httpx.TimeoutException,),
+        too_many_redirects=(httpx.TooManyRedirects,),
+        invalid_url=(httpx.InvalidURL, httpx.UnsupportedProtocol),
+    )
+
     def __init__(self, config: HttpConfigBase | None = None) -> None:
         super().__init__(config)
         self._clients: dict[object, httpx.AsyncClient] = {}
@@ -73,7 +87,7 @@ class HttpxClient(HttpClient):
             client = httpx.AsyncClient(
                 transport=transport,
                 trust_env=False,
-                max_redirects=3,
+                max_redirects=_MAX_REDIRECTS,
                 headers={"user-agent": config.user_agent},
             )
             self._clients[pool_key] = client
@@ -100,16 +114,6 @@ class HttpxClient(HttpClient):
             )
         finally:
             await response.aclose()
-
-    def _translate(self, exc: Exception, url: str) -> HttpError | UrlValidationError:
-        url = describe_media_source(url)
-        if isinstance(exc, httpx.TimeoutException):
-            return HttpTimeoutError(f"Timed out fetching {url}: {type(exc).__name__}")
-        if isinstance(exc, httpx.TooManyRedirects):
-            return UrlValidationError(f"Too many redirects (max=3) fetching {url}")
-        if isinstance(exc, httpx.InvalidURL | httpx.UnsupportedProtocol):
-            return UrlValidationError(f"Invalid URL {url}: {exc}")
-        return HttpConnectionError(f"Could not fetch {url}: {type(exc).__name__}: {exc}")
 
     async def close(self) -> None:
         clients, self._clients = self._clients, {}

@@ -29,29 +29,6 @@ if TYPE_CHECKING:
         create_embedding_sender,
     )
 
-_LAZY = {
-    "AudioLoader": "audio_loader",
-    "ImageLoader": "image_loader",
-    "AsyncEncoderCache": "encoder_cache",
-    **{
-        name: "transfer"
-        for name in (
-            "AbstractEmbeddingReceiver",
-            "AbstractEmbeddingSender",
-            "EmbeddingTransferMode",
-            "LocalEmbeddingReceiver",
-            "LocalEmbeddingSender",
-            "NixlReadEmbeddingReceiver",
-            "NixlReadEmbeddingSender",
-            "NixlWriteEmbeddingReceiver",
-            "NixlWriteEmbeddingSender",
-            "TransferRequest",
-            "create_embedding_receiver",
-            "create_embedding_sender",
-        )
-    },
-}
-
 __all__ = [
     "AbstractEmbeddingReceiver",
     "AbstractEmbeddingSender",
@@ -71,8 +48,16 @@ __all__ = [
 ]
 
 
+# The module of each name above; the embedding transfer names are all in ``transfer``.
+_MODULES = {
+    "AudioLoader": "audio_loader",
+    "ImageLoader": "image_loader",
+    "AsyncEncoderCache": "encoder_cache",
+}
+
+
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _MODULES.get(name, "transfer")
     return getattr(importlib.import_module(f"penstock.multimodal.{module}"), name)

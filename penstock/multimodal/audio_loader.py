@@ -17,17 +17,10 @@ from typing import Any
 import av
 import numpy as np
 
-from penstock.errors import (
-    HttpConfigurationError,
-    HttpConnectionError,
-    HttpError,
-    HttpStatusError,
-    HttpTimeoutError,
-    UrlValidationError,
-)
+from penstock.errors import HttpStatusError
 from penstock.http import HttpClient, UrlValidationPolicy, describe_media_source
 from penstock.multimodal.image_loader import gather_media
-from penstock.multimodal.media_source import DEFAULT_MAX_MEDIA_BYTES, read_media
+from penstock.multimodal.media_source import DEFAULT_MAX_MEDIA_BYTES, fetch_media
 
 DEFAULT_MAX_DURATION_S = 600.0
 
@@ -111,20 +104,14 @@ class AudioLoader:
         """``(waveform, sample_rate)``: mono float32 at the native rate, or at
         ``sample_rate`` when the loader was given one."""
         label = describe_media_source(audio_url)
-        try:
-            media = await read_media(
-                audio_url,
-                policy=self.url_policy,
-                client=self._http(),
-                fetch_timeout_s=self.http_timeout,
-                max_bytes=self.max_bytes,
-            )
-        except (UrlValidationError, HttpStatusError, HttpConfigurationError):
-            raise
-        except HttpTimeoutError as exc:
-            raise HttpStatusError(408, f"Timed out fetching the audio: {exc}", label) from exc
-        except (HttpConnectionError, HttpError) as exc:
-            raise HttpStatusError(400, f"Could not fetch the audio: {exc}", label) from exc
+        media = await fetch_media(
+            audio_url,
+            "the audio",
+            policy=self.url_policy,
+            client=self._http(),
+            fetch_timeout_s=self.http_timeout,
+            max_bytes=self.max_bytes,
+        )
         if media.mime is not None and not media.mime.startswith(("audio/", "video/")):
             raise ValueError(f"data URL must hold audio, not {media.mime}")
         return await asyncio.to_thread(

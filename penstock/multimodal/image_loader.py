@@ -26,15 +26,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 from PIL import Image, UnidentifiedImageError
 
-from penstock.errors import (
-    HttpConnectionError,
-    HttpError,
-    HttpStatusError,
-    HttpTimeoutError,
-    UrlValidationError,
-)
+from penstock.errors import HttpStatusError, UrlValidationError
 from penstock.http import HttpClient, UrlValidationPolicy, describe_media_source
-from penstock.multimodal.media_source import DEFAULT_MAX_MEDIA_BYTES, read_media
+from penstock.multimodal.media_source import DEFAULT_MAX_MEDIA_BYTES, fetch_media
 
 CACHE_SIZE_MAXIMUM = int(os.environ.get("PENSTOCK_MM_IMAGE_CACHE_SIZE", "8"))
 DEFAULT_MAX_PIXELS = 32 * 1024 * 1024
@@ -136,20 +130,14 @@ class ImageLoader:
 
     async def _load(self, url: str) -> Image.Image:
         label = describe_media_source(url)
-        try:
-            media = await read_media(
-                url,
-                policy=self.url_policy,
-                client=self._http(),
-                fetch_timeout_s=self.http_timeout,
-                max_bytes=self.max_bytes,
-            )
-        except (UrlValidationError, HttpStatusError):
-            raise
-        except HttpTimeoutError as exc:
-            raise HttpStatusError(408, f"Timed out fetching the image: {exc}", label) from exc
-        except (HttpConnectionError, HttpError) as exc:
-            raise HttpStatusError(400, f"Could not fetch the image: {exc}", label) from exc
+        media = await fetch_media(
+            url,
+            "the image",
+            policy=self.url_policy,
+            client=self._http(),
+            fetch_timeout_s=self.http_timeout,
+            max_bytes=self.max_bytes,
+        )
         if media.mime is not None and not media.mime.startswith("image/"):
             raise ValueError(f"data URL must hold an image, not {media.mime}")
         if not media.data:

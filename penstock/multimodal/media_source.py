@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote_to_bytes
 
-from penstock.errors import UrlValidationError
+from penstock.errors import (
+    HttpConfigurationError,
+    HttpError,
+    HttpStatusError,
+    HttpTimeoutError,
+    UrlValidationError,
+)
 from penstock.http import HttpClient, UrlValidationPolicy, describe_media_source
 from penstock.http.urls import check_scheme_and_size, local_path_of, validate_local_path
 
@@ -78,3 +84,33 @@ async def read_media(
         )
     checked = validate_local_path(path, policy)
     return MediaBytes(await asyncio.to_thread(_read_file, checked, max_bytes))
+
+
+async def fetch_media(
+    url: str,
+    what: str,
+    *,
+    policy: UrlValidationPolicy,
+    client: HttpClient,
+    fetch_timeout_s: float,
+    max_bytes: int | None,
+) -> MediaBytes:
+    """:func:`read_media`, a failed fetch raised as what the client is told: 408 for a
+    timeout, 400 for any other failure, naming ``what`` (``"the image"``). A refused
+    reference, the host's own status and a deployment error pass through as they are."""
+    try:
+        return await read_media(
+            url,
+            policy=policy,
+            client=client,
+            fetch_timeout_s=fetch_timeout_s,
+            max_bytes=max_bytes,
+        )
+    except (UrlValidationError, HttpStatusError, HttpConfigurationError):
+        raise
+    except HttpTimeoutError as exc:
+        label = describe_media_source(url)
+        raise HttpStatusError(408, f"Timed out fetching {what}: {exc}", label) from exc
+    except HttpError as exc:
+        label = describe_media_source(url)
+        raise HttpStatusError(400, f"Could not fetch {what}: {exc}", label) from exc

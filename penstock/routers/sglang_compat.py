@@ -190,20 +190,20 @@ async def update_weights_from_nixl(request: Request) -> dict[str, Any]:
     return await _push(request, "update_weights_from_nixl", "descriptors")
 
 
+async def _group(request: Request, update: str, message: str) -> dict[str, Any]:
+    plane = admin_plane(request)
+    result = await plane.state.run_update(update, await json_object_body(request))
+    return {"success": True, "message": result.get("message", message)}
+
+
 @router.post("/init_weights_update_group")
 async def init_weights_update_group(request: Request) -> dict[str, Any]:
-    plane = admin_plane(request)
-    body = await json_object_body(request)
-    result = await plane.state.run_update("init_weights_update_group", body)
-    return {"success": True, "message": result.get("message", "Succeeded to init group.")}
+    return await _group(request, "init_weights_update_group", "Succeeded to init group.")
 
 
 @router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
-    plane = admin_plane(request)
-    body = await json_object_body(request)
-    result = await plane.state.run_update("destroy_weights_update_group", body)
-    return {"success": True, "message": result.get("message", "Succeeded to destroy group.")}
+    return await _group(request, "destroy_weights_update_group", "Succeeded to destroy group.")
 
 
 @router.post("/weights_checker")

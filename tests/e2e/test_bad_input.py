@@ -27,12 +27,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield process
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=30) as http:
-        yield http
-
-
 def chat(client: httpx.Client, **fields: Any) -> httpx.Response:
     return client.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO, **fields})
 

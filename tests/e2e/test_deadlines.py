@@ -46,12 +46,6 @@ def server(marker: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
         yield process
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=30) as http:
-        yield http
-
-
 def chat(
     client: httpx.Client, request_id: str, timeout: str | None = None, **fields: object
 ) -> httpx.Response:

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import base64
 import io
-import threading
 import time
 import wave
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import pytest
 from PIL import Image
 
+from tests.support.file_server import serving, static_files
 from tests.support.server import running_server
 
 MODEL = "sample-model"
@@ -49,27 +48,10 @@ def wav(seconds: float, rate: int) -> bytes:
 FILES = {"/photo.png": png(40, 30), "/huge.png": png(200, 100)}
 
 
-class _Files(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = FILES.get(self.path)
-        self.send_response(200 if body is not None else 404)
-        self.send_header("Content-Type", "image/png")
-        self.send_header("Content-Length", str(len(body or b"")))
-        self.end_headers()
-        self.wfile.write(body or b"")
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return
-
-
 @pytest.fixture(scope="module")
 def files() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Files)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(static_files(FILES)) as url:
+        yield url
 
 
 def _serve(args: list[str], tmp: pytest.TempPathFactory) -> Iterator[httpx.Client]:

@@ -13,17 +13,18 @@ import httpx
 from tests.support.server import REPO_ROOT, running_server
 
 
+def serve_sample(*args: str) -> subprocess.CompletedProcess[str]:
+    """``penstock serve --engine sample *args``, expected to stop at startup."""
+    command = [sys.executable, "-m", "penstock", "serve", "--engine", "sample", "--port", "0"]
+    return subprocess.run(
+        [*command, *args], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
+    )
+
+
 def test_a_file_as_media_store_fails_at_startup_in_one_line(tmp_path: Path) -> None:
     not_a_folder = tmp_path / "store.txt"
     not_a_folder.write_text("not a folder")
-    command = [sys.executable, "-m", "penstock", "serve", "--engine", "sample", "--port", "0"]
-    result = subprocess.run(
-        [*command, "--media-store", str(not_a_folder)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO_ROOT,
-    )
+    result = serve_sample("--media-store", str(not_a_folder))
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"penstock: error: --media-store {not_a_folder} is a file; name a folder "
@@ -36,14 +37,7 @@ def test_a_file_where_the_default_store_goes_fails_at_startup_in_one_line(tmp_pa
     default_store = tmp_path / "media" / "sample-model"
     default_store.parent.mkdir()
     default_store.write_text("not a folder")
-    command = [sys.executable, "-m", "penstock", "serve", "--engine", "sample", "--port", "0"]
-    result = subprocess.run(
-        [*command, "--cache-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO_ROOT,
-    )
+    result = serve_sample("--cache-dir", str(tmp_path))
     assert result.returncode == 1
     assert (
         result.stderr.strip()

@@ -23,12 +23,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield process
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=60) as http:
-        yield http
-
-
 def assert_too_long(response: httpx.Response, param: str, chars: int) -> None:
     assert response.status_code == 400, response.text
     error = response.json()["error"]

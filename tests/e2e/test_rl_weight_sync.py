@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import pickle
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +28,7 @@ from transformers import LlamaForCausalLM
 from penstock.engines.weight_sync import nixl_pull_body
 from penstock.nixl_agent import NixlAgent
 from penstock.rl.trainer import EngineRefused, WeightPusher
-from tests.support.server import ServerProcess, running_server
+from tests.support.server import ServerProcess, free_port, running_server
 from tests.support.tiny_llm import build_tiny_llama
 
 ADMIN_KEY = "trainer-key"
@@ -37,12 +36,6 @@ ROLLOUTS = 16
 PROMPT = [5, 17, 29, 41]
 GREEDY_TOKENS = 8
 ADMIN_TIMEOUT_S = 6
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -198,22 +191,19 @@ def test_bad_pushes_are_400_and_the_old_weights_keep_serving(
     pusher.pause("retract")
     try:
         wrong_shape = {"lm_head.weight": torch.zeros(3, 3)}
-        with pytest.raises(EngineRefused) as shape:
-            pusher.push_tensors(wrong_shape)
-        assert shape.value.status_code == 400 and "shape" in str(shape.value.body)
-        with pytest.raises(EngineRefused) as name:
-            pusher.broadcast({"model.no_such.weight": torch.zeros(4)})
-        assert name.value.status_code == 400 and "no_such" in str(name.value.body)
+        unknown_name = {"model.no_such.weight": torch.zeros(4)}
         wrong_dtype = {"lm_head.weight": torch.zeros(server_vocab(server), 64, dtype=torch.int32)}
-        with pytest.raises(EngineRefused) as dtype:
-            pusher.broadcast(wrong_dtype)
-        assert dtype.value.status_code == 400 and "dtype" in str(dtype.value.body)
-        with pytest.raises(EngineRefused) as nixl_shape:
-            pusher.push_nixl(wrong_shape)
-        assert nixl_shape.value.status_code == 400 and "shape" in str(nixl_shape.value.body)
-        with pytest.raises(EngineRefused) as nixl_name:
-            pusher.push_nixl({"model.no_such.weight": torch.zeros(4)})
-        assert nixl_name.value.status_code == 400 and "no_such" in str(nixl_name.value.body)
+        bad_pushes = [
+            (pusher.push_tensors, wrong_shape, "shape"),
+            (pusher.broadcast, unknown_name, "no_such"),
+            (pusher.broadcast, wrong_dtype, "dtype"),
+            (pusher.push_nixl, wrong_shape, "shape"),
+            (pusher.push_nixl, unknown_name, "no_such"),
+        ]
+        for push, tensors, named in bad_pushes:
+            with pytest.raises(EngineRefused) as bad:
+                push(tensors)
+            assert bad.value.status_code == 400 and named in str(bad.value.body)
         pickled = base64.b64encode(pickle.dumps([("lm_head.weight", torch.zeros(1))])).decode()
         refused = httpx.post(
             f"{server.base_url}/update_weights_from_tensor",

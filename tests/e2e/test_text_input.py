@@ -24,12 +24,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield process
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=30) as http:
-        yield http
-
-
 def assert_400(response: httpx.Response, param: str | None, *words: str) -> None:
     assert response.status_code == 400, response.text
     assert spec_errors("ErrorResponse", response.json()) == []

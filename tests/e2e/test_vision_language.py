@@ -8,10 +8,8 @@ from __future__ import annotations
 import base64
 import io
 import re
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ import httpx
 import pytest
 from PIL import Image
 
+from tests.support.file_server import serving, static_files
 from tests.support.server import ServerProcess, running_server
 from tests.support.tiny_vlm import build_tiny_vlm
 
@@ -41,27 +40,10 @@ def data_url(data: bytes) -> str:
 FILES = {"/photo.png": png((30, 140, 220))}
 
 
-class _Files(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = FILES.get(self.path, b"")
-        self.send_response(200 if body else 404)
-        self.send_header("Content-Type", "image/png")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return
-
-
 @pytest.fixture(scope="module")
 def files() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Files)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(static_files(FILES)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
 from penstock.http import urls
+from tests.support.file_server import serving
 
 # Names the fake resolver knows; anything else fails to resolve, as offline DNS would.
 FAKE_DNS: dict[str, list[str]] = {
@@ -77,27 +77,17 @@ class Origin(BaseHTTPRequestHandler):
             self._send(404)
 
 
-def _serve(host: str) -> Iterator[str]:
-    server = ThreadingHTTPServer((host, 0), Origin)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://{host}:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 @pytest.fixture(scope="module")
 def origin() -> Iterator[str]:
-    yield from _serve("127.0.0.1")
+    with serving(Origin) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def second_origin() -> Iterator[str]:
     """Listens on 127.0.0.2 only: a connection to 127.0.0.1 on its port is refused."""
-    yield from _serve("127.0.0.2")
+    with serving(Origin, "127.0.0.2") as url:
+        yield url
 
 
 @pytest.fixture(autouse=True)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -14,6 +13,7 @@ import boto3
 import pytest
 
 from penstock.lora import LoRAManager
+from tests.support.file_server import serving
 
 ADAPTER_FILES = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"weights"}
 BUCKET = "bucket"
@@ -61,14 +61,8 @@ class FakeS3(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def s3_endpoint() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeS3)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(FakeS3) as url:
+        yield url
 
 
 async def test_the_s3_client_is_built_only_when_an_s3_adapter_is_loaded(

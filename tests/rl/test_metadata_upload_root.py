@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from penstock.metadata_upload import (
     upload_key,
 )
 from penstock.settings import Settings, local_path
+from tests.support.file_server import serving
 
 ROOT = "/srv/rollouts"
 
@@ -103,14 +103,8 @@ class PutRecorder(BaseHTTPRequestHandler):
 
 
 async def test_an_http_root_receives_each_record_as_a_put() -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), PutRecorder)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        root = f"http://127.0.0.1:{server.server_address[1]}/up"
-        await under_root(root, "run-1/step_2").upload_choice(0, {"token_ids": [1, 2]})
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(PutRecorder) as url:
+        await under_root(f"{url}/up", "run-1/step_2").upload_choice(0, {"token_ids": [1, 2]})
     blob = PutRecorder.received["/up/run-1/step_2/choice_0.msgpack.zst"]
     assert decode_metadata(blob)["metadata"] == {"token_ids": [1, 2]}
 

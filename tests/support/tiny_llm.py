@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from tokenizers import Tokenizer
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from tests.support.tiny import build_tokenizer
 
@@ -27,9 +27,15 @@ def build_tiny_llama(folder: Path, *, seed: int = 0, tokenizer_from: Path | None
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             (folder / name).write_bytes((tokenizer_from / name).read_bytes())
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    eos_id = tokenizer.token_to_id("<|im_end|>")
-    pad_id = tokenizer.token_to_id("<pad>")
-    config = LlamaConfig(
+    config = tiny_llama_config(tokenizer)
+    torch.manual_seed(seed)
+    save_sharpened(LlamaForCausalLM(config), config, folder)
+    return folder
+
+
+def tiny_llama_config(tokenizer: Tokenizer) -> LlamaConfig:
+    """The text model of every tiny checkpoint, stopping at ``<|im_end|>``."""
+    return LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),
         hidden_size=64,
         intermediate_size=128,
@@ -37,16 +43,20 @@ def build_tiny_llama(folder: Path, *, seed: int = 0, tokenizer_from: Path | None
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
+        eos_token_id=tokenizer.token_to_id("<|im_end|>"),
+        pad_token_id=tokenizer.token_to_id("<pad>"),
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+
+
+def save_sharpened(model: PreTrainedModel, text_config: LlamaConfig, folder: Path) -> None:
+    """Save ``model`` into ``folder`` with its output head scaled up and a generation
+    config that stops where ``text_config`` does."""
     # Random init gives near-uniform logits; a wider spread keeps greedy choices stable
     # against float rounding so batched and single runs pick the same tokens.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=text_config.eos_token_id, pad_token_id=text_config.pad_token_id
+    )
     model.save_pretrained(folder)
-    return folder

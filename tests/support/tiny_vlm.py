@@ -12,15 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from tokenizers import Tokenizer
-from transformers import (
-    CLIPVisionConfig,
-    GenerationConfig,
-    LlamaConfig,
-    LlavaConfig,
-    LlavaForConditionalGeneration,
-)
+from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
 
 from tests.support.tiny import build_tokenizer
+from tests.support.tiny_llm import save_sharpened, tiny_llama_config
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 32
@@ -54,20 +49,7 @@ def build_tiny_vlm(folder: Path, *, seed: int = 0) -> Path:
     tokenizer_config["chat_template"] = VLM_TEMPLATE
     config_file.write_text(json.dumps(tokenizer_config, indent=2))
     image_token_id = tokenizer.token_to_id(IMAGE_TOKEN)
-    eos_id = tokenizer.token_to_id("<|im_end|>")
-    pad_id = tokenizer.token_to_id("<pad>")
-    text_config = LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        tie_word_embeddings=False,
-    )
+    text_config = tiny_llama_config(tokenizer)
     vision_config = CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -87,14 +69,11 @@ def build_tiny_vlm(folder: Path, *, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config)
-    # Random init gives near-uniform logits; a wider spread keeps greedy choices stable
-    # against float rounding, and a louder projector lets the image steer the output.
+    # A louder projector lets the image steer the output.
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
         for parameter in model.model.multi_modal_projector.parameters():
             parameter.mul_(4.0)
-    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
-    model.save_pretrained(folder)
+    save_sharpened(model, text_config, folder)
     processor = {
         "image_processor_type": "CLIPImageProcessor",
         "do_resize": True,
