@@ -83,9 +83,8 @@ from penstock.engines.weight_sync import (
 from penstock.metrics.forward_pass import (
     ComponentSnapshot,
     ForwardPassMetrics,
-    QueuedRequestMetrics,
-    ScheduledRequestMetrics,
     WelfordAccumulator,
+    forward_pass_from,
 )
 from penstock.nixl_agent import nixl_installed
 
@@ -490,24 +489,8 @@ class SampleLLMEngine(LLMEngine):
         if wall_time == 0.0:
             metrics = ForwardPassMetrics(worker_id="sample", counter_id=self._pass_counter)
         else:
-            metrics = ForwardPassMetrics(
-                worker_id="sample",
-                counter_id=self._pass_counter,
-                wall_time=wall_time,
-                scheduled_requests=ScheduledRequestMetrics(
-                    num_prefill_requests=prefill.n,
-                    sum_prefill_tokens=int(prefill.s),
-                    var_prefill_length=prefill.variance(),
-                    num_decode_requests=decode.n,
-                    sum_decode_kv_tokens=int(decode.s),
-                    var_decode_kv_tokens=decode.variance(),
-                ),
-                queued_requests=QueuedRequestMetrics(
-                    num_prefill_requests=waiting.n,
-                    sum_prefill_tokens=int(waiting.s),
-                    var_prefill_length=waiting.variance(),
-                    num_decode_requests=preempted,
-                ),
+            metrics = forward_pass_from(
+                "sample", self._pass_counter, wall_time, prefill, decode, waiting, preempted
             )
         publish_forward_pass = getattr(publisher, "publish_forward_pass", None)
         if publish_forward_pass is not None:

@@ -90,6 +90,38 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ForwardPassMetrics)
 
 
+def forward_pass_from(
+    worker_id: str,
+    counter_id: int,
+    wall_time: float,
+    prefill: WelfordAccumulator,
+    decode: WelfordAccumulator,
+    waiting: WelfordAccumulator,
+    preempted: int = 0,
+) -> ForwardPassMetrics:
+    """One pass's metrics from its accumulated prompt lengths, decode KV tokens and
+    waiting prompts; ``preempted``: requests waiting to resume decoding."""
+    return ForwardPassMetrics(
+        worker_id=worker_id,
+        counter_id=counter_id,
+        wall_time=wall_time,
+        scheduled_requests=ScheduledRequestMetrics(
+            num_prefill_requests=prefill.n,
+            sum_prefill_tokens=int(prefill.s),
+            var_prefill_length=prefill.variance(),
+            num_decode_requests=decode.n,
+            sum_decode_kv_tokens=int(decode.s),
+            var_decode_kv_tokens=decode.variance(),
+        ),
+        queued_requests=QueuedRequestMetrics(
+            num_prefill_requests=waiting.n,
+            sum_prefill_tokens=int(waiting.s),
+            var_prefill_length=waiting.variance(),
+            num_decode_requests=preempted,
+        ),
+    )
+
+
 def encode(metrics: ForwardPassMetrics) -> bytes:
     return _encoder.encode(metrics)
 

@@ -47,9 +47,8 @@ from penstock.engines.transformers.sampling import (
 )
 from penstock.metrics.forward_pass import (
     ForwardPassMetrics,
-    QueuedRequestMetrics,
-    ScheduledRequestMetrics,
     WelfordAccumulator,
+    forward_pass_from,
 )
 
 logger = logging.getLogger(__name__)
@@ -626,23 +625,8 @@ class BatchScheduler:
         for submission in queued:
             waiting.add(len(submission.prompt_ids))
         self._counter += 1
-        metrics = ForwardPassMetrics(
-            worker_id=self.worker_id,
-            counter_id=self._counter,
-            wall_time=max(wall_time, 1e-9),
-            scheduled_requests=ScheduledRequestMetrics(
-                num_prefill_requests=prefill.n,
-                sum_prefill_tokens=int(prefill.s),
-                var_prefill_length=prefill.variance(),
-                num_decode_requests=decode.n,
-                sum_decode_kv_tokens=int(decode.s),
-                var_decode_kv_tokens=decode.variance(),
-            ),
-            queued_requests=QueuedRequestMetrics(
-                num_prefill_requests=waiting.n,
-                sum_prefill_tokens=int(waiting.s),
-                var_prefill_length=waiting.variance(),
-            ),
+        metrics = forward_pass_from(
+            self.worker_id, self._counter, max(wall_time, 1e-9), prefill, decode, waiting
         )
         self._on_forward_pass(metrics, self.usage())
 
