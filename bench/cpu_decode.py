@@ -25,21 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.smollm2 import QUESTIONS
 from penstock.engines.context import Context
 from penstock.engines.transformers import TransformersEngine
 from penstock.engines.transformers.args import default_model_cache_dir
 from penstock.engines.transformers.default_model import prepare_default_model
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "Write a haiku about rivers.",
-    "Explain what a CPU does in one sentence.",
-    "List the planets of the solar system.",
-    "What is 12 times 7?",
-    "Give me a tip for learning Python.",
-    "Why is the sky blue?",
-]
 
 
 def hf_generate(model: object, prompt: list[int], tokens: int) -> list[int]:
