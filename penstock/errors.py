@@ -325,3 +325,10 @@ class ReplicaLostError(ServiceUnavailableError):
     the client may retry."""
 
     default_code = "replica_lost"
+
+
+class FleetInconsistentError(InternalServerError):
+    """A fleet-wide weight update left replicas that disagree on checksum or version, or a
+    replica could not be put back; ``error.replicas`` says what each one holds."""
+
+    default_code = "fleet_inconsistent"

@@ -25,6 +25,8 @@ It also implements the RL admin controls in a simulated but observable way:
   installed) READs ``token_shift`` from the trainer's registered memory for real, with
   the body of :mod:`penstock.engines.weight_sync`, and answers with the same checksum.
 * **weight versions**: every chunk carries ``engine_data: {"weight_version": v}``.
+* **rollback**: ``weights_snapshot()`` / ``restore_weights_snapshot(snapshot)`` put back the
+  weights and version of before an update (what a Ray fleet's failed update does).
 * **metrics**: while requests run it publishes one simulated forward pass (and a KV
   snapshot: 16-token blocks out of 1000) every ``max(--delay, 10 ms)``: the requests that
   got their first token are the prefills, those that advanced the decodes, those held by a
@@ -788,6 +790,15 @@ class SampleLLMEngine(LLMEngine):
             "shape": [1],
             "values": [self.weights.token_shift],
         }
+
+    async def weights_snapshot(self) -> tuple[SampleWeights, str | None]:
+        """What :meth:`restore_weights_snapshot` puts back: a fleet's rollback."""
+        return self.weights, self.weight_version
+
+    async def restore_weights_snapshot(self, snapshot: tuple[SampleWeights, str | None]) -> None:
+        weights, version = snapshot
+        self._install(weights, None)
+        self.weight_version = version
 
     async def _update_weight_version(self, body: dict[str, Any]) -> dict[str, Any]:
         self.weight_version = _nonempty_str(body, "new_version")

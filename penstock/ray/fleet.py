@@ -15,6 +15,9 @@ unchanged.
   cancels the Serve stream; the replica's host then kills the request's context and
   aborts it once. A request whose replica dies fails with :class:`ReplicaLostError`
   (an error frame and ``[DONE]`` once streaming) and Serve starts a replacement.
+* Admin: the admin plane drives :class:`~penstock.ray.admin.FleetEngine`, which fans
+  every control out to the replicas and runs a weight update as one fleet-wide
+  transaction (pause, update, verify, resume, or roll every replica back).
 """
 
 from __future__ import annotations
@@ -37,12 +40,12 @@ from penstock.engines.health import is_probe
 from penstock.engines.host import EngineState, HealthStatus
 from penstock.errors import (
     EngineError,
-    InvalidRequestError,
     PenstockError,
     RaySetupError,
     ReplicaLostError,
 )
 from penstock.ray import require_ray
+from penstock.ray.admin import FleetEngine
 from penstock.ray.replica import EngineReplica
 from penstock.settings import Settings
 
@@ -51,6 +54,10 @@ logger = logging.getLogger(__name__)
 DEPLOYMENT_NAME = "penstock-engine"
 # How long stopping the deployment may take at exit (replicas drain their own requests).
 _SHUTDOWN_S = 20.0
+# How often /health's per-replica view (state, weight version, running) is refreshed.
+_FLEET_VIEW_S = 1.0
+# Replica slots beyond --max-concurrency, so admin broadcasts reach a full replica.
+_ADMIN_SLOTS = 4
 
 
 def rebuild_error(entry: dict[str, Any]) -> PenstockError:
@@ -64,26 +71,6 @@ def rebuild_error(entry: dict[str, Any]) -> PenstockError:
         error = PenstockError(str(entry.get("message")), code=entry.get("code"))
     error.status_code = int(entry.get("status") or 500)
     return error
-
-
-class FleetEngine:
-    """What the admin plane sees as the engine: fleet-wide controls and updates (pause,
-    weight updates) are not offered yet, so each admin route answers that none is."""
-
-    def __init__(self, class_name: str) -> None:
-        self.class_name = class_name
-
-    def supported_controls(self) -> set[str]:
-        return set()
-
-    def supported_updates(self) -> set[str]:
-        return set()
-
-    async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
-        raise InvalidRequestError(f"'{control}' is not offered across a Ray fleet yet")
-
-    async def engine_update(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
-        raise InvalidRequestError(f"'{update}' is not offered across a Ray fleet yet")
 
 
 @dataclass
@@ -108,7 +95,7 @@ class FleetHost:
         self._stream_handle = handle.options(stream=True)
         self._settings = settings
         self._owns_ray = owns_ray
-        self.engine = FleetEngine(description["engine_class"])
+        self.engine = FleetEngine(handle, description)
         self.engine_config: EngineConfig = description["engine_config"]
         self.model_input: ModelInput = description["model_input"]
         self.worker_config = SimpleNamespace(**description["worker"])
@@ -119,6 +106,7 @@ class FleetHost:
         self.replicas: dict[str, ReplicaLoad] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._streams: weakref.WeakKeyDictionary[Context, Any] = weakref.WeakKeyDictionary()
+        self._view_task: asyncio.Task[Any] | None = None
 
     @property
     def is_raw(self) -> bool:
@@ -131,9 +119,15 @@ class FleetHost:
 
     def describe_fleet(self) -> dict[str, Any]:
         """Per replica, as seen from here: requests served, running, lost to its death."""
+        view = self.engine.view
         return {
             "deployment": DEPLOYMENT_NAME,
-            "replicas": {name: vars(load) for name, load in sorted(self.replicas.items())},
+            "replicas": {
+                name: {**view.get(name, {}), **vars(self.replicas.get(name, ReplicaLoad()))}
+                for name in sorted(set(self.replicas) | set(view))
+            },
+            "weight_versions": sorted({str(v.get("weight_version")) for v in view.values()}),
+            "checked_at": self.engine.view_at,
         }
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
@@ -198,10 +192,16 @@ class FleetHost:
                 stream.cancel()
 
     def start_monitor(self) -> None:
-        """Serve probes each replica's ``check_health`` and replaces the failing ones."""
+        """Serve probes each replica's ``check_health`` and replaces the failing ones; the
+        fleet view of ``/health`` is refreshed every ``_FLEET_VIEW_S``."""
+        self._view_task = self.spawn(self.engine.refresh_forever(_FLEET_VIEW_S))
 
     async def stop_monitor(self) -> None:
-        return None
+        task, self._view_task = self._view_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def cleanup(self) -> None:
         """Delete the deployment, or shut down the Ray cluster this process started; bounded,
@@ -236,7 +236,7 @@ def deployment_options(settings: Settings) -> dict[str, Any]:
         "name": DEPLOYMENT_NAME,
         "ray_actor_options": actor,
         # The ingress gate bounds the fleet; a replica never refuses what it admitted.
-        "max_ongoing_requests": max(settings.max_concurrency, 1),
+        "max_ongoing_requests": max(settings.max_concurrency, 1) + _ADMIN_SLOTS,
         "graceful_shutdown_timeout_s": settings.graceful_shutdown_s,
     }
     low, high = settings.ray_min_replicas, settings.ray_max_replicas

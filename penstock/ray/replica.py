@@ -27,6 +27,7 @@ from penstock.engines.health import load_health_check_from_env, parse_health_che
 from penstock.engines.host import EngineHost, EngineState
 from penstock.engines.loading import engine_argv, load_engine_class, refuse_disaggregated
 from penstock.errors import PenstockError
+from penstock.ray.admin import ReplicaAdmin
 from penstock.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class EngineReplica:
             await self.host.cleanup()
             raise
         self.host.start_monitor()
+        self._admin = ReplicaAdmin(self.host, self.name)
         logger.info("engine replica %s ready", self.name)
 
     def describe(self) -> dict[str, Any]:
@@ -100,6 +102,8 @@ class EngineReplica:
             "engine_config": self.host.engine_config,
             "model_input": self.host.model_input,
             "worker": {name: getattr(worker, name, None) for name in _WORKER_FIELDS},
+            "controls": sorted(self.host.engine.supported_controls()),
+            "updates": sorted(self.host.engine.supported_updates()),
         }
 
     async def generate(
@@ -144,6 +148,14 @@ class EngineReplica:
             logger.exception("replica %s: request %s failed", self.name, context.id())
             queue.put_nowait(error_entry(PenstockError("Internal server error")))
         queue.put_nowait(_END)
+
+    async def admin(self, operation: str, *args: Any) -> dict[str, Any]:
+        """One replica's part of a fleet admin call (:mod:`penstock.ray.admin`), reached
+        by ``broadcast``; the answer carries this replica's name."""
+        answer = await self._admin.run(operation, *args)
+        if operation == "status":
+            answer["running"] = len(self._live)
+        return answer
 
     def stats(self) -> dict[str, Any]:
         return {

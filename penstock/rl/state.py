@@ -18,7 +18,9 @@ Rules, whatever route or dialect asked:
 * an invalid transition raises :class:`ConflictError` (409) carrying the current state;
 * weight updates need ``paused``: called while serving they get a 409 saying to pause;
   that is every method (disk, distributed broadcast, tensors, NIXL), each publishing its
-  ``weight_version`` only once it succeeded;
+  ``weight_version`` only once it succeeded (an engine whose update pauses and resumes by
+  itself, ``pauses_for_updates``, as a Ray fleet's transaction does, may be updated while
+  serving too);
 * an operation that fails (the engine refuses or raises) restores the previous state,
   and the engine keeps its previous weights;
 * sleeping while paused in mode ``keep``: the requests the pause froze mid-generation
@@ -145,6 +147,12 @@ class AdminStateMachine:
         if self.pause_mode is not None:
             return "paused"
         return "serving"
+
+    @property
+    def engine_pauses_for_updates(self) -> bool:
+        """An engine that pauses, updates and resumes in one update call (a Ray fleet's
+        transaction) may be updated while serving."""
+        return getattr(self.engine, "pauses_for_updates", False) is True
 
     @property
     def is_paused(self) -> bool:
@@ -417,7 +425,7 @@ class AdminStateMachine:
                     "the engine is sleeping: wake_up, then pause_generation, before "
                     "updating weights"
                 )
-            if self.pause_mode is None:
+            if self.pause_mode is None and not self.engine_pauses_for_updates:
                 raise self.conflict(
                     "pause generation before updating weights "
                     "(POST /engine/pause_generation, /pause or /pause_generation)"

@@ -6,7 +6,8 @@ Routes
       "system_url", "state": {...}, "weight_version", "lora": {"supported", "loaded",
       "schemes"}, "dialects": {"sglang": [...], "vllm": [...]}, "weight_sync":
       {"methods": [the engine's update_weights_* names], "tensor_payloads": ["safetensors"]
-      (+ "pickle" with --trust-weight-payloads), "checksum": "sha256"}}``.
+      (+ "pickle" with --trust-weight-payloads), "checksum": "sha256"}}``; under ``--ray``
+      also ``"fleet"`` (per replica: state, weight version, running requests).
   ``POST /engine/control/{name}``, ``POST /engine/update/{name}``
       the engine's own ``engine_control`` / ``engine_update`` for the names it advertises
       (``supported_controls()`` / ``supported_updates()``); the response is the engine's
@@ -172,7 +173,14 @@ async def capabilities(request: Request) -> dict[str, Any]:
             + (["pickle"] if plane.state.trust_weight_payloads else []),
             "checksum": "sha256",
         },
+        **_fleet(request),
     }
+
+
+def _fleet(request: Request) -> dict[str, Any]:
+    """Under ``--ray``: each replica's state, weight version and running requests."""
+    fleet = request.app.state.gateway.fleet
+    return {} if fleet is None else {"fleet": fleet.describe_fleet()}
 
 
 async def run_control(plane: AdminPlane, name: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -219,3 +219,28 @@ class CapableEngine(SampleLLMEngine):
         }
         ids = self.tokenizer.encode(json.dumps(seen)).ids
         yield {"token_ids": ids, "index": 0, "finish_reason": "stop"}
+
+
+class FleetUpdateFailingEngine(SampleLLMEngine):
+    """The sample engine refusing weight updates on the Ray Serve replica whose name is in
+    the ``--fail-on`` file (absent or empty: every replica accepts them)."""
+
+    fail_on: Path
+
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None) -> tuple[Any, WorkerConfig]:
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--fail-on", required=True)
+        own, rest = parser.parse_known_args(argv)
+        engine, config = await SampleLLMEngine.from_args(rest)
+        engine.__class__ = cls
+        engine.fail_on = Path(own.fail_on)
+        return engine, config
+
+    async def engine_update(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
+        from penstock.ray.replica import replica_name
+
+        named = self.fail_on.read_text().strip() if self.fail_on.exists() else ""
+        if update.startswith("update_weights_") and named == replica_name():
+            return {"status": "error", "message": "refused on purpose: the test named this replica"}
+        return await super().engine_update(update, body)

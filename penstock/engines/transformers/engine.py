@@ -877,6 +877,39 @@ class TransformersEngine(LLMEngine):
         except WeightSyncError as exc:
             return _error(str(exc))
 
+    async def weights_snapshot(self) -> tuple[dict[str, torch.Tensor], str | None, Path | None]:
+        """A CPU copy of every tensor with the version and source: what
+        :meth:`restore_weights_snapshot` puts back (a Ray fleet's rollback of an update
+        another replica failed). It costs the model's size in host memory while held."""
+        if self.model is None or "weights" in self._sleeping:
+            raise RuntimeError("the weights are asleep: call wake_up before updating them")
+        model, lock = self.model, self._require_scheduler().step_lock
+
+        def copy() -> dict[str, torch.Tensor]:
+            with lock:
+                return {
+                    name: tensor.detach().to("cpu", copy=True)
+                    for name, tensor in model.state_dict().items()
+                }
+
+        return await asyncio.to_thread(copy), self.weight_version, self._weights_source
+
+    async def restore_weights_snapshot(
+        self, snapshot: tuple[dict[str, torch.Tensor], str | None, Path | None]
+    ) -> None:
+        saved, version, source = snapshot
+        model, lock = self.model, self._require_scheduler().step_lock
+
+        def put_back() -> None:
+            live = model.state_dict()
+            with lock, torch.no_grad():
+                for name, tensor in saved.items():
+                    live[name].copy_(tensor)
+
+        await asyncio.to_thread(put_back)
+        self._weights_changed()
+        self.weight_version, self._weights_source = version, source
+
     async def _update_weight_version(self, body: Body) -> Body:
         version = body.get("new_version")
         if not isinstance(version, str) or not version:

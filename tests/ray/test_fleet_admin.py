@@ -1,0 +1,221 @@
+"""Fleet-wide RL admin under ``penstock serve --ray``: one admin call pauses, updates,
+verifies and resumes every replica, or rolls every replica back.
+
+A local two-node Ray cluster (one CPU per node) runs two replicas of the sample engine
+(``FleetUpdateFailingEngine``: it refuses updates on the replica a file names) behind one
+server. The module takes about 60-90 s on two cores (cluster ~7 s, deployment ~10 s,
+the tests ~15 s, teardown ~15 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ray = pytest.importorskip(
+    "ray", reason="Ray Serve is not installed: pip install 'penstock[ray]' to run tests/ray"
+)
+from ray import serve  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from penstock.engines.sample import write_sample_weights  # noqa: E402
+from tests.support.server import REPO_ROOT, ServerProcess, start_server  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+MODEL = "sample-model"
+STREAMS = 16
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    # Replicas import the test engines from this checkout.
+    os.environ["PYTHONPATH"] = str(REPO_ROOT)
+    started = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
+    started.add_node(num_cpus=1)
+    started.wait_for_nodes()
+    ray.init(address=started.address, log_to_driver=False)
+    try:
+        yield started
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        started.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fail_on(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ray-admin") / "fail-on.txt"
+
+
+@pytest.fixture(scope="module")
+def server(
+    cluster: Cluster, fail_on: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    args = [
+        "--ray",
+        "--ray-address",
+        cluster.address,
+        "--ray-replicas",
+        "2",
+        "--ray-replica-cpus",
+        "1",
+        "--engine",
+        "tests.support.doubles:FleetUpdateFailingEngine",
+        "--",
+        "--fail-on",
+        str(fail_on),
+        "--delay",
+        "0.02",
+    ]
+    process = start_server(args, tmp_path_factory.mktemp("ray-server"), ready_timeout=120)
+    try:
+        yield process
+    finally:
+        if process.stop(signal.SIGTERM, timeout=60) != 0:
+            print(process.log())
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as opened:
+        yield opened
+
+
+def fleet_view(client: httpx.Client, want: Any = None) -> dict[str, Any]:
+    """``/health``'s fleet once both replicas report (and ``want(view)`` holds)."""
+    deadline = time.monotonic() + 30
+    while True:
+        view = client.get("/health").json()["fleet"]
+        replicas = view["replicas"]
+        ready = len(replicas) == 2 and all("weight_version" in r for r in replicas.values())
+        if ready and (want is None or want(view)):
+            return view
+        assert time.monotonic() < deadline, view
+        time.sleep(0.2)
+
+
+def stream_versions(client: httpx.Client, out: list[tuple[str, set[Any]]]) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 150, "stream": True}
+    versions: set[Any] = set()
+    last = ""
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if not line:
+                continue
+            last = line
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: ") :])
+                assert "error" not in chunk, chunk
+                versions.add(chunk.get("weight_version"))
+    out.append((last, versions))
+
+
+def test_capabilities_and_health_describe_every_replica(client: httpx.Client) -> None:
+    view = fleet_view(client)
+    for replica in view["replicas"].values():
+        assert replica["state"] == "running" and replica["paused"] is None
+        assert replica["running"] == 0
+    capabilities = client.get("/engine/capabilities").json()
+    assert set(capabilities["fleet"]["replicas"]) == set(view["replicas"])
+    methods = capabilities["weight_sync"]["methods"]
+    assert {"update_weights_from_disk", "update_weights_from_tensor"} <= set(methods)
+    assert "update_weights_from_distributed" not in methods
+
+
+def test_one_update_call_under_streams_moves_every_replica_together(
+    client: httpx.Client, tmp_path: Path
+) -> None:
+    before = client.get("/engine/get_weight_version").json()["version"]
+    weights = write_sample_weights(tmp_path / "v1.safetensors", 3)
+    results: list[tuple[str, set[Any]]] = []
+    threads = [
+        threading.Thread(target=stream_versions, args=(client, results)) for _ in range(STREAMS)
+    ]
+    for thread in threads:
+        thread.start()
+    fleet_view(client, lambda v: sum(r["running"] for r in v["replicas"].values()) >= STREAMS)
+
+    # No pause first: the fleet transaction pauses and resumes every replica itself.
+    answer = client.post(
+        "/engine/update_weights_from_disk",
+        json={"model_path": str(weights), "weight_version": "v1"},
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["version"] == "v1" and answer.json()["state"] == "serving"
+    for thread in threads:
+        thread.join()
+    assert len(results) == STREAMS
+    assert all(last == "data: [DONE]" for last, _ in results)
+    assert set().union(*(versions for _, versions in results)) <= {before, "v1"}
+
+    checked = client.post("/engine/control/weights_checksum", json={}).json()
+    assert len({r["checksum"] for r in checked["replicas"].values()}) == 1
+    assert checked["checksum"] == answer.json()["checksum"]
+    view = fleet_view(client, lambda v: v["weight_versions"] == ["v1"])
+    assert all(r["paused"] is None for r in view["replicas"].values())
+    done = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert done.json()["weight_version"] == "v1"
+
+
+def test_pause_tensor_update_resume_through_the_sglang_routes(client: httpx.Client) -> None:
+    assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+    view = fleet_view(client, lambda v: all(r["paused"] for r in v["replicas"].values()))
+    assert client.get("/health").status_code == 503
+    pushed = client.post(
+        "/update_weights_from_tensor",
+        json={"named_tensors": {"token_shift": [5]}, "weight_version": "v2"},
+    )
+    assert pushed.status_code == 200, pushed.text
+    # Still paused: the transaction leaves the replicas as the trainer's pause left them.
+    view = fleet_view(client, lambda v: v["weight_versions"] == ["v2"])
+    assert all(r["paused"] == "abort" for r in view["replicas"].values())
+    assert client.post("/continue_generation", json={}).status_code == 200
+    flushed = client.post("/engine/control/flush_cache", json={}).json()
+    assert len(flushed["replicas"]) == 2
+    versions = client.get("/engine/get_weight_version").json()
+    assert versions["version"] == "v2"
+
+
+def test_a_replica_that_fails_the_update_rolls_the_whole_fleet_back(
+    client: httpx.Client, fail_on: Path, tmp_path: Path
+) -> None:
+    before = client.post("/engine/control/weights_checksum", json={}).json()["checksum"]
+    victim = sorted(fleet_view(client)["replicas"])[0]
+    fail_on.write_text(victim)
+    try:
+        weights = write_sample_weights(tmp_path / "v3.safetensors", 7)
+        answer = client.post(
+            "/engine/update_weights_from_disk",
+            json={"model_path": str(weights), "weight_version": "v3"},
+        )
+    finally:
+        fail_on.write_text("")
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "engine_rejected" and error["param"] == "model_path"
+    assert error["failed_replica"] == victim and victim in error["message"]
+    assert "refused on purpose" in error["replicas"][victim]["error"]["message"]
+    other = next(name for name in error["replicas"] if name != victim)
+    assert error["replicas"][other]["ok"] and error["replicas"][other]["rolled_back"]
+    assert {r["checksum"] for r in error["replicas"].values()} == {before}
+    assert {r["weight_version"] for r in error["replicas"].values()} == {"v2"}
+
+    assert client.get("/engine/get_weight_version").json()["version"] == "v2"
+    checked = client.post("/engine/control/weights_checksum", json={}).json()
+    assert {r["checksum"] for r in checked["replicas"].values()} == {before}
+    view = fleet_view(client, lambda v: all(r["paused"] is None for r in v["replicas"].values()))
+    assert view["weight_versions"] == ["v2"]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 4}
+    assert client.post("/v1/completions", json=body).json()["weight_version"] == "v2"
