@@ -1,10 +1,12 @@
 """Fleet-wide RL admin under ``penstock serve --ray``: one admin call pauses, updates,
 verifies and resumes every replica, or rolls every replica back.
 
-A local two-node Ray cluster (one CPU per node) runs two replicas of the sample engine
-(``FleetUpdateFailingEngine``: it refuses updates on the replica a file names) behind one
-server. The module takes about 60-90 s on two cores (cluster ~7 s, deployment ~10 s,
-the tests ~15 s, teardown ~15 s).
+A local two-node Ray cluster (two logical CPUs per node) runs two servers on it: two
+replicas of the sample engine (``FleetUpdateFailingEngine``: it refuses updates on the
+replica a file names), and two replicas of the transformers engine on the tiny
+checkpoint. The module takes about 80-100 s on two cores (cluster and the sample
+deployment ~25 s, its tests ~6 s, the transformers deployment ~35 s and its test ~3 s,
+teardown ~15 s).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from penstock.engines.sample import write_sample_weights  # noqa: E402
 from tests.support.server import REPO_ROOT, ServerProcess, start_server  # noqa: E402
+from tests.support.tiny_llm import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -41,9 +44,9 @@ def cluster() -> Iterator[Cluster]:
     # Replicas import the test engines from this checkout.
     os.environ["PYTHONPATH"] = str(REPO_ROOT)
     started = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
     )
-    started.add_node(num_cpus=1)
+    started.add_node(num_cpus=2)
     started.wait_for_nodes()
     ray.init(address=started.address, log_to_driver=False)
     try:
@@ -91,6 +94,63 @@ def server(
 def client(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.base_url, timeout=60) as opened:
         yield opened
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """The served checkpoint, another with other weights, one with wrong shapes."""
+    served = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    other = build_tiny_llama(tmp_path_factory.mktemp("tiny-other"), seed=1, tokenizer_from=served)
+    from transformers import LlamaForCausalLM
+
+    wider = tmp_path_factory.mktemp("tiny-wider")
+    config = LlamaForCausalLM.from_pretrained(other).config
+    config.hidden_size = 96
+    LlamaForCausalLM(config).save_pretrained(wider)
+    return served, other, wider
+
+
+@pytest.fixture(scope="module")
+def tiny_client(
+    cluster: Cluster,
+    tiny_models: tuple[Path, Path, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[httpx.Client]:
+    args = [
+        "--ray",
+        "--ray-address",
+        cluster.address,
+        "--ray-app-name",
+        "penstock-tiny",
+        "--ray-replicas",
+        "2",
+        "--ray-replica-cpus",
+        "1",
+        "--engine",
+        "transformers",
+        "--model",
+        str(tiny_models[0]),
+        "--",
+        "--cpu-threads",
+        "1",
+    ]
+    process = start_server(
+        args,
+        tmp_path_factory.mktemp("ray-tiny"),
+        env={"HF_HUB_OFFLINE": "1"},
+        ready_timeout=180,
+    )
+    try:
+        with httpx.Client(base_url=process.base_url, timeout=60) as opened:
+            yield opened
+    finally:
+        if process.stop(signal.SIGTERM, timeout=60) != 0:
+            print(process.log())
+
+
+def checksums(client: httpx.Client) -> set[str]:
+    answer = client.post("/engine/control/weights_checksum", json={}).json()
+    return {replica["checksum"] for replica in answer["replicas"].values()}
 
 
 def fleet_view(client: httpx.Client, want: Any = None) -> dict[str, Any]:
@@ -219,3 +279,30 @@ def test_a_replica_that_fails_the_update_rolls_the_whole_fleet_back(
     assert view["weight_versions"] == ["v2"]
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 4}
     assert client.post("/v1/completions", json=body).json()["weight_version"] == "v2"
+
+
+def test_transformers_replicas_update_from_disk_together_and_roll_back_together(
+    tiny_client: httpx.Client, tiny_models: tuple[Path, Path, Path]
+) -> None:
+    _, other, wider = tiny_models
+    (before,) = checksums(tiny_client)
+    answer = tiny_client.post(
+        "/engine/update_weights_from_disk",
+        json={"model_path": str(other), "weight_version": "t1"},
+    )
+    assert answer.status_code == 200, answer.text
+    (after,) = checksums(tiny_client)
+    assert after != before and answer.json()["version"] == "t1"
+
+    refused = tiny_client.post(
+        "/engine/update_weights_from_disk",
+        json={"model_path": str(wider), "weight_version": "t2"},
+    )
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert "shapes do not match" in error["message"] and error["failed_replica"]
+    assert {r["checksum"] for r in error["replicas"].values()} == {after}
+    assert checksums(tiny_client) == {after}
+    chat = {"model": tiny_client.get("/v1/models").json()["data"][0]["id"], "max_tokens": 3}
+    chat["messages"] = [{"role": "user", "content": "hi"}]
+    assert tiny_client.post("/v1/chat/completions", json=chat).json()["weight_version"] == "t1"

@@ -11,6 +11,9 @@ requests for the base model and for other adapters.
 A vision-language checkpoint (LLaVA-style, see :mod:`.vision`) advertises image input:
 its requests' images become features once per distinct image, and their prefill runs
 from ``inputs_embeds``; they decode in the same batch as text-only requests.
+
+``weights_snapshot`` / ``restore_weights_snapshot`` keep a CPU copy of the weights and put
+it back: a Ray fleet rolls back an update one of its replicas failed (:mod:`penstock.ray`).
 """
 
 from __future__ import annotations

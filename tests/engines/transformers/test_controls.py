@@ -253,3 +253,22 @@ async def test_flush_cache(engine: TransformersEngine) -> None:
         "status": "ok",
         "message": "Cache flushed",
     }
+
+
+async def test_a_snapshot_puts_back_the_weights_and_version_an_update_replaced(
+    engine: TransformersEngine, other_tiny_model_dir: Path
+) -> None:
+    before = await tokens(engine, greedy(max_tokens=12))
+    summed = await engine.engine_control("weights_checksum", {})
+    await engine.engine_control("pause_generation", {"mode": "wait"})
+    snapshot = await engine.weights_snapshot()
+    reply = await engine.engine_update(
+        "update_weights_from_disk",
+        {"model_path": str(other_tiny_model_dir), "weight_version": "v9"},
+    )
+    assert reply["checksum"] != summed["checksum"]
+    await engine.restore_weights_snapshot(snapshot)
+    await engine.engine_control("resume_generation", {})
+    assert (await engine.engine_control("weights_checksum", {}))["checksum"] == summed["checksum"]
+    assert (await engine.engine_control("get_weight_version", {}))["weight_version"] is None
+    assert await tokens(engine, greedy(max_tokens=12)) == before
