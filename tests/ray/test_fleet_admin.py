@@ -4,9 +4,9 @@ verifies and resumes every replica, or rolls every replica back.
 A local two-node Ray cluster (two logical CPUs per node) runs two servers on it: two
 replicas of the sample engine (``FleetUpdateFailingEngine``: it refuses updates on the
 replica a file names), and two replicas of the transformers engine on the tiny
-checkpoint. The module takes about 80-100 s on two cores (cluster and the sample
-deployment ~25 s, its tests ~6 s, the transformers deployment ~35 s and its test ~3 s,
-teardown ~15 s).
+checkpoint. The module takes about 85-110 s on two cores (cluster and the sample
+deployment ~25-40 s, its tests ~6 s, the transformers deployment ~35 s and its test
+~1 s, teardown ~15 s).
 """
 
 from __future__ import annotations
@@ -306,3 +306,30 @@ def test_transformers_replicas_update_from_disk_together_and_roll_back_together(
     chat = {"model": tiny_client.get("/v1/models").json()["data"][0]["id"], "max_tokens": 3}
     chat["messages"] = [{"role": "user", "content": "hi"}]
     assert tiny_client.post("/v1/chat/completions", json=chat).json()["weight_version"] == "t1"
+
+
+def test_a_lora_adapter_loads_on_every_replica(client: httpx.Client, tmp_path: Path) -> None:
+    (tmp_path / "adapter_config.json").write_text("{}")
+    write_sample_weights(tmp_path / "adapter_model.safetensors", 11)
+    loaded = client.post(
+        "/engine/update/load_lora", json={"lora_name": "shifted", "lora_path": str(tmp_path)}
+    )
+    assert loaded.status_code == 200, loaded.text
+    before = {name: r["served"] for name, r in fleet_view(client)["replicas"].items()}
+    body = {"model": "shifted", "prompt": "x", "max_tokens": 20}
+    texts: list[str] = []
+
+    def ask() -> None:
+        texts.append(client.post("/v1/completions", json=body).json()["choices"][0]["text"])
+
+    # Concurrent requests spread over both replicas; each must have the adapter.
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    base = client.post("/v1/completions", json={**body, "model": MODEL}).json()
+    assert len(texts) == 8 and len(set(texts)) == 1
+    assert base["choices"][0]["text"] != texts[0]
+    after = fleet_view(client)["replicas"]
+    assert all(after[name]["served"] > served for name, served in before.items()), after
