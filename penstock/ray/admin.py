@@ -119,6 +119,9 @@ class ReplicaAdmin:
         self.name = name
         self._calls = AdminStateMachine(host.engine)
         self._txn: _Transaction | None = None
+        # Steps of an update run one at a time: a rollback sent past the admin deadline
+        # waits for an update still running here instead of racing it.
+        self._steps = asyncio.Lock()
         self.paused: str | None = None
         self.sleeping = False
 
@@ -136,6 +139,9 @@ class ReplicaAdmin:
         if handler is None:
             return _failed(self.name, InvalidRequestError(f"unknown fleet operation {operation}"))
         try:
+            if operation in ("begin", "apply", "end"):
+                async with self._steps:
+                    return await handler(*args)
             return await handler(*args)
         except PenstockError as exc:
             return _failed(self.name, exc)
@@ -161,7 +167,7 @@ class ReplicaAdmin:
     async def begin(self, txn: str, pause_mode: str) -> dict[str, Any]:
         if self._txn is not None:
             # Left by an ingress that went away mid-transaction: never committed, undo it.
-            logger.warning("replica %s: rolling back unfinished update %s", self.name, txn)
+            logger.warning("replica %s: rolling back unfinished update %s", self.name, self._txn.id)
             await self.end(self._txn.id, True)
         paused_here = False
         if self.paused is None and not self.sleeping:
@@ -357,6 +363,14 @@ class FleetEngine:
             self._check_rolled_back(update, failure, ended, detail)
             failure.extra = {**failure.extra, "replicas": detail}
             raise failure
+        for answer in ended:
+            if not answer["ok"]:
+                logger.warning(
+                    "%s committed, but replica %s failed to resume: %s",
+                    update,
+                    answer["replica"],
+                    answer["error"]["message"],
+                )
         first = next(iter(outcome.values()))["apply"]
         result = dict(first["result"])
         result.update(weight_version=first["weight_version"], replicas=detail)

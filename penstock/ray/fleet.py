@@ -126,7 +126,7 @@ class FleetHost:
                 name: {**view.get(name, {}), **vars(self.replicas.get(name, ReplicaLoad()))}
                 for name in sorted(set(self.replicas) | set(view))
             },
-            "weight_versions": sorted({str(v.get("weight_version")) for v in view.values()}),
+            "weight_versions": sorted({v.get("weight_version") for v in view.values()}, key=str),
             "checked_at": self.engine.view_at,
         }
 
