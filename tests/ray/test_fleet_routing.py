@@ -67,8 +67,8 @@ def serve_fleet(cluster: Cluster, log_dir: Path, args: list[str]) -> Iterator[Se
             print(process.log())
 
 
-def served(sample_server: ServerProcess) -> dict[str, int]:
-    fleet = httpx.get(f"{sample_server.base_url}/health", timeout=10).json()["fleet"]["replicas"]
+def served(server: ServerProcess) -> dict[str, int]:
+    fleet = httpx.get(f"{server.base_url}/health", timeout=10).json()["fleet"]["replicas"]
     return {name: load["served"] for name, load in fleet.items()}
 
 
@@ -77,8 +77,8 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {name: count for name, count in changed.items() if count}
 
 
-def client_of(sample_server: ServerProcess) -> OpenAI:
-    return OpenAI(base_url=f"{sample_server.base_url}/v1", api_key="unused", max_retries=0)
+def client_of(server: ServerProcess) -> OpenAI:
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
 def chat_tokens(client: OpenAI, model: str, **extra: Any) -> list[int]:
@@ -208,7 +208,8 @@ class TestTransformersFleet:
         client = client_of(transformers_server)
         model = client.models.list().data[0].id
         before = served(transformers_server)
-        for i in range(4):
+        # Twelve sessions: the chance that all prefer one of two replicas is 1 in 2048.
+        for i in range(12):
             session = {"X-Session-Id": f"s{i}"}
             chat = client.chat.completions.create(
                 model=model,
