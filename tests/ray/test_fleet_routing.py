@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,9 +25,16 @@ ray = pytest.importorskip(
 )
 import safetensors.numpy  # noqa: E402
 from openai import OpenAI  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from tests.deploy.support import panel_queries  # noqa: E402
+from tests.e2e.test_metrics import (  # noqa: E402
+    FLEET_ONLY,
+    assert_documented_families_present,
+    documented_families,
+)
 from tests.support.server import REPO_ROOT, ServerProcess, start_server  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
@@ -189,16 +197,21 @@ class TestSampleFleet:
             chat_tokens(client, MODEL, user=f"metrics-{i}")
         names = set(served(sample_server))
         text = httpx.get(f"{sample_server.base_url}/metrics", timeout=30).text
-        for name in names:
-            label = f'replica="{name}"'
-            assert any(
-                line.startswith("penstock_fleet_replica_requests_total") and label in line
-                for line in text.splitlines()
-            ), name
-            assert any(
-                line.startswith("penstock_component_forward_passes_total") and label in line
-                for line in text.splitlines()
-            ), name
+        fleet = [f for f in documented_families() if f.name.startswith(FLEET_ONLY)]
+        assert_documented_families_present(text, fleet)
+        replicas = {
+            sample.labels.get("replica")
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if family.name == "penstock_component_forward_passes"
+        }
+        assert replicas == names
+        # Every family the fleet dashboard reads is exported by a real fleet.
+        exported = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+        for query in panel_queries():
+            if query.dashboard == "fleet":
+                for family in re.findall(r"\b(penstock_[a-z_]+)\b", query.expr):
+                    assert family in exported, query
 
 
 class TestTransformersFleet:
