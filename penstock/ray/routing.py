@@ -4,10 +4,11 @@ The rule (``penstock serve --ray``):
 
 1. The ingress computes an *affinity key* per request (:func:`affinity_key`): the session
    key when the client names one (the ``X-Session-Id`` header, else the body's ``user``),
-   otherwise the first ``--ray-affinity-prefix-tokens`` prompt token ids (the whole prompt
-   when shorter), together with the model name so a LoRA adapter's sessions are keyed
-   apart from the base model's. ``--ray-affinity-prefix-tokens 0`` and no session key:
-   no key.
+   otherwise the first ``--ray-affinity-prefix-tokens`` prompt token ids, together with
+   the model name so a LoRA adapter's sessions are keyed apart from the base model's. A
+   prompt shorter than that has no key (too little cache to be worth a busier replica),
+   and neither has any request without a session key under
+   ``--ray-affinity-prefix-tokens 0``.
 2. A request without a key goes to the least-loaded replica (fewest ongoing requests as
    the replicas report them) among up to :data:`SAMPLE` replicas drawn at random: exact
    for fleets of up to four replicas, "power of d choices" beyond.
@@ -47,7 +48,7 @@ def affinity_key(request: Mapping[str, Any], context: Context, prefix_tokens: in
         material = f"s\0{model}\0{session}"
     else:
         token_ids = request.get("token_ids")
-        if prefix_tokens <= 0 or not token_ids:
+        if prefix_tokens <= 0 or not token_ids or len(token_ids) < prefix_tokens:
             return None
         prefix = ",".join(str(int(t)) for t in token_ids[:prefix_tokens])
         material = f"p\0{model}\0{prefix}"

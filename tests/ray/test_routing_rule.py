@@ -34,3 +34,4 @@ def test_the_session_key_wins_over_the_prompt_prefix() -> None:
     shared = {"model": "m", "token_ids": [*range(64), 7]}
     assert affinity_key(request, Context("2"), 64) == affinity_key(shared, Context("3"), 64)
     assert affinity_key(request, Context("2"), 0) is None
+    assert affinity_key({"model": "m", "token_ids": [1, 2]}, Context("4"), 64) is None
