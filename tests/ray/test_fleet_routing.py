@@ -2,8 +2,9 @@
 engine under Ray, on a local two-node Ray cluster (one CPU per node, one replica each).
 
 One cluster for the module; the sample-engine server lives for its class, then the
-transformers server for its own. The module takes about 2-3 minutes on two cores
-(cluster ~7 s; each server ~15-40 s to deploy, ~15 s to stop; the requests are quick).
+transformers server for its own. The module takes about 60-90 s on two cores (cluster
+~7 s; the sample fleet ~13 s and the transformers fleet ~20-70 s to deploy, ~5-8 s each
+to stop; the requests take a few seconds).
 """
 
 from __future__ import annotations
