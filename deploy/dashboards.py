@@ -7,7 +7,7 @@ this module generates. Edit this module, never the JSON.
 Every query reads only families Penstock's ``/metrics`` exports (``docs/metrics.md``).
 Template variables: ``$model`` (served model, multi-value with "All") on the overview
 and engine views, ``$instance`` (scraped gateway) on the RL and media views; queries
-match them with ``=~``.
+match them with ``=~``. The fleet view (``--ray``) has none: its series are per replica.
 """
 
 from __future__ import annotations
@@ -600,11 +600,102 @@ def media() -> dashboard.Dashboard:
     )
 
 
+def fleet() -> dashboard.Dashboard:
+    """``penstock serve --ray``: the ingress's view of each replica and each replica's
+    engine families, all labelled ``replica``."""
+    replica = "penstock_fleet_replica"
+    component = "penstock_component"
+    return (
+        base(
+            "penstock-fleet",
+            "Penstock fleet",
+            "Engine replicas behind one --ray gateway: load, tokens and steps per replica.",
+        )
+        .with_row(dashboard.Row("Load per replica"))
+        .with_panel(
+            graph(
+                "Requests routed/s",
+                "Requests the ingress sent to each replica.",
+                "reqps",
+                [(f"sum by (replica) (rate({replica}_requests_total[{RATE}]))", "{{replica}}")],
+                width=8,
+                stacked=True,
+            )
+        )
+        .with_panel(
+            graph(
+                "Running requests",
+                "Requests running on each replica, as the ingress sees them.",
+                "short",
+                [(f"sum by (replica) ({replica}_running_requests)", "{{replica}}")],
+                width=8,
+            )
+        )
+        .with_panel(
+            graph(
+                "Replicas up and requests lost",
+                "Replicas answering the metrics scrape; requests failed by a replica's death.",
+                "short",
+                [
+                    (f"sum({replica}_up)", "replicas up"),
+                    (f"sum(increase({replica}_lost_requests_total[{RATE}]))", "lost"),
+                ],
+                width=8,
+            )
+        )
+        .with_row(dashboard.Row("Tokens and steps per replica"))
+        .with_panel(
+            graph(
+                "Output tokens/s",
+                "Tokens each replica generated for the ingress.",
+                "short",
+                [
+                    (
+                        f"sum by (replica) (rate({replica}_output_tokens_total[{RATE}]))",
+                        "{{replica}}",
+                    )
+                ],
+                width=8,
+                stacked=True,
+            )
+        )
+        .with_panel(
+            graph(
+                "Tokens computed/s",
+                "Prompt tokens prefilled and tokens decoded per second, per replica.",
+                "short",
+                [
+                    (
+                        f"sum by (replica) (rate({component}_scheduled_tokens_total[{RATE}]))",
+                        "{{replica}}",
+                    )
+                ],
+                width=8,
+            )
+        )
+        .with_panel(
+            graph(
+                "Forward passes/s",
+                "Scheduler iterations per second, per replica.",
+                "short",
+                [
+                    (
+                        f"sum by (replica) (rate({component}_forward_passes_total[{RATE}]))",
+                        "{{replica}}",
+                    )
+                ],
+                width=8,
+            )
+        )
+    )
+
+
 DASHBOARDS: dict[str, Callable[[], dashboard.Dashboard]] = {
     "overview.json": overview,
     "engine.json": engine,
     "rl.json": rl,
     "media.json": media,
+    "fleet.json": fleet,
 }
 
 

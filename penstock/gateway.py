@@ -38,6 +38,10 @@ class FleetView(Protocol):
 
     def describe_fleet(self) -> dict[str, Any]: ...
 
+    async def metrics_text(self) -> str:
+        """Every replica's metrics, each series labelled with its replica."""
+        ...
+
 
 @dataclass
 class ServedModel:

@@ -241,6 +241,11 @@ class Settings(BaseSettings):
     ray_min_replicas: int | None = Field(default=None, ge=0)
     ray_max_replicas: int | None = Field(default=None, ge=1)
     ray_target_ongoing_requests: float = Field(default=2.0, gt=0)
+    # Routing (penstock.ray.routing): a request without a session key is keyed by this many
+    # leading prompt tokens (0: not keyed); the replica its key prefers is taken unless it
+    # has more than ray_affinity_max_imbalance ongoing requests beyond the least loaded.
+    ray_affinity_prefix_tokens: int = Field(default=64, ge=0)
+    ray_affinity_max_imbalance: int = Field(default=8, ge=0)
 
     @model_validator(mode="after")
     def _ray_bounds(self) -> Settings:

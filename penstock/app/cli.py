@@ -322,6 +322,20 @@ def _add_ray_flags(serve: argparse.ArgumentParser) -> None:
         help="ongoing requests per replica the autoscaler aims for "
         f"(default: {_default('ray_target_ongoing_requests'):g})",
     )
+    serve.add_argument(
+        "--ray-affinity-prefix-tokens",
+        type=int,
+        help="requests without a session key (X-Session-Id header or user field) prefer "
+        "one replica per this many leading prompt tokens; 0 turns prefix affinity off "
+        f"(default: {_default('ray_affinity_prefix_tokens')})",
+    )
+    serve.add_argument(
+        "--ray-affinity-max-imbalance",
+        type=int,
+        help="a request leaves its preferred replica for the least-loaded one when the "
+        "preferred has more than this many ongoing requests beyond it "
+        f"(default: {_default('ray_affinity_max_imbalance')})",
+    )
 
 
 def _add_media_fetch_flags(serve: argparse.ArgumentParser) -> None:

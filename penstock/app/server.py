@@ -17,6 +17,7 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from prometheus_client import CollectorRegistry
 
 from penstock import tracing
 from penstock.app.connections import ConnectionLimits, guarded_protocol, raise_open_file_limit
@@ -30,7 +31,7 @@ from penstock.engines.loading import engine_argv, load_engine_class, refuse_disa
 from penstock.errors import ListenError
 from penstock.gateway import Gateway, ServedModel
 from penstock.media.artifacts import check_location
-from penstock.metrics.engine_bridge import KvEventFamilies, SnapshotPublisher
+from penstock.metrics.engine_bridge import EngineMetrics, KvEventFamilies, SnapshotPublisher
 from penstock.preprocess import Preprocessor
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import Settings
@@ -170,9 +171,22 @@ async def _bridge_engine_metrics(gateway: Gateway, engine: Any, model: str) -> N
         reject_prompt=budget is None or budget.reject_prompt_overflow,
         reject_total=budget is None or budget.reject_total_overflow,
     )
-    host = gateway.host
+    await bridge_engine_metrics(
+        engine, gateway.host, gateway.engine_metrics, gateway.metrics.registry, model
+    )
+
+
+async def bridge_engine_metrics(
+    engine: Any,
+    host: EngineHost,
+    engine_metrics: EngineMetrics,
+    registry: CollectorRegistry,
+    model: str,
+) -> None:
+    """Give a started engine its metric outlets: its own families (``register_prometheus``),
+    forward passes and KV snapshots, KV events, all into ``registry``."""
     worker_config = host.worker_config
-    gateway.engine_metrics.auto_labels.update(
+    engine_metrics.auto_labels.update(
         {
             "dynamo_namespace": str(getattr(worker_config, "namespace", "penstock")),
             "dynamo_component": str(getattr(worker_config, "component", "backend")),
@@ -182,16 +196,16 @@ async def _bridge_engine_metrics(gateway: Gateway, engine: Any, model: str) -> N
             "model_name": model,
         }
     )
-    await engine.register_prometheus(gateway.engine_metrics)
+    await engine.register_prometheus(engine_metrics)
     # As Dynamo's worker: without KV routing neither KV events nor snapshots are taken.
     if host.is_raw or not getattr(worker_config, "enable_kv_routing", True):
         return
     ranks = list(engine.component_metrics_dp_ranks())
     if ranks:
-        engine.attach_snapshot_publisher(SnapshotPublisher(ranks, model, gateway.metrics.registry))
+        engine.attach_snapshot_publisher(SnapshotPublisher(ranks, model, registry))
     sources = list(await engine.kv_event_sources() or [])
     if sources:
-        families = KvEventFamilies(model, gateway.metrics.registry)
+        families = KvEventFamilies(model, registry)
         for source in sources:
             rank = int(getattr(source, "dp_rank", 0) or 0)
             on_ready = getattr(source, "on_ready", None)

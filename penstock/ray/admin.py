@@ -65,6 +65,7 @@ from penstock.rl.state import AdminStateMachine
 
 if TYPE_CHECKING:
     from penstock.engines.host import EngineHost
+    from penstock.ray.adapters import FleetAdapters
 
 logger = logging.getLogger(__name__)
 
@@ -285,9 +286,12 @@ class FleetEngine:
     # The admin plane lets a weight update run while serving: the transaction pauses.
     pauses_for_updates = True
 
-    def __init__(self, handle: Any, description: dict[str, Any]) -> None:
+    def __init__(
+        self, handle: Any, description: dict[str, Any], adapters: FleetAdapters
+    ) -> None:
         self.class_name = description["engine_class"]
         self._handle = handle
+        self._adapters = adapters
         self._controls = set(description.get("controls", ()))
         self._updates = set(description.get("updates", ())) - FLEET_UNOFFERED_UPDATES
         self.view: dict[str, dict[str, Any]] = {}
@@ -332,11 +336,11 @@ class FleetEngine:
     async def engine_update(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
         if update.startswith(WEIGHT_UPDATE_PREFIX):
             return await self._transaction(update, body)
+        if update in self._adapters.updates:
+            return await self._adapters.update(update, body)
         answers = await self.broadcast("update", update, body)
         failed = [a for a in answers if not a["ok"]]
         if failed:
-            if update == "load_lora" and "lora_name" in body:
-                await self.broadcast("update", "unload_lora", {"lora_name": body["lora_name"]})
             raise self._failure(update, failed[0], answers)
         return merge_results(answers)
 

@@ -7,8 +7,10 @@ the served model from what a replica describes, as ``build_gateway`` does for a 
 engine, so the serving layer, the routers and the server (drain, connection limits) run
 unchanged.
 
-* Routing: Serve's handle router picks the replica (power of two choices on the replicas'
-  ongoing requests: with two replicas, the less loaded one).
+* Routing: :class:`~penstock.ray.router.AffinityRouter` picks the replica: the least
+  loaded, or the one a request's session or prompt prefix prefers within a bound
+  (:mod:`penstock.ray.routing`). LoRA adapters: :mod:`penstock.ray.adapters`. Metrics:
+  :mod:`penstock.ray.metrics`.
 * Admission: the ingress holds the one :class:`AdmissionGate`, so ``--max-concurrency`` and
   ``--max-queue`` bound the whole fleet; each replica accepts as many requests as that.
 * Cancellation: a consumer going away (client gone, deadline, a stop string, ``cancel``)
@@ -46,12 +48,17 @@ from penstock.errors import (
 )
 from penstock.ray import require_ray
 from penstock.ray.admin import FleetEngine
+from penstock.ray.adapters import FleetAdapters
+from penstock.ray.metrics import SCRAPE_TIMEOUT_S, fleet_families, labelled_families, render
 from penstock.ray.replica import EngineReplica
+from penstock.ray.routing import affinity_key
 from penstock.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "penstock-engine"
+# Imported by Serve, so this module needs no Ray to import (see penstock.ray.router).
+ROUTER_IMPORT_PATH = "penstock.ray.router:AffinityRouter"
 # How long stopping the deployment may take at exit (replicas drain their own requests).
 _SHUTDOWN_S = 20.0
 # How often /health's per-replica view (state, weight version, running) is refreshed.
@@ -80,6 +87,7 @@ class ReplicaLoad:
     served: int = 0
     running: int = 0
     lost: int = 0
+    tokens: int = 0
 
 
 class FleetHost:
@@ -92,10 +100,12 @@ class FleetHost:
         from ray.serve.exceptions import RequestCancelledError
 
         self._cancelled_error = RequestCancelledError
+        self._handle = handle
         self._stream_handle = handle.options(stream=True)
         self._settings = settings
         self._owns_ray = owns_ray
-        self.engine = FleetEngine(handle, description)
+        self.adapters = FleetAdapters(handle, set(description.get("updates", ())))
+        self.engine = FleetEngine(handle, description, self.adapters)
         self.engine_config: EngineConfig = description["engine_config"]
         self.model_input: ModelInput = description["model_input"]
         self.worker_config = SimpleNamespace(**description["worker"])
@@ -157,7 +167,12 @@ class FleetHost:
                 gate.release()
 
     async def _remote(self, request: dict[str, Any], context: Context) -> AsyncIterator[dict]:
-        stream = self._stream_handle.generate.remote(request, context.id())
+        stream = self._stream_handle.generate.remote(
+            request,
+            context.id(),
+            affinity=affinity_key(request, context, self._settings.ray_affinity_prefix_tokens),
+            adapter=self.adapters.route(request.get("model")),
+        )
         self._streams[context] = stream
         load: ReplicaLoad | None = None
         completed = False
@@ -171,6 +186,8 @@ class FleetHost:
                 for item in message:
                     if "error" in item and len(item) == 1:
                         raise rebuild_error(item["error"])
+                    if load is not None:
+                        load.tokens += len(item.get("token_ids") or ())
                     yield item
             completed = True
         except self._cancelled_error:
@@ -190,6 +207,20 @@ class FleetHost:
                 load.running -= 1
             if not completed:
                 stream.cancel()
+
+    async def metrics_text(self) -> str:
+        """Each replica's engine families, labelled with the replica, and the ingress's
+        view of each replica (:mod:`penstock.ray.metrics`)."""
+        try:
+            replies = await self._handle.broadcast("metrics_text").results_async(
+                timeout_s=SCRAPE_TIMEOUT_S, return_exceptions=True
+            )
+        except TimeoutError:
+            logger.warning("the replicas' metrics did not arrive within %gs", SCRAPE_TIMEOUT_S)
+            replies = []
+        texts = {str(r[0]): str(r[1]) for r in replies if isinstance(r, tuple | list)}
+        families = fleet_families(self.replicas, texts) + labelled_families(texts)
+        return render(families)
 
     def start_monitor(self) -> None:
         """Serve probes each replica's ``check_health`` and replaces the failing ones; the
@@ -238,6 +269,10 @@ def deployment_options(settings: Settings) -> dict[str, Any]:
         # The ingress gate bounds the fleet; a replica never refuses what it admitted.
         "max_ongoing_requests": max(settings.max_concurrency, 1) + _ADMIN_SLOTS,
         "graceful_shutdown_timeout_s": settings.graceful_shutdown_s,
+        "request_router_config": {
+            "request_router_class": ROUTER_IMPORT_PATH,
+            "request_router_kwargs": {"max_imbalance": settings.ray_affinity_max_imbalance},
+        },
     }
     low, high = settings.ray_min_replicas, settings.ray_max_replicas
     if low is None and high is None:

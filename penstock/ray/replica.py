@@ -22,12 +22,15 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+from penstock.app.server import bridge_engine_metrics
 from penstock.engines.context import Context
 from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
 from penstock.engines.host import EngineHost, EngineState
 from penstock.engines.loading import engine_argv, load_engine_class, refuse_disaggregated
 from penstock.errors import PenstockError
 from penstock.ray.admin import ReplicaAdmin
+from penstock.ray.adapters import ReplicaAdapters
+from penstock.ray.metrics import ReplicaMetrics
 from penstock.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -84,8 +87,17 @@ class EngineReplica:
         self.host = EngineHost(engine, worker_config, health_check_override=override)
         self.name = replica_name()
         self._live: dict[str, Context] = {}
+        self.adapters = ReplicaAdapters(engine)
+        self.metrics = ReplicaMetrics()
         try:
             await self.host.start()
+            await bridge_engine_metrics(
+                engine,
+                self.host,
+                self.metrics.engine_metrics,
+                self.metrics.registry,
+                settings.served_model_name or self.host.served_model_name,
+            )
         except BaseException:
             await self.host.cleanup()
             raise
@@ -107,9 +119,17 @@ class EngineReplica:
         }
 
     async def generate(
-        self, request: dict[str, Any], request_id: str
+        self,
+        request: dict[str, Any],
+        request_id: str,
+        affinity: str | None = None,
+        adapter: tuple[str, str] | None = None,
     ) -> AsyncIterator[str | list[dict]]:
         """Stream the request's chunks in batches; the first message is the replica's name.
+
+        ``affinity`` is the routing key (:mod:`penstock.ray.routing`), read by the router
+        only; ``adapter`` the ``(name, path)`` of the LoRA adapter the request names,
+        loaded here first if this replica has not loaded it yet.
 
         Closing or cancelling the stream (the ingress's client left) ends the request as a
         local consumer going away does: context killed, the engine aborted once.
@@ -117,7 +137,7 @@ class EngineReplica:
         context = Context(request_id)
         self._live[request_id] = context
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        pump = asyncio.get_running_loop().create_task(self._pump(request, context, queue))
+        pump = asyncio.get_running_loop().create_task(self._pump(request, context, queue, adapter))
         try:
             yield self.name
             while True:
@@ -138,8 +158,16 @@ class EngineReplica:
                 with contextlib.suppress(BaseException):
                     await pump
 
-    async def _pump(self, request: dict[str, Any], context: Context, queue: asyncio.Queue) -> None:
+    async def _pump(
+        self,
+        request: dict[str, Any],
+        context: Context,
+        queue: asyncio.Queue,
+        adapter: tuple[str, str] | None = None,
+    ) -> None:
         try:
+            if adapter is not None:
+                await self.adapters.ensure(*adapter)
             async for chunk in self.host.generate(request, context):
                 queue.put_nowait(chunk)
         except PenstockError as exc:
@@ -164,6 +192,21 @@ class EngineReplica:
             "healthy": self.host.health.healthy,
             "running": len(self._live),
         }
+
+    async def load_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Load a LoRA adapter here; ``{"error": ...}`` with the engine's refusal."""
+        try:
+            await self.adapters.ensure(name, path)
+        except PenstockError as exc:
+            return error_entry(exc)
+        return {"replica": self.name}
+
+    async def unload_adapter(self, name: str) -> bool:
+        return await self.adapters.unload(name)
+
+    def metrics_text(self) -> tuple[str, str]:
+        """``(replica name, its engine families as Prometheus text)``."""
+        return self.name, self.metrics.render()
 
     def check_health(self) -> None:
         """Serve's health probe: a replica whose engine stopped or failed its canary is

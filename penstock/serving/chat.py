@@ -152,7 +152,7 @@ async def create_chat_completion(
         gateway,
         model,
         engine_request,
-        engine_context(request),
+        engine_context(request, user=body.user),
         stops=body.stop_list,
         keep_text=not body.stream,
         want_logprobs=body.logprobs,

@@ -176,7 +176,7 @@ async def create_completion(
                 logprobs=body.logprobs,
                 uploader=uploader,
             ),
-            engine_context(request, i if len(prompts) > 1 else None),
+            engine_context(request, i if len(prompts) > 1 else None, user=body.user),
             stops=body.stop_list,
             keep_text=not body.stream,
             want_logprobs=body.logprobs is not None,

@@ -35,6 +35,8 @@ T = TypeVar("T")
 # Fields an engine's runtime_data may advertise to accept requests the gateway would
 # otherwise refuse rather than let the engine ignore silently.
 SUPPORTS_RESPONSE_FORMAT = "supports_response_format"
+# The header naming a client's session (its key in the engine context's metadata too).
+SESSION_HEADER = "x-session-id"
 
 
 class PassthroughRequest(GenerateRequest, total=False):
@@ -54,16 +56,24 @@ class ChatPrompt(NamedTuple):
     response_format: dict[str, Any] | None
 
 
-def engine_context(request: Request, prompt_index: int | None = None) -> Context:
+def engine_context(
+    request: Request, prompt_index: int | None = None, *, user: str | None = None
+) -> Context:
     """The engine's view of an HTTP request: its id (one per prompt of a batch) and trace.
 
     ``prompt_index`` tells the prompts of a batch apart; ``x-request-id`` stays the
-    client's id so every part of the batch can be traced back to it.
+    client's id so every part of the batch can be traced back to it. The session key
+    (the ``X-Session-Id`` header, else the body's ``user``) travels as ``x-session-id``:
+    a fleet keeps a session on one replica by it.
     """
     request_id = request.state.request_id
+    metadata = {"x-request-id": request_id}
+    session = request.headers.get(SESSION_HEADER) or user
+    if session:
+        metadata[SESSION_HEADER] = session
     return Context(
         request_id if prompt_index is None else f"{request_id}-{prompt_index}",
-        {"x-request-id": request_id},
+        metadata,
         traceparent=request.headers.get("traceparent"),
         tracestate=request.headers.get("tracestate"),
     )

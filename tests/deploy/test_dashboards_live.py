@@ -193,7 +193,9 @@ def has_data(result: list[dict]) -> bool:
     return any(not math.isnan(float(value)) for series in result for _, value in series["values"])
 
 
-@pytest.mark.parametrize("query", panel_queries(), ids=str)
+# The fleet view needs a --ray gateway; tests/ray/test_fleet_routing.py checks that a real
+# fleet's /metrics has every family its panels read.
+@pytest.mark.parametrize("query", [q for q in panel_queries() if q.dashboard != "fleet"], ids=str)
 def test_panel_shows_data(query: PanelQuery, stack: Stack) -> None:
     answer = httpx.get(
         f"{stack.prometheus}/api/v1/query_range",

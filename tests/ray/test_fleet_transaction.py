@@ -13,6 +13,7 @@ import pytest
 
 from penstock.engines.sample import SampleLLMEngine
 from penstock.errors import ConflictError
+from penstock.ray.adapters import FleetAdapters
 from penstock.ray.admin import FleetEngine, ReplicaAdmin
 from penstock.rl.state import AdminStateMachine
 
@@ -64,10 +65,8 @@ async def test_an_update_past_the_admin_deadline_rolls_every_replica_back(
 
     slow.engine_update = stalls
     handle = Handle(replicas)
-    fleet = FleetEngine(
-        handle,
-        {"engine_class": "SampleLLMEngine", "updates": ["update_weights_from_tensor"]},
-    )
+    description = {"engine_class": "SampleLLMEngine", "updates": ["update_weights_from_tensor"]}
+    fleet = FleetEngine(handle, description, FleetAdapters(handle, set(description["updates"])))
     fleet._controls = set(slow.supported_controls())
     state = AdminStateMachine(fleet, timeout_s=0.5)
     await state.pause("abort")

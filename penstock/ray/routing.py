@@ -1,0 +1,84 @@
+"""Which engine replica serves a request: least loaded, with bounded cache affinity.
+
+The rule (``penstock serve --ray``):
+
+1. The ingress computes an *affinity key* per request (:func:`affinity_key`): the session
+   key when the client names one (the ``X-Session-Id`` header, else the body's ``user``),
+   otherwise the first ``--ray-affinity-prefix-tokens`` prompt token ids, together with
+   the model name so a LoRA adapter's sessions are keyed apart from the base model's. A
+   prompt shorter than that has no key (too little cache to be worth a busier replica),
+   and neither has any request without a session key under
+   ``--ray-affinity-prefix-tokens 0``.
+2. A request without a key goes to the least-loaded replica (fewest ongoing requests as
+   the replicas report them) among up to :data:`SAMPLE` replicas drawn at random: exact
+   for fleets of up to four replicas, "power of d choices" beyond.
+3. A request with a key prefers the replica the key ranks first by rendezvous hashing
+   (:func:`preference`): every ingress agrees on it without shared state, and when a
+   replica leaves or joins only the keys it ranked first move. The preferred replica is
+   taken unless it has more than ``--ray-affinity-max-imbalance`` ongoing requests beyond
+   the least-loaded one sampled (or its queue is full); then the least-loaded one is.
+
+This module is the policy and imports no Ray; :mod:`penstock.ray.router` applies it as a
+Ray Serve request router.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+from penstock.engines.context import Context
+
+# The key-word argument of ``EngineReplica.generate`` the router reads the key from.
+AFFINITY_KWARG = "affinity"
+# Session key in an engine context's metadata (see ``serving.requests.engine_context``).
+SESSION_METADATA = "x-session-id"
+# Replicas whose load is compared per request.
+SAMPLE = 4
+
+R = TypeVar("R")
+
+
+def affinity_key(request: Mapping[str, Any], context: Context, prefix_tokens: int) -> str | None:
+    """The request's affinity key (a short hex digest), or ``None`` when it has none."""
+    model = str(request.get("model") or "")
+    session = context.metadata.get(SESSION_METADATA)
+    if session:
+        material = f"s\0{model}\0{session}"
+    else:
+        token_ids = request.get("token_ids")
+        if prefix_tokens <= 0 or not token_ids or len(token_ids) < prefix_tokens:
+            return None
+        prefix = ",".join(str(int(t)) for t in token_ids[:prefix_tokens])
+        material = f"p\0{model}\0{prefix}"
+    return hashlib.blake2b(material.encode(), digest_size=8).hexdigest()
+
+
+def _score(key: str, replica: str) -> bytes:
+    return hashlib.blake2b(f"{key}\0{replica}".encode(), digest_size=8).digest()
+
+
+def preference(key: str, replicas: Sequence[str]) -> list[str]:
+    """``replicas`` in the key's rendezvous order, the preferred one first."""
+    return sorted(replicas, key=lambda replica: _score(key, replica), reverse=True)
+
+
+def choose(
+    preferred: R | None, loads: Sequence[tuple[R, int | None]], *, max_imbalance: int
+) -> R | None:
+    """The replica to serve the request, from the ongoing request counts of the preferred
+    replica (when the request has a key) and the sampled ones.
+
+    A count of ``None`` is a replica that did not answer or whose queue is full: never
+    chosen. ``None`` when no replica can take the request now.
+    """
+    known = [(replica, load) for replica, load in loads if load is not None]
+    if not known:
+        return None
+    least, fewest = min(known, key=lambda pair: pair[1])
+    if preferred is not None:
+        mine = next((load for replica, load in known if replica is preferred), None)
+        if mine is not None and mine - fewest <= max_imbalance:
+            return preferred
+    return least
