@@ -17,7 +17,6 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
-from prometheus_client import CollectorRegistry
 
 from penstock import tracing
 from penstock.app.connections import ConnectionLimits, guarded_protocol, raise_open_file_limit
@@ -28,10 +27,10 @@ from penstock.engines.contract import parse_endpoint_types
 from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
 from penstock.engines.host import EngineHost
 from penstock.engines.loading import engine_argv, load_engine_class, refuse_disaggregated
+from penstock.engines.metric_outlets import bridge_engine_metrics
 from penstock.errors import ListenError
 from penstock.gateway import Gateway, ServedModel
 from penstock.media.artifacts import check_location
-from penstock.metrics.engine_bridge import EngineMetrics, KvEventFamilies, SnapshotPublisher
 from penstock.preprocess import Preprocessor
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import Settings
@@ -174,50 +173,6 @@ async def _bridge_engine_metrics(gateway: Gateway, engine: Any, model: str) -> N
     await bridge_engine_metrics(
         engine, gateway.host, gateway.engine_metrics, gateway.metrics.registry, model
     )
-
-
-async def bridge_engine_metrics(
-    engine: Any,
-    host: EngineHost,
-    engine_metrics: EngineMetrics,
-    registry: CollectorRegistry,
-    model: str,
-) -> None:
-    """Give a started engine its metric outlets: its own families (``register_prometheus``),
-    forward passes and KV snapshots, KV events, all into ``registry``."""
-    worker_config = host.worker_config
-    engine_metrics.auto_labels.update(
-        {
-            "dynamo_namespace": str(getattr(worker_config, "namespace", "penstock")),
-            "dynamo_component": str(getattr(worker_config, "component", "backend")),
-            "dynamo_endpoint": str(getattr(worker_config, "endpoint", "generate")),
-            "worker_id": str(host.worker_id),
-            "model": model,
-            "model_name": model,
-        }
-    )
-    await engine.register_prometheus(engine_metrics)
-    # As Dynamo's worker: without KV routing neither KV events nor snapshots are taken.
-    if host.is_raw or not getattr(worker_config, "enable_kv_routing", True):
-        return
-    ranks = list(engine.component_metrics_dp_ranks())
-    if ranks:
-        engine.attach_snapshot_publisher(SnapshotPublisher(ranks, model, registry))
-    sources = list(await engine.kv_event_sources() or [])
-    if sources:
-        families = KvEventFamilies(model, registry)
-        for source in sources:
-            rank = int(getattr(source, "dp_rank", 0) or 0)
-            on_ready = getattr(source, "on_ready", None)
-            if callable(on_ready):
-                on_ready(families.publisher(rank))
-            else:
-                logger.warning(
-                    "KV event source %r (dp rank %d) is not a PushSource; only PushSource "
-                    "events are taken in-process, so it is ignored",
-                    type(source).__name__,
-                    rank,
-                )
 
 
 class _DrainingServer(uvicorn.Server):

@@ -286,9 +286,7 @@ class FleetEngine:
     # The admin plane lets a weight update run while serving: the transaction pauses.
     pauses_for_updates = True
 
-    def __init__(
-        self, handle: Any, description: dict[str, Any], adapters: FleetAdapters
-    ) -> None:
+    def __init__(self, handle: Any, description: dict[str, Any], adapters: FleetAdapters) -> None:
         self.class_name = description["engine_class"]
         self._handle = handle
         self._adapters = adapters

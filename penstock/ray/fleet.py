@@ -47,8 +47,8 @@ from penstock.errors import (
     ReplicaLostError,
 )
 from penstock.ray import require_ray
-from penstock.ray.admin import FleetEngine
 from penstock.ray.adapters import FleetAdapters
+from penstock.ray.admin import FleetEngine
 from penstock.ray.metrics import SCRAPE_TIMEOUT_S, fleet_families, labelled_families, render
 from penstock.ray.replica import EngineReplica
 from penstock.ray.routing import affinity_key

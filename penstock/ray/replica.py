@@ -22,14 +22,14 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
-from penstock.app.server import bridge_engine_metrics
 from penstock.engines.context import Context
 from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
 from penstock.engines.host import EngineHost, EngineState
 from penstock.engines.loading import engine_argv, load_engine_class, refuse_disaggregated
+from penstock.engines.metric_outlets import bridge_engine_metrics
 from penstock.errors import PenstockError
-from penstock.ray.admin import ReplicaAdmin
 from penstock.ray.adapters import ReplicaAdapters
+from penstock.ray.admin import ReplicaAdmin
 from penstock.ray.metrics import ReplicaMetrics
 from penstock.settings import Settings
 
