@@ -325,3 +325,14 @@ class ReplicaLostError(ServiceUnavailableError):
     the client may retry."""
 
     default_code = "replica_lost"
+
+
+class JobDatabaseError(StartupError):
+    """``--media-db`` names no usable job database (another backend, a missing driver, a
+    server that can't be reached at startup)."""
+
+
+class JobStoreUnavailableError(ServiceUnavailableError):
+    """The job database stopped answering while serving; the request may be retried."""
+
+    default_code = "job_store_unavailable"

@@ -153,6 +153,21 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         "it when it is a folder (default: <cache-dir>/media/<served model name>)",
     )
     serve.add_argument(
+        "--media-db",
+        metavar="PATH_OR_URL",
+        help="the video job database: a SQLite file, or a URL such as "
+        "postgresql+psycopg://user:password@host/db that several gateways share (needs pip "
+        "install 'penstock[postgres]') (default: jobs.sqlite3 next to a folder --media-store, "
+        "else in memory for memory://, else <cache-dir>/media-jobs/<served model name>.sqlite3)",
+    )
+    serve.add_argument(
+        "--media-job-lease-s",
+        type=float,
+        help="a gateway sharing the job database whose beat stops this long is taken for "
+        "dead: its queued jobs run elsewhere, its running ones fail "
+        f"(default: {_default('media_job_lease_s'):g})",
+    )
+    serve.add_argument(
         "--media-workers",
         type=int,
         help=f"video and image generations running at once (default: {_default('media_workers')})",

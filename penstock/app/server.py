@@ -30,6 +30,7 @@ from penstock.engines.loading import engine_argv, load_engine_class, refuse_disa
 from penstock.errors import ListenError
 from penstock.gateway import Gateway, ServedModel
 from penstock.media.artifacts import check_location
+from penstock.media.jobs import check_database
 from penstock.metrics.engine_bridge import KvEventFamilies, SnapshotPublisher
 from penstock.preprocess import Preprocessor
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
@@ -352,6 +353,7 @@ async def serve(settings: Settings) -> int:
     raise_open_file_limit(settings.max_connections)
     if settings.media_store:
         check_location(settings.media_store)
+    check_database(settings.media_db)
     # Before the socket and the engine: a missing tracing extra fails in one line.
     tracing.install(settings)
     try:
