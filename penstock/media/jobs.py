@@ -224,8 +224,9 @@ def database_url(location: Path | str | None) -> str:
         return f"sqlite:///{location}"
     try:
         backend = make_url(location).get_backend_name()
-    except ArgumentError as exc:
-        raise JobDatabaseError(f"--media-db {location!r} is not a database URL") from exc
+    except (ArgumentError, ValueError) as exc:
+        # Not echoed: it may hold a password.
+        raise JobDatabaseError(f"--media-db is not a database URL: {exc}") from exc
     if backend not in BACKENDS:
         raise JobDatabaseError(
             f"--media-db: the {backend!r} backend is not supported; use a file path, "
