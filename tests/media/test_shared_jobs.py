@@ -45,7 +45,8 @@ def test_the_jobs_of_a_dead_gateway_are_adopted_once_or_failed(job_db: Path | st
     assert rival.settle({"rival", "live", "me"}, "rival", "its gateway died") == ([], [])
     interrupted = store.get("running")
     assert interrupted is not None and interrupted.status == FAILED
-    assert (interrupted.error_code, interrupted.error_message) == ("interrupted", "its gateway died")
+    assert interrupted.error_code == "interrupted"
+    assert interrupted.error_message == "its gateway died"
     assert store.queue_position("legacy") == 2 and store.queue_position("alive") == 1
     assert not rival.claim("waiting", "rival")
     assert store.claim("waiting", "me") and not store.claim("waiting", "me")

@@ -25,6 +25,8 @@ from tests.support.server import free_port
 
 INSTALL = "apt-get install -y --no-install-recommends postgresql"
 START_TIMEOUT_S = 30.0
+FAST_INIT = ("--no-sync", "--encoding", "UTF8")
+OPTIONS = ("-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=50")
 
 
 def _binary(name: str) -> str:
@@ -32,7 +34,9 @@ def _binary(name: str) -> str:
         iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None
     )
     if found is None:
-        pytest.skip(f"PostgreSQL is not installed: run `{INSTALL}` (the README's test command does)")
+        pytest.skip(
+            f"PostgreSQL is not installed: run `{INSTALL}` (the README's test command does)"
+        )
     return found
 
 
@@ -53,8 +57,7 @@ def running_postgres() -> Iterator[str]:
         os.chown(folder, user.pw_uid, user.pw_gid)
     data = folder / "data"
     subprocess.run(
-        [*_as_server_user(), initdb, "-D", str(data), "-U", "postgres", "-A", "trust"]
-        + ["--no-sync", "--encoding", "UTF8"],
+        [*_as_server_user(), initdb, "-D", str(data), "-U", "postgres", "-A", "trust", *FAST_INIT],
         check=True,
         capture_output=True,
         timeout=120,
@@ -62,8 +65,17 @@ def running_postgres() -> Iterator[str]:
     port = free_port()
     log = (folder / "server.log").open("wb")
     server = subprocess.Popen(
-        [*_as_server_user(), postgres, "-D", str(data), "-p", str(port), "-k", str(folder)]
-        + ["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=50"],
+        [
+            *_as_server_user(),
+            postgres,
+            "-D",
+            str(data),
+            "-p",
+            str(port),
+            "-k",
+            str(folder),
+            *OPTIONS,
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
