@@ -17,6 +17,7 @@ from penstock.app.logs import configure_logging
 from penstock.engines.loading import BUILTIN_ENGINES, engine_options_help
 from penstock.errors import (
     EngineLoadError,
+    JobDatabaseError,
     ListenError,
     MediaStoreError,
     RaySetupError,
@@ -469,7 +470,13 @@ def main(argv: list[str] | None = None) -> int:
     except EngineLoadError as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 2
-    except (ListenError, MediaStoreError, RaySetupError, TracingSetupError) as exc:
+    except (
+        JobDatabaseError,
+        ListenError,
+        MediaStoreError,
+        RaySetupError,
+        TracingSetupError,
+    ) as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -99,7 +99,8 @@ def create_app(gateway: Gateway) -> FastAPI:
             workers=settings.media_workers,
             lease_s=settings.media_job_lease_s,
         )
-        where = "memory" if db_path is None else media.jobs.url
+        # A URL is logged without its password.
+        where = db_path if isinstance(db_path, Path) else media.jobs.url if db_path else "memory"
         logger.info("video jobs kept in %s, generated media in %s", where, store)
         app.state.media = media
         # One client for every media fetch of the server: its connection pool is shared.

@@ -5,6 +5,8 @@ SIGKILL, and its running job ends failed with the reason."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ import httpx
 import pytest
 
 from tests.support.postgres import fresh_database, running_postgres
-from tests.support.server import ServerProcess, running_server
+from tests.support.server import REPO_ROOT, ServerProcess, free_port, running_server
 
 KEY_A, KEY_B = "sk-shared-a", "sk-shared-b"
 LEASE_S = 1.5
@@ -112,3 +114,18 @@ def test_a_job_deleted_elsewhere_stops_and_queued_jobs_outlive_a_killed_gateway(
             assert "the server stopped" in failed["error"]["message"]
             wait_for(survivor, queued, "completed", timeout=LEASE_S * 10)
             assert survivor.get(f"/v1/videos/{queued}/content").status_code == 200
+
+
+def test_a_job_database_that_cannot_be_reached_stops_startup_in_one_line() -> None:
+    url = f"postgresql+psycopg://penstock:hunter2@127.0.0.1:{free_port()}/jobs"
+    command = [sys.executable, "-m", "penstock", "serve", "--engine", "sample", "--port", "0"]
+    result = subprocess.run(
+        [*command, "--media-db", url], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
+    )
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(
+        "penstock: error: --media-db postgresql+psycopg://penstock:***@127.0.0.1:"
+    )
+    assert "cannot open the job database" in line and "hunter2" not in result.stdout + line
+    assert "engine ready" not in result.stdout + result.stderr
