@@ -271,9 +271,13 @@ def _open(url: str) -> Engine:
             cursor.close()
 
         return engine
+    # Calls run on the event loop: a server that stopped answering must fail them soon.
+    connect_args = {} if "connect_timeout" in parsed.query else {"connect_timeout": 5}
     try:
         # pre_ping: a database restarted under a running gateway costs one retry, not errors.
-        return create_engine(url, pool_pre_ping=True, pool_size=4, max_overflow=4)
+        return create_engine(
+            url, pool_pre_ping=True, pool_size=4, max_overflow=4, connect_args=connect_args
+        )
     except NoSuchModuleError as exc:
         raise JobDatabaseError(f"--media-db {_redacted(url)}: {exc}") from exc
     except ImportError as exc:

@@ -136,7 +136,10 @@ class MediaService:
             live |= set(self._observe(self.jobs.beat(self.runner)))
         self._settle(live)
         self.pool.start()
-        self._keeper = asyncio.get_running_loop().create_task(self._keep(), name="media-job-keeper")
+        if self.jobs.shared:
+            self._keeper = asyncio.get_running_loop().create_task(
+                self._keep(), name="media-job-keeper"
+            )
 
     async def stop(self) -> None:
         """Cancel the running jobs (they end failed, with the reason), leave the queued
@@ -182,14 +185,13 @@ class MediaService:
         self.pool.submit(job_id, lambda: self._run_video(job_id))
 
     async def _keep(self) -> None:
-        """Beat, take over the jobs of dead gateways, and drop the jobs deleted elsewhere."""
+        """Beat, take over the jobs of dead gateways, and drop the jobs deleted elsewhere
+        (a shared store only: a SQLite one is settled once, at startup)."""
         while True:
             await asyncio.sleep(self.lease_s / 3)
             try:
                 beats = self.jobs.beat(self.runner)
-                live = {self.runner}
-                if self.jobs.shared:
-                    live.update(self._observe(beats))
+                live = {self.runner, *self._observe(beats)}
                 self._settle(live)
                 self.jobs.forget([gateway for gateway in beats if gateway not in live])
                 self._drop_deleted()
