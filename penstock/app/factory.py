@@ -18,6 +18,7 @@ from penstock.app.middleware import GatewayMiddleware, OpenRequests
 from penstock.gateway import Gateway
 from penstock.http import create_http_client
 from penstock.media.artifacts import in_memory, local_folder
+from penstock.media.jobs import is_database_url
 from penstock.media.service import MediaService
 from penstock.metrics.http import HttpMetricsMiddleware
 from penstock.multimodal.inputs import MediaInputs
@@ -59,12 +60,14 @@ def media_store_location(settings: Settings, model: str) -> str:
     return settings.media_store or str(Path(settings.cache_dir) / "media" / filesystem_name(model))
 
 
-def job_db_path(settings: Settings, store: str, model: str) -> Path | None:
+def job_db_path(settings: Settings, store: str, model: str) -> Path | str | None:
     """Next to the media files when they are local (a store folder is then
     self-contained); in memory (None) for an in-memory store, whose jobs would outlive
     their files anywhere else; in the cache folder, one per served model, otherwise;
-    ``media_db`` overrides them all."""
+    ``media_db`` overrides them all: a file path, or a database URL (kept a string)."""
     override = (settings.media_db or "").strip()
+    if is_database_url(override):
+        return override
     if override:
         return Path(override)
     if in_memory(store):
@@ -89,8 +92,16 @@ def create_app(gateway: Gateway) -> FastAPI:
         model = gateway.listed_models()[0].name
         store = media_store_location(settings, model)
         db_path = job_db_path(settings, store, model)
-        media = MediaService(gateway, store=store, db_path=db_path, workers=settings.media_workers)
-        logger.info("video jobs kept in %s, generated media in %s", db_path or "memory", store)
+        media = MediaService(
+            gateway,
+            store=store,
+            db_path=db_path,
+            workers=settings.media_workers,
+            lease_s=settings.media_job_lease_s,
+        )
+        # A URL is logged without its password.
+        where = db_path if isinstance(db_path, Path) else media.jobs.url if db_path else "memory"
+        logger.info("video jobs kept in %s, generated media in %s", where, store)
         app.state.media = media
         # One client for every media fetch of the server: its connection pool is shared.
         http_client = create_http_client(settings)

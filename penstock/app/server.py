@@ -31,6 +31,7 @@ from penstock.engines.metric_outlets import bridge_engine_metrics
 from penstock.errors import ListenError
 from penstock.gateway import Gateway, ServedModel
 from penstock.media.artifacts import check_location
+from penstock.media.jobs import check_database
 from penstock.preprocess import Preprocessor
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import Settings
@@ -321,6 +322,7 @@ async def serve(settings: Settings) -> int:
     raise_open_file_limit(settings.max_connections)
     if settings.media_store:
         check_location(settings.media_store)
+    check_database(settings.media_db)
     # Before the socket and the engine: a missing tracing extra fails in one line.
     tracing.install(settings)
     try:

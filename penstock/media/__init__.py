@@ -5,7 +5,8 @@
   them before a job is accepted;
 * :mod:`~penstock.multimodal.encoding` - frames to H.264 MP4 (PyAV), images to PNG/WEBP/JPEG
   (Pillow), reference images in;
-* :mod:`~penstock.media.jobs` - the video job records (stdlib ``sqlite3``);
+* :mod:`~penstock.media.jobs` - the video job records (SQLAlchemy: SQLite, or PostgreSQL to
+  share them between gateways);
 * :mod:`~penstock.media.artifacts` - generated files (a folder or any fsspec URL);
 * :mod:`~penstock.media.pool` - the bounded worker pool generations run in;
 * :mod:`~penstock.media.service` - the above put together for one gateway process.

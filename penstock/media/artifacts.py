@@ -40,7 +40,13 @@ def in_memory(location: str) -> bool:
 def check_location(location: str) -> None:
     """Create a local store folder now, so a bad ``--media-store`` fails before a model
     loads, in one line; raises :class:`MediaStoreError` saying what is wrong."""
-    folder = local_folder(location)
+    try:
+        folder = local_folder(location)
+    except ImportError as exc:
+        # fsspec names the package its protocol needs ("Install s3fs to access S3").
+        raise MediaStoreError(f"--media-store {location}: {exc}") from exc
+    except ValueError as exc:
+        raise MediaStoreError(f"--media-store {location}: {exc}") from exc
     if folder is None:
         return
     if folder.exists() and not folder.is_dir():

@@ -4,10 +4,18 @@ The video and image routers share one :class:`MediaService`, built and started o
 :func:`penstock.app.factory.create_app`: one job store, one artifact store and one worker
 pool, so its ``workers`` bound all generations on the engine together.
 
-Video jobs are rows in the job store before they run. On startup, jobs a previous process
-left ``in_progress`` are marked failed with the reason; jobs it left ``queued`` run again
-(their engine request is stored). On a clean shutdown, running jobs are cancelled and
-marked failed the same way.
+Video jobs are rows in the job store before they run. A job runs on the gateway that
+accepted it (its ``runner``), in that gateway's pool, so the streaming form's progress
+events come from the process that holds the client. Other gateways sharing the store
+(PostgreSQL) can poll, list, download and delete it. Jobs outlive their gateway: every
+gateway bumps its beat in the store every ``lease_s / 3`` seconds, and one whose beat has
+not moved for ``lease_s`` is dead to the others, which adopt its queued jobs (they run
+again from the stored engine request) and mark its running ones failed with the reason
+(a job that kills its gateway must not kill the next one too). A gateway that stops
+cleanly fails its running jobs the same way and leaves its queued ones to the others at
+once. With SQLite, one process owns the store: on startup every job a previous process
+left is settled at once. A job deleted through another gateway is stopped (or taken out
+of the queue) by its runner at the next beat.
 
 Progress: a raw engine yields objects whose ``status`` is ``in_progress`` (carrying
 ``progress`` 0-100 and optionally ``step`` / ``total_steps``) and ends with its terminal
@@ -22,6 +30,7 @@ import contextlib
 import logging
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CANCEL_WAIT_S = 30.0
+DEFAULT_LEASE_S = 30.0
 INTERRUPTED_REASON = "the server stopped while this job was running; create it again"
 SHUTDOWN_REASON = "the server shut down while this job was running; create it again"
 _PROGRESS_STATUSES = frozenset({QUEUED, IN_PROGRESS})
@@ -82,17 +92,34 @@ class JobEvent:
 class MediaService:
     """Video jobs and one-shot generations on the engines of ``gateway``.
 
-    ``store`` is a folder or fsspec URL for the generated files, ``db_path`` the SQLite file
-    of the job records (None: in memory), ``workers`` how many generations run at once.
-    :meth:`start` once before serving, :meth:`stop` once after.
+    ``store`` is a folder or fsspec URL for the generated files, ``db_path`` the job
+    database (a SQLite file, None for memory, or a database URL), ``workers`` how many
+    generations run at once, ``lease_s`` how long a silent gateway sharing the store is
+    given before its jobs are taken over. :meth:`start` once before serving, :meth:`stop`
+    once after.
     """
 
-    def __init__(self, gateway: Gateway, *, store: str, db_path: Path | None, workers: int) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        *,
+        store: str,
+        db_path: Path | str | None,
+        workers: int,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> None:
         self.gateway = gateway
         self.artifacts = ArtifactStore(store)
         self.jobs = JobStore(db_path)
         self.pool = WorkerPool(workers)
+        self.runner = uuid.uuid4().hex
+        self.lease_s = lease_s
         self._runs: dict[str, _Run] = {}
+        # Video jobs this gateway holds: waiting in its pool or running.
+        self._held: set[str] = set()
+        # Each other gateway's beat counter, and when (monotonic) it last moved.
+        self._beats: dict[str, tuple[int, float]] = {}
+        self._keeper: asyncio.Task[None] | None = None
         self._subscribers: dict[str, list[asyncio.Queue[JobEvent]]] = {}
         self.metrics = gateway.media_metrics
         self.metrics.watch(
@@ -100,36 +127,102 @@ class MediaService:
         )
 
     def start(self) -> None:
-        """Settle the jobs a previous process left unfinished, then start the workers."""
-        for job in self.jobs.unfinished():
-            if job.status == IN_PROGRESS:
-                logger.warning("video job %s was running when the server stopped", job.id)
-                self._fail(job.id, "interrupted", INTERRUPTED_REASON)
-            else:
-                self.pool.submit(job.id, lambda job_id=job.id: self._run_video(job_id))
+        """Settle the jobs that gateways no longer running left unfinished, then start the
+        workers and the beat."""
+        self.jobs.register(self.runner)
+        live = {self.runner}
+        if self.jobs.shared:
+            # Gateways registered now get a lease to show they still beat.
+            live |= set(self._observe(self.jobs.beat(self.runner)))
+        self._settle(live)
         self.pool.start()
+        if self.jobs.shared:
+            self._keeper = asyncio.get_running_loop().create_task(
+                self._keep(), name="media-job-keeper"
+            )
 
     async def stop(self) -> None:
-        """Cancel the running jobs (they end failed, with the reason) and close the store."""
+        """Cancel the running jobs (they end failed, with the reason), leave the queued
+        ones to the other gateways, and close the store."""
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
         running = list(self._runs)
         await self.pool.stop()
         for job_id in running:
-            job = self.jobs.get(job_id)
-            if job is not None and not job.finished:
-                self._fail(job_id, "interrupted", SHUTDOWN_REASON)
+            self._fail(job_id, "interrupted", SHUTDOWN_REASON)
+        self.jobs.forget([self.runner])
         self.jobs.close()
+
+    # -- gateways sharing the store ------------------------------------------------------
+
+    def _observe(self, beats: dict[str, int]) -> list[str]:
+        """The other gateways whose beat moved within the lease."""
+        now = time.monotonic()
+        live = []
+        for gateway, count in beats.items():
+            if gateway == self.runner:
+                continue
+            seen = self._beats.get(gateway)
+            if seen is None or seen[0] != count:
+                seen = self._beats[gateway] = (count, now)
+            if now - seen[1] < self.lease_s:
+                live.append(gateway)
+        for gone in set(self._beats) - set(beats):
+            del self._beats[gone]
+        return live
+
+    def _settle(self, live: set[str]) -> None:
+        adopted, failed = self.jobs.settle(live, self.runner, INTERRUPTED_REASON)
+        for job_id in failed:
+            logger.warning("video job %s was running when its server stopped", job_id)
+        for job_id in adopted:
+            self._hold(job_id)
+
+    def _hold(self, job_id: str) -> None:
+        self._held.add(job_id)
+        self.pool.submit(job_id, lambda: self._run_video(job_id))
+
+    async def _keep(self) -> None:
+        """Beat, take over the jobs of dead gateways, and drop the jobs deleted elsewhere
+        (a shared store only: a SQLite one is settled once, at startup)."""
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                beats = self.jobs.beat(self.runner)
+                live = {self.runner, *self._observe(beats)}
+                self._settle(live)
+                self.jobs.forget([gateway for gateway in beats if gateway not in live])
+                self._drop_deleted()
+            except PenstockError as exc:
+                logger.warning("video job upkeep skipped: %s", exc.message)
+            except Exception:
+                logger.exception("video job upkeep failed")
+
+    def _drop_deleted(self) -> None:
+        for job_id in set(self._held) - self.jobs.existing(self._held):
+            if self.pool.withdraw(job_id):
+                self._held.discard(job_id)
+            elif (run := self._runs.get(job_id)) is not None:
+                run.served.host.cancel(run.context)
 
     # -- video jobs ----------------------------------------------------------------------
 
     def queue_position(self, job: VideoJob) -> int | None:
-        return self.pool.position(job.id) if job.status == QUEUED else None
+        if job.status != QUEUED:
+            return None
+        if job.id in self._held:
+            return self.pool.position(job.id)
+        return self.jobs.queue_position(job.id)
 
     def video_object(self, job: VideoJob) -> dict[str, Any]:
         return job.video_object(self.queue_position(job))
 
     def submit_video(self, job: VideoJob) -> None:
+        job.runner = self.runner
         self.jobs.add(job)
-        self.pool.submit(job.id, lambda: self._run_video(job.id))
+        self._hold(job.id)
 
     def subscribe(self, job_id: str) -> asyncio.Queue[JobEvent]:
         queue: asyncio.Queue[JobEvent] = asyncio.Queue()
@@ -150,20 +243,22 @@ class MediaService:
     def _fail(
         self, job_id: str, code: str, message: str, error: PenstockError | None = None
     ) -> None:
-        self.jobs.update(
+        changed = self.jobs.update(
             job_id,
+            held_by=self.runner,
             status=FAILED,
             error_code=code,
             error_message=message,
             completed_at=int(time.time()),
         )
-        job = self.jobs.get(job_id)
+        job = self.jobs.get(job_id) if changed else None
         if job is not None:
             self._publish(JobEvent(job, error=error))
 
     async def cancel_video(self, job_id: str) -> None:
         """Stop a job wherever it is: out of the queue, or stopped between engine steps."""
         if self.pool.withdraw(job_id):
+            self._held.discard(job_id)
             return
         run = self._runs.get(job_id)
         if run is None:
@@ -186,8 +281,16 @@ class MediaService:
             await asyncio.to_thread(self.artifacts.delete, job.artifact)
 
     async def _run_video(self, job_id: str) -> None:
+        try:
+            await self._claim_and_run(job_id)
+        finally:
+            self._held.discard(job_id)
+
+    async def _claim_and_run(self, job_id: str) -> None:
+        if not self.jobs.claim(job_id, self.runner):
+            return
         job = self.jobs.get(job_id)
-        if job is None or job.finished:
+        if job is None:
             return
         try:
             served = self.gateway.resolve(job.model)
@@ -220,8 +323,6 @@ class MediaService:
         run.step, run.step_at = step, now
 
     async def _execute_video(self, job: VideoJob, run: _Run) -> None:
-        self.jobs.update(job.id, status=IN_PROGRESS, progress=0)
-        job.status, job.progress = IN_PROGRESS, 0
         self._publish(JobEvent(job))
         terminal: dict[str, Any] | None = None
         try:
@@ -266,7 +367,7 @@ class MediaService:
         elif progress > 0:
             eta = elapsed / progress * (100 - progress)
         if progress != job.progress:
-            self.jobs.update(job.id, progress=progress)
+            self.jobs.update(job.id, held_by=self.runner, progress=progress)
             job.progress = progress
         self._publish(
             JobEvent(
@@ -303,12 +404,10 @@ class MediaService:
         if payload is not None:
             artifact = f"videos/{job.id}.{output_format}"
             await asyncio.to_thread(self.artifacts.put, artifact, payload)
-            if self.jobs.get(job.id) is None:
-                await asyncio.to_thread(self.artifacts.delete, artifact)
-                return
         inference_time = terminal.get("inference_time_s")
-        self.jobs.update(
+        stored = self.jobs.update(
             job.id,
+            held_by=self.runner,
             status=COMPLETED,
             progress=100,
             completed_at=int(time.time()),
@@ -320,6 +419,11 @@ class MediaService:
                 else round(time.monotonic() - run.started, 3)
             ),
         )
+        if not stored:
+            # Deleted meanwhile, or taken for dead and failed by another gateway.
+            if payload is not None and artifact is not None:
+                await asyncio.to_thread(self.artifacts.delete, artifact)
+            return
         finished = self.jobs.get(job.id)
         if finished is not None:
             self._publish(JobEvent(finished))

@@ -17,6 +17,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 from grafana_foundation_sdk.models.dashboard import Dashboard
+from sqlalchemy.engine import make_url
 
 from deploy import dashboards
 from tests.deploy.support import (
@@ -46,6 +47,9 @@ def compose_config(*files: Path, env_file: Path = ENV_EXAMPLE) -> subprocess.Com
     )
 
 
+RAY_PROFILE = {"postgres", "ray-head", "ray-worker", "gateway-ray"}
+
+
 def env_example() -> dict[str, str]:
     values = {}
     for line in ENV_EXAMPLE.read_text().splitlines():
@@ -60,7 +64,7 @@ def test_compose_validates_with_the_env_example_and_the_gpu_override() -> None:
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     services = config["services"]
-    assert set(services) == {"gateway", "gateway-media", "prometheus", "grafana"}
+    assert set(services) == {"gateway", "gateway-media", "prometheus", "grafana", *RAY_PROFILE}
     for name, service in services.items():
         assert service.get("healthcheck", {}).get("test"), f"{name} has no health check"
     assert "/health" in " ".join(services["gateway"]["healthcheck"]["test"])
@@ -84,6 +88,42 @@ def test_state_lives_on_named_volumes() -> None:
     for folder in ("models", "media", "jobs"):
         assert mounts[f"/var/lib/penstock/{folder}"] in config["volumes"]
     assert "devices" not in json.dumps(config["services"]["gateway"])
+
+
+def test_the_ray_profile_runs_a_gateway_on_a_ray_cluster_with_jobs_in_postgresql() -> None:
+    result = compose_config(COMPOSE_FILES[0])
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    services = config["services"]
+    for name in RAY_PROFILE:
+        assert services[name]["profiles"] == ["ray"], f"{name} would start without the profile"
+        assert services[name].get("healthcheck", {}).get("test"), f"{name} has no health check"
+    nodes = [services[name] for name in ("ray-head", "ray-worker", "gateway-ray")]
+    assert len({node["image"] for node in nodes}) == 1
+    for node in nodes:
+        assert set(node["build"]["args"]["PENSTOCK_EXTRAS"].split(",")) == {"postgres", "ray"}
+    assert "--head" in services["ray-head"]["entrypoint"]
+    assert "--address=ray-head:6379" in services["ray-worker"]["entrypoint"]
+    gateway = services["gateway-ray"]
+    command = " ".join(gateway["entrypoint"])
+    assert "ray start --address=ray-head:6379 --num-cpus=0" in command
+    assert "penstock serve" in command and "--ray --ray-address auto" in command
+    db = make_url(gateway["environment"]["PENSTOCK_MEDIA_DB"])
+    postgres = services["postgres"]["environment"]
+    assert (db.get_backend_name(), db.host, db.username, db.database) == (
+        "postgresql",
+        "postgres",
+        postgres["POSTGRES_USER"],
+        postgres["POSTGRES_DB"],
+    )
+    assert db.password == postgres["POSTGRES_PASSWORD"]
+    assert "ports" not in services["postgres"]
+    assert gateway["depends_on"]["postgres"] == {"condition": "service_healthy"}
+    mounts = {volume.split(":")[1]: volume.split(":")[0] for volume in gateway["volumes"]}
+    assert mounts["/var/lib/penstock/media"] == "media"
+    assert gateway["environment"]["PENSTOCK_MEDIA_STORE"].startswith("/var/lib/penstock/media/")
+    assert "postgres-data" in config["volumes"]
+    assert 'pip install ".[${PENSTOCK_EXTRAS}]"' in (REPO_ROOT / "Dockerfile").read_text()
 
 
 def test_compose_refuses_to_start_grafana_without_an_admin_password(tmp_path: Path) -> None:

@@ -33,6 +33,14 @@ def test_a_file_as_media_store_fails_at_startup_in_one_line(tmp_path: Path) -> N
     assert "engine ready" not in result.stdout + result.stderr
 
 
+def test_a_store_url_nothing_can_open_fails_at_startup_in_one_line() -> None:
+    result = serve_sample("--media-store", "nope://bucket/media")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "penstock: error: --media-store nope://bucket/media: Protocol not known: nope"
+    ]
+
+
 def test_a_file_where_the_default_store_goes_fails_at_startup_in_one_line(tmp_path: Path) -> None:
     default_store = tmp_path / "media" / "sample-model"
     default_store.parent.mkdir()

@@ -1,4 +1,5 @@
-"""The job store (SQLite), the artifact store (folder or fsspec URL) and the worker pool."""
+"""The job store (SQLite and PostgreSQL), the artifact store (folder or fsspec URL) and the
+worker pool."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ def job(job_id: str, **fields: object) -> VideoJob:
     )  # type: ignore[arg-type]
 
 
-def test_jobs_survive_reopening_the_database(tmp_path: Path) -> None:
-    store = JobStore(tmp_path / "jobs.sqlite3")
+def test_jobs_survive_reopening_the_database(job_db: Path | str) -> None:
+    store = JobStore(job_db)
     store.add(job("a"))
     store.update("a", status=COMPLETED, progress=100, artifact="videos/a.mp4")
     store.close()
-    reopened = JobStore(tmp_path / "jobs.sqlite3")
+    reopened = JobStore(job_db)
     found = reopened.get("a")
     assert found is not None
     assert (found.status, found.progress, found.artifact, found.request) == (
@@ -35,8 +36,8 @@ def test_jobs_survive_reopening_the_database(tmp_path: Path) -> None:
     assert reopened.delete("a") and reopened.get("a") is None and not reopened.delete("a")
 
 
-def test_pages_are_newest_first_with_a_cursor(tmp_path: Path) -> None:
-    store = JobStore(tmp_path / "jobs.sqlite3")
+def test_pages_are_newest_first_with_a_cursor(job_db: Path | str) -> None:
+    store = JobStore(job_db)
     for name in "abcde":
         store.add(job(name))
     first, more = store.page(limit=2)
@@ -49,8 +50,8 @@ def test_pages_are_newest_first_with_a_cursor(tmp_path: Path) -> None:
         store.page(limit=2, after="nope")
 
 
-def test_unfinished_jobs_are_found_in_submission_order(tmp_path: Path) -> None:
-    store = JobStore(tmp_path / "jobs.sqlite3")
+def test_unfinished_jobs_are_found_in_submission_order(job_db: Path | str) -> None:
+    store = JobStore(job_db)
     store.add(job("a", status=IN_PROGRESS))
     store.add(job("b", status=COMPLETED))
     store.add(job("c"))
