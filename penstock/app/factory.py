@@ -18,7 +18,8 @@ from penstock.app.middleware import GatewayMiddleware, OpenRequests
 from penstock.gateway import Gateway
 from penstock.http import create_http_client
 from penstock.media.artifacts import in_memory, local_folder
-from penstock.media.jobs import is_database_url
+from penstock.media.records import is_database_url
+from penstock.media.requests import generates_media
 from penstock.media.service import MediaService
 from penstock.metrics.http import HttpMetricsMiddleware
 from penstock.multimodal.inputs import MediaInputs
@@ -78,6 +79,29 @@ def job_db_path(settings: Settings, store: str, model: str) -> Path | str | None
     return Path(settings.cache_dir) / "media-jobs" / f"{filesystem_name(model)}.sqlite3"
 
 
+def open_media_service(gateway: Gateway) -> MediaService | None:
+    """The media service (job store, artifact store, workers) of a server whose models
+    generate media; None otherwise: no job database is opened, nor SQLAlchemy imported,
+    and the media routes find no jobs (:func:`penstock.routers.deps.media_jobs`)."""
+    if not generates_media(gateway):
+        return None
+    settings = gateway.settings
+    model = gateway.listed_models()[0].name
+    store = media_store_location(settings, model)
+    db_path = job_db_path(settings, store, model)
+    media = MediaService(
+        gateway,
+        store=store,
+        db_path=db_path,
+        workers=settings.media_workers,
+        lease_s=settings.media_job_lease_s,
+    )
+    # A URL is logged without its password.
+    where = db_path if isinstance(db_path, Path) else media.jobs.url if db_path else "memory"
+    logger.info("video jobs kept in %s, generated media in %s", where, store)
+    return media
+
+
 def create_app(gateway: Gateway) -> FastAPI:
     """The HTTP surface of ``gateway``; the engine must already be started.
 
@@ -89,30 +113,19 @@ def create_app(gateway: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.admin_plane = await install_admin_plane(gateway)
-        model = gateway.listed_models()[0].name
-        store = media_store_location(settings, model)
-        db_path = job_db_path(settings, store, model)
-        media = MediaService(
-            gateway,
-            store=store,
-            db_path=db_path,
-            workers=settings.media_workers,
-            lease_s=settings.media_job_lease_s,
-        )
-        # A URL is logged without its password.
-        where = db_path if isinstance(db_path, Path) else media.jobs.url if db_path else "memory"
-        logger.info("video jobs kept in %s, generated media in %s", where, store)
-        app.state.media = media
+        media = app.state.media = open_media_service(gateway)
         # One client for every media fetch of the server: its connection pool is shared.
         http_client = create_http_client(settings)
         app.state.media_inputs = MediaInputs.from_settings(settings, http_client)
         try:
-            media.start()
+            if media is not None:
+                media.start()
             gateway.host.start_monitor()
             yield
         finally:
             await gateway.host.stop_monitor()
-            await media.stop()
+            if media is not None:
+                await media.stop()
             await http_client.close()
 
     # FastAPI's own doc pages skip the app's dependencies, so unless they are public the

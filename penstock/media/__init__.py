@@ -5,8 +5,9 @@
   them before a job is accepted;
 * :mod:`~penstock.multimodal.encoding` - frames to H.264 MP4 (PyAV), images to PNG/WEBP/JPEG
   (Pillow), reference images in;
-* :mod:`~penstock.media.jobs` - the video job records (SQLAlchemy: SQLite, or PostgreSQL to
-  share them between gateways);
+* :mod:`~penstock.media.records` - what a video job is, with no database imported;
+* :mod:`~penstock.media.jobs` - the job store (SQLAlchemy: SQLite, or PostgreSQL to share
+  the jobs between gateways), opened only by servers whose models generate media;
 * :mod:`~penstock.media.artifacts` - generated files (a folder or any fsspec URL);
 * :mod:`~penstock.media.pool` - the bounded worker pool generations run in;
 * :mod:`~penstock.media.service` - the above put together for one gateway process.

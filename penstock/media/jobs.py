@@ -1,5 +1,9 @@
 """Video job records in a database through SQLAlchemy Core: they outlive the process.
 
+The records themselves (:class:`~penstock.media.records.VideoJob`, states, owners) live in
+:mod:`penstock.media.records`, which imports no SQLAlchemy; this module is imported only
+where a store is opened.
+
 Two backends, one store: SQLite (a file, or memory) is the embedded default, for one
 gateway process; PostgreSQL (a ``postgresql+psycopg://`` URL) lets several gateways, on
 any nodes, share one set of jobs. Every write commits at once; SQLite runs in WAL mode, so
@@ -31,7 +35,7 @@ import json
 import secrets
 import time
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +67,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, Operati
 from sqlalchemy.pool import StaticPool
 
 from penstock.errors import JobDatabaseError, JobStoreUnavailableError
-
-QUEUED = "queued"
-IN_PROGRESS = "in_progress"
-COMPLETED = "completed"
-FAILED = "failed"
-UNFINISHED = (QUEUED, IN_PROGRESS)
-SHARED_OWNER = ""
+from penstock.media.records import FAILED, IN_PROGRESS, QUEUED, UNFINISHED, Owner, VideoJob
 
 BACKENDS = ("sqlite", "postgresql")
 # Held while one gateway creates or migrates the tables, so two starting at once don't race.
@@ -133,77 +131,6 @@ _ADDED_COLUMNS = {
 }
 
 
-@dataclass(frozen=True)
-class Owner:
-    """Whose jobs a caller sees: its own tag and the shared scope, or all (admin keys)."""
-
-    tag: str = SHARED_OWNER
-    sees_all: bool = False
-
-    def sees(self, owner: str) -> bool:
-        return self.sees_all or owner in (self.tag, SHARED_OWNER)
-
-    def tags(self) -> tuple[str, ...] | None:
-        """The owner tags visible to this caller; None for every tag."""
-        if self.sees_all:
-            return None
-        return (SHARED_OWNER,) if self.tag == SHARED_OWNER else (self.tag, SHARED_OWNER)
-
-
-@dataclass
-class VideoJob:
-    """One video generation job; ``artifact`` is a store key or, for engines that answer
-    with a remote URL, that URL."""
-
-    id: str
-    model: str
-    prompt: str
-    seconds: str
-    size: str
-    request: dict[str, Any]
-    status: str = QUEUED
-    progress: int = 0
-    created_at: int = field(default_factory=lambda: int(time.time()))
-    completed_at: int | None = None
-    error_code: str | None = None
-    error_message: str | None = None
-    artifact: str | None = None
-    content_type: str | None = None
-    inference_time_s: float | None = None
-    owner: str = SHARED_OWNER
-    # The gateway holding the job; None for jobs of databases older than the column.
-    runner: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.status not in UNFINISHED
-
-    def video_object(self, queue_position: int | None = None) -> dict[str, Any]:
-        """The OpenAI ``video`` object (plus ``queue_position`` while queued)."""
-        body: dict[str, Any] = {
-            "id": self.id,
-            "object": "video",
-            "model": self.model,
-            "status": self.status,
-            "progress": self.progress,
-            "created_at": self.created_at,
-            "completed_at": self.completed_at,
-            "expires_at": None,
-            "prompt": self.prompt,
-            "seconds": self.seconds,
-            "size": self.size,
-            "remixed_from_video_id": None,
-            "error": (
-                {"code": self.error_code or "generation_failed", "message": self.error_message}
-                if self.status == FAILED
-                else None
-            ),
-        }
-        if queue_position is not None:
-            body["queue_position"] = queue_position
-        return body
-
-
 _COLUMNS = tuple(f.name for f in fields(VideoJob))
 
 
@@ -233,18 +160,6 @@ def database_url(location: Path | str | None) -> str:
             "sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
         )
     return location
-
-
-def is_database_url(location: str | None) -> bool:
-    """Whether a ``--media-db`` value is a database URL rather than a SQLite file path."""
-    return bool(location) and "://" in str(location)
-
-
-def check_database(location: str | None) -> None:
-    """Open (creating or migrating its tables) the database a ``--media-db`` URL names, so
-    a wrong URL or a server that is down fails before a model loads, in one line."""
-    if location is not None and is_database_url(location.strip()):
-        JobStore(location.strip()).close()
 
 
 def _redacted(url: str) -> str:

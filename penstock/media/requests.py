@@ -104,9 +104,31 @@ def fill_default_model(body: dict[str, Any], gateway: Gateway, endpoint_type: st
         body.pop("model", None)
 
 
+MEDIA_ENDPOINT_TYPES = ("videos", "images")
+
+
+def generates(served: ServedModel, endpoint_type: str) -> bool:
+    """Whether ``served`` answers the media route of ``endpoint_type``: it advertises it,
+    and its engine is raw (JSON in, media out)."""
+    return endpoint_type in served.endpoint_types and served.host.is_raw
+
+
+def generates_media(gateway: Gateway) -> bool:
+    """Whether any model of ``gateway`` generates videos or images: only such a server
+    opens a job store (and imports SQLAlchemy). LoRA adapters added later take their base
+    model's endpoint types, so the answer at startup holds for the server's life."""
+    return any(
+        generates(served, endpoint_type)
+        for served in gateway.listed_models()
+        for endpoint_type in MEDIA_ENDPOINT_TYPES
+    )
+
+
 def served_for(gateway: Gateway, model: str, endpoint_type: str, route: str) -> ServedModel:
+    """The model a media request names, if it generates ``endpoint_type``; a server has a
+    media service whenever this returns (:func:`generates_media`)."""
     served = gateway.resolve(model)
-    if endpoint_type not in served.endpoint_types or not served.host.is_raw:
+    if not generates(served, endpoint_type):
         offered = ", ".join(sorted(served.endpoint_types)) or "nothing"
         raise InvalidRequestError(
             f"The model '{model}' does not serve {route} (it serves: {offered})",

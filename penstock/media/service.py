@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 from penstock.engines.context import Context
 from penstock.errors import EngineError, PenstockError
 from penstock.media.artifacts import ArtifactStore
-from penstock.media.jobs import COMPLETED, FAILED, IN_PROGRESS, QUEUED, JobStore, VideoJob
 from penstock.media.pool import WorkerPool
+from penstock.media.records import COMPLETED, FAILED, IN_PROGRESS, QUEUED, VideoJob
 from penstock.multimodal.encoding import VIDEO_CONTENT_TYPES, data_url_bytes
 
 if TYPE_CHECKING:
@@ -109,6 +109,9 @@ class MediaService:
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         self.gateway = gateway
+        # SQLAlchemy is imported here, where a store is opened, not by every server.
+        from penstock.media.jobs import JobStore
+
         self.artifacts = ArtifactStore(store)
         self.jobs = JobStore(db_path)
         self.pool = WorkerPool(workers)

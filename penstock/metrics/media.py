@@ -43,7 +43,9 @@ class MediaMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._registry = registry
-        self._jobs: _JobCounts | None = None
+        # No counts until a job store is watched: a server without one has no jobs.
+        self._jobs = _JobCounts(dict)
+        registry.register(self._jobs)
         self.queue_depth = Gauge(
             "penstock_media_queue_depth",
             "Generations waiting for a media worker",
@@ -76,8 +78,7 @@ class MediaMetrics:
         running: Callable[[], int],
     ) -> None:
         """Read job counts and the pool's sizes from these at every scrape."""
-        if self._jobs is not None:
-            self._registry.unregister(self._jobs)
+        self._registry.unregister(self._jobs)
         self._jobs = _JobCounts(job_counts)
         self._registry.register(self._jobs)
         self.queue_depth.set_function(queue_depth)

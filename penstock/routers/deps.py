@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from penstock.media.records import NO_JOBS, JobRecords
 from penstock.media.service import MediaService
 from penstock.multimodal.inputs import MediaInputs
 from penstock.rl.plane import AdminPlane
@@ -24,6 +25,18 @@ def media_inputs(request: Request) -> MediaInputs:
     return inputs
 
 
+def media_jobs(request: Request) -> JobRecords:
+    """The video jobs and stored images to look up: the media service's store, or, on a
+    server whose models generate no media (it has no service), records that are always
+    empty, so its media routes answer as over an empty store."""
+    service: MediaService | None = request.app.state.media
+    return NO_JOBS if service is None else service.jobs
+
+
 def media_service(request: Request) -> MediaService:
-    service: MediaService = request.app.state.media
+    """The media service; routes ask for it only once they hold a job from
+    :func:`media_jobs` or a model that generates media, which exist only where it does."""
+    service: MediaService | None = request.app.state.media
+    if service is None:
+        raise RuntimeError("no media service: no served model generates media")
     return service

@@ -29,7 +29,7 @@ from penstock.media.requests import (
 )
 from penstock.multimodal.encoding import IMAGE_CONTENT_TYPES, data_url_bytes
 from penstock.multimodal.limits import MediaParamError, VideoLimits, parse_size
-from penstock.routers.deps import media_inputs, media_service
+from penstock.routers.deps import media_inputs, media_jobs, media_service
 from penstock.routers.security import media_owner
 from penstock.schemas.images import ImageData, NvCreateImageRequest, NvImagesResponse
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, MediaPassthroughRejected
@@ -121,9 +121,10 @@ async def download_image_content(image_id: str, request: Request) -> Response:
     )
     if not _IMAGE_ID_RE.match(image_id):
         raise missing
-    service = media_service(request)
-    if not service.jobs.image_visible(image_id, media_owner(request, service.jobs.owner_tag)):
+    jobs = media_jobs(request)
+    if not jobs.image_visible(image_id, media_owner(request, jobs.owner_tag)):
         raise missing
+    service = media_service(request)
     for extension, content_type in IMAGE_CONTENT_TYPES.items():
         key = f"images/{image_id}.{extension}"
         if await asyncio.to_thread(service.artifacts.size, key) is not None:

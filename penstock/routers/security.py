@@ -9,7 +9,7 @@ from collections.abc import Callable
 from fastapi import Request
 
 from penstock.errors import AuthenticationError, PermissionDeniedError
-from penstock.media.jobs import Owner
+from penstock.media.records import Owner
 
 ADMIN_TAG = "admin"
 

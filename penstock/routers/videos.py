@@ -44,7 +44,7 @@ from penstock.errors import (
     clip,
 )
 from penstock.gateway import Gateway
-from penstock.media.jobs import COMPLETED, FAILED, QUEUED, Owner, VideoJob
+from penstock.media.records import COMPLETED, FAILED, QUEUED, JobRecords, Owner, VideoJob
 from penstock.media.requests import (
     fill_default_model,
     read_media_body,
@@ -55,7 +55,7 @@ from penstock.media.requests import (
 from penstock.media.service import JobEvent, MediaService
 from penstock.multimodal.encoding import VIDEO_CONTENT_TYPES
 from penstock.multimodal.limits import MediaParamError, VideoLimits, plan_video
-from penstock.routers.deps import media_inputs, media_service
+from penstock.routers.deps import media_inputs, media_jobs, media_service
 from penstock.routers.security import media_owner
 from penstock.schemas.media_passthrough import ENDPOINT_TYPE_KEY, MediaPassthroughRejected
 from penstock.schemas.video import NvCreateVideoRequest, NvVideosResponse, VideoData
@@ -70,13 +70,14 @@ CONTENT_CHUNK = 1 << 20
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
-def _owner(request: Request, service: MediaService) -> Owner:
-    return media_owner(request, service.jobs.owner_tag)
+def _owner(request: Request, jobs: JobRecords) -> Owner:
+    return media_owner(request, jobs.owner_tag)
 
 
-def _job_or_404(request: Request, service: MediaService, video_id: str) -> VideoJob:
+def _job_or_404(request: Request, video_id: str) -> VideoJob:
     """The job if the caller may see it; another key's job is as missing as no job."""
-    job = service.jobs.get(video_id, _owner(request, service))
+    jobs = media_jobs(request)
+    job = jobs.get(video_id, _owner(request, jobs))
     if job is None:
         raise NotFoundError(
             f"No video found with id '{clip(video_id)}'", param="video_id", code="video_not_found"
@@ -149,7 +150,7 @@ async def _new_job(request: Request) -> tuple[VideoJob, bool, str]:
         seconds=plan.seconds,
         size=plan.size,
         request=engine_request,
-        owner=_owner(request, media_service(request)).tag,
+        owner=_owner(request, media_jobs(request)).tag,
     )
     return job, bool(video.stream), video.response_format or "url"
 
@@ -175,19 +176,19 @@ async def list_videos(
     limit: int = Query(default=20, ge=1, le=MAX_PAGE),
     order: str = Query(default="desc", pattern="^(asc|desc)$"),
 ) -> dict[str, Any]:
-    service = media_service(request)
+    records = media_jobs(request)
     try:
-        jobs, has_more = service.jobs.page(
+        jobs, has_more = records.page(
             limit=limit,
             after=after,
             newest_first=order == "desc",
-            owner=_owner(request, service),
+            owner=_owner(request, records),
         )
     except KeyError as exc:
         raise InvalidRequestError(
             f"after: no video with id '{clip(after)}'", param="after", code="invalid_cursor"
         ) from exc
-    data = [service.video_object(job) for job in jobs]
+    data = [media_service(request).video_object(job) for job in jobs]
     return {
         "object": "list",
         "data": data,
@@ -199,15 +200,14 @@ async def list_videos(
 
 @router.get("/v1/videos/{video_id}")
 async def retrieve_video(video_id: str, request: Request) -> dict[str, Any]:
-    service = media_service(request)
-    return service.video_object(_job_or_404(request, service, video_id))
+    job = _job_or_404(request, video_id)
+    return media_service(request).video_object(job)
 
 
 @router.delete("/v1/videos/{video_id}")
 async def delete_video(video_id: str, request: Request) -> dict[str, Any]:
-    service = media_service(request)
-    _job_or_404(request, service, video_id)
-    await service.delete_video(video_id)
+    _job_or_404(request, video_id)
+    await media_service(request).delete_video(video_id)
     return {"id": video_id, "object": "video.deleted", "deleted": True}
 
 
@@ -240,8 +240,8 @@ def _byte_range(header: str | None, size: int) -> tuple[int, int] | None:
 async def download_video_content(
     video_id: str, request: Request, variant: str = "video"
 ) -> Response:
+    job = _job_or_404(request, video_id)
     service = media_service(request)
-    job = _job_or_404(request, service, video_id)
     if variant != "video":
         raise InvalidRequestError(
             f"variant: '{clip(variant)}' is not available; supported: video", param="variant"

@@ -10,7 +10,8 @@ import psycopg
 import pytest
 
 from penstock.errors import JobDatabaseError, JobStoreUnavailableError
-from penstock.media.jobs import COMPLETED, FAILED, IN_PROGRESS, QUEUED, JobStore, Owner, VideoJob
+from penstock.media.jobs import JobStore
+from penstock.media.records import COMPLETED, FAILED, IN_PROGRESS, QUEUED, Owner, VideoJob
 from tests.support.server import free_port
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from penstock.media.artifacts import ArtifactStore, local_folder
-from penstock.media.jobs import COMPLETED, IN_PROGRESS, JobStore, VideoJob
+from penstock.media.jobs import JobStore
 from penstock.media.pool import WorkerPool
+from penstock.media.records import COMPLETED, IN_PROGRESS, VideoJob
 
 
 def job(job_id: str, **fields: object) -> VideoJob:
