@@ -306,12 +306,28 @@ def _deploy(settings: Settings) -> tuple[Any, dict[str, Any], bool]:
         )
         description = handle.describe.remote().result()
     except Exception as exc:
+        reason = _replica_failure(serve, settings.ray_app_name) or str(exc)
         if owns_ray:
             with contextlib.suppress(Exception):
                 serve.shutdown()
             ray.shutdown()
-        raise RaySetupError(f"the engine deployment on Ray failed to start: {exc}") from exc
+        else:
+            # Serve would go on retrying the replicas on a cluster that outlives this server.
+            with contextlib.suppress(Exception):
+                serve.delete(settings.ray_app_name)
+        raise RaySetupError(f"the engine deployment on Ray failed to start: {reason}") from exc
     return handle, description, owns_ray
+
+
+def _replica_failure(serve: Any, app_name: str) -> str | None:
+    """The last line of the traceback a replica's constructor raised (Serve keeps it in the
+    deployment's status; its own exception only says the deployment failed)."""
+    try:
+        status = serve.status().applications[app_name].deployments[DEPLOYMENT_NAME]
+    except Exception:
+        return None
+    lines = [line.strip() for line in str(status.message or "").splitlines() if line.strip()]
+    return lines[-1] if lines else None
 
 
 async def start_fleet(settings: Settings) -> FleetHost:

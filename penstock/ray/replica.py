@@ -217,4 +217,7 @@ class EngineReplica:
             raise RuntimeError(self.host.health.reason or "engine unhealthy")
 
     async def __del__(self) -> None:
-        await self.host.cleanup()
+        # Serve calls this after a constructor that failed before the host existed, too.
+        host = getattr(self, "host", None)
+        if host is not None:
+            await host.cleanup()

@@ -193,3 +193,18 @@ def test_a_killed_replica_fails_only_its_own_requests_and_is_replaced(
         }
         time.sleep(0.5)
     assert replaced, fleet(server)
+
+
+def test_a_replica_that_cannot_start_stops_startup_with_its_reason(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # No CPU asked: the module's server holds both of the cluster's.
+    args = ["--ray", "--ray-address", cluster.address, "--ray-app-name", "unstartable"]
+    args += ["--ray-replica-cpus", "0"]
+    args += ["--engine", "no_such_engine"]
+    server = start_server(args, tmp_path, wait_ready=False)
+    assert server.process.wait(timeout=120) == 1
+    log = server.log()
+    assert "the engine deployment on Ray failed to start" in log
+    assert "unknown engine 'no_such_engine'" in log
+    assert "unstartable" not in serve.status().applications
