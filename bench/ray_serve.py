@@ -1,6 +1,6 @@
 """Penstock on Ray Serve vs the single-process server, side by side in one run.
 
-For each setup (single process, ``--ray`` with 1 replica, ``--ray`` with 2 replicas; the
+For each setup (single process, ``--ray`` with 1, 2 and 4 replicas by default; the
 Ray ones start their own local cluster) it starts ``penstock serve`` on the sample engine
 and runs ``bench/load.py``'s streaming load twice:
 
@@ -8,7 +8,7 @@ and runs ``bench/load.py``'s streaming load twice:
 * zero-delay engine: what the path costs per streamed chunk (ms of wall time per token at
   concurrency 1, so the difference to the single process is the ingress overhead).
 
-    python bench/ray_serve.py [--replicas 1 2] [--concurrency 16] [--requests 64]
+    python bench/ray_serve.py [--replicas 1 2 4] [--concurrency 16] [--requests 64]
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def load(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
