@@ -26,7 +26,7 @@ from penstock.schemas.openai import (
     InputAudio,
     SamplingFields,
 )
-from penstock.serving.deadline import Deadline
+from penstock.serving.deadline import Deadline, header
 from penstock.settings import Settings
 
 P = ParamSpec("P")
@@ -64,8 +64,8 @@ def engine_context(request: Request, prompt_index: int | None = None) -> Context
     return Context(
         request_id if prompt_index is None else f"{request_id}-{prompt_index}",
         {"x-request-id": request_id},
-        traceparent=request.headers.get("traceparent"),
-        tracestate=request.headers.get("tracestate"),
+        traceparent=header(request, b"traceparent"),
+        tracestate=header(request, b"tracestate"),
     )
 
 
@@ -173,7 +173,7 @@ def check_prompt_length(
 def body_size(request: Request) -> int:
     """The request body's declared length (0 when it came chunked)."""
     try:
-        return int(request.headers.get("content-length", 0))
+        return int(header(request, b"content-length") or 0)
     except ValueError:
         return 0
 
