@@ -12,7 +12,8 @@ One task per stream, the request's own: it pulls each frame and writes it. The s
 HTTP protocol leaves a :class:`DisconnectSignal` in the scope (:data:`DISCONNECT_KEY`)
 and fires it when the connection is lost, which cancels the writer if it is waiting for
 the next frame; keep-alive comments come from a timer that sends one (in a short task of
-its own) only after ``keepalive_s`` without a frame. Without the signal (an in-process
+its own) only after ``keepalive_s`` without a frame. ``DONE_FRAME`` goes out as the last
+message of the body (one write, not two). Without the signal (an in-process
 client), a second task blocks on ``receive`` to notice the disconnect.
 """
 
@@ -99,6 +100,8 @@ class EventStreamResponse(Response):
         self.status_code = 200
         self.background = None
         self.disconnected = False
+        # Whether the frames ended with ``DONE_FRAME``, then sent as the body's last message.
+        self.completed = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_headers = [
@@ -119,8 +122,9 @@ class EventStreamResponse(Response):
                     await watcher
         if self.disconnected:
             return
+        last = DONE_FRAME if self.completed else b""
         with contextlib.suppress(OSError):
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": last, "more_body": False})
 
     async def _write(self, send: Send, signal: DisconnectSignal) -> None:
         loop = asyncio.get_running_loop()
@@ -162,6 +166,10 @@ class EventStreamResponse(Response):
                     return
                 finally:
                     waiting = False
+                if frame is DONE_FRAME:
+                    # Sent as the body's last message, once the keep-alive is stopped.
+                    self.completed = True
+                    return
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
                 last_sent = loop.time()
         except asyncio.CancelledError:
@@ -176,8 +184,8 @@ class EventStreamResponse(Response):
                 ping.cancel()
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await ping
-            if self.disconnected:
-                # Noticed between frames: the producer must still end the engine's work.
+            if self.disconnected or self.completed:
+                # Stopped before the producer's end: it must still end the engine's work.
                 aclose = getattr(self.frames, "aclose", None)
                 if aclose is not None:
                     await aclose()

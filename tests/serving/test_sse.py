@@ -41,7 +41,8 @@ async def test_frames_skip_the_chain_when_the_wire_send_is_known() -> None:
     scope = {"type": "http", WIRE_SEND_KEY: server_send}
     await response(scope, never_disconnects, through_chain)
     assert [m["type"] for m in chain] == ["http.response.start"]
-    assert [m["body"] for m in wire] == [b"data: 1\n\n", DONE_FRAME, b""]
+    assert [m["body"] for m in wire] == [b"data: 1\n\n", DONE_FRAME]
+    # The last frame ends the body: one message, one write.
     assert wire[-1]["more_body"] is False
 
 
@@ -52,7 +53,7 @@ async def test_without_it_every_message_goes_through_the_chain() -> None:
         sent.append(message)
 
     await EventStreamResponse(frames(), keepalive_s=0)({"type": "http"}, never_disconnects, send)
-    assert [m.get("body") for m in sent] == [None, b"data: 1\n\n", DONE_FRAME, b""]
+    assert [m.get("body") for m in sent] == [None, b"data: 1\n\n", DONE_FRAME]
 
 
 async def test_wire_send_leaves_the_server_send_in_http_scopes_only() -> None:
@@ -119,5 +120,5 @@ async def test_idle_streams_get_keepalive_comments_between_frames() -> None:
     await EventStreamResponse(slow(), keepalive_s=0.1)(scope, never_disconnects, send)
     bodies = [m.get("body") for m in sent]
     assert bodies[:2] == [None, b"data: 1\n\n"]
-    assert bodies[-2:] == [DONE_FRAME, b""]
-    assert KEEPALIVE_FRAME in bodies[2:-2]
+    assert bodies[-1] == DONE_FRAME
+    assert KEEPALIVE_FRAME in bodies[2:-1]
