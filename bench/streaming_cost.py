@@ -16,7 +16,7 @@ real tokenizer, incremental detokenizer, stop matching, usage, metrics and acces
 a file). The client is aiohttp, one session per scenario, keep-alive connections.
 
     .venv/bin/python bench/streaming_cost.py --repeats 3
-    .venv/bin/python bench/streaming_cost.py --only cpu --repo /tmp/penstock-before
+    .venv/bin/python bench/streaming_cost.py --only cpu --before /tmp/penstock-before
 """
 
 from __future__ import annotations
@@ -81,13 +81,16 @@ class Server:
         return self.process.pid
 
 
-def start(name: str, argv: list[str], env: dict[str, str], log: Path, pin: str | None) -> Server:
+def start(
+    name: str, argv: list[str], env: dict[str, str], log: Path, pin: str | None, cwd: Path
+) -> Server:
     port = free_port()
     argv = [a.replace("{port}", str(port)) for a in argv]
     if pin is not None:
         argv = ["taskset", "-c", pin, *argv]
     with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # ``python -m`` puts the working directory first on the path, before PYTHONPATH.
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     server = Server(name, process, port)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -112,16 +115,21 @@ def stop(server: Server) -> None:
 
 @contextlib.contextmanager
 def servers(args: argparse.Namespace, *, delay: float, extra: list[str]) -> Iterator[list[Server]]:
-    env = {**os.environ, "PYTHONPATH": str(args.repo)}
+    """The raw app, then Penstock (``--repo``), then the ``--before`` tree if given."""
     logs = Path(tempfile.mkdtemp(prefix="penstock-bench-"))
     raw_argv = [sys.executable, str(HERE / "raw_asgi.py"), "--port", "{port}"]
     raw_argv += ["--delay", str(delay), "--loop", args.raw_loop]
     penstock_argv = [sys.executable, "-m", "penstock", "serve", "--port", "{port}", *extra]
     penstock_argv += ["--engine", "sample", "--", "--delay", str(delay), "--max-tokens", "16"]
+    trees = [("penstock", args.repo)] + ([("before", args.before)] if args.before else [])
     started: list[Server] = []
     try:
-        started.append(start("raw", raw_argv, env, logs / "raw.log", args.pin))
-        started.append(start("penstock", penstock_argv, env, logs / "penstock.log", args.pin))
+        env = {**os.environ, "PYTHONPATH": str(args.repo)}
+        started.append(start("raw", raw_argv, env, logs / "raw.log", args.pin, args.repo))
+        for name, tree in trees:
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            log = logs / f"{name}.log"
+            started.append(start(name, penstock_argv, env, log, args.pin, tree))
         yield started
     finally:
         for server in started:
@@ -250,60 +258,63 @@ def fmt(values: list[float], digits: int = 1) -> str:
     )
 
 
+def ratio_to_raw(results: dict[str, list[float]], name: str) -> str:
+    if name == "raw":
+        return ""
+    return f"  ({statistics.median(results[name]) / statistics.median(results['raw']):.2f}x raw)"
+
+
 async def run_cpu(args: argparse.Namespace) -> None:
-    with servers(args, delay=0.0, extra=args.serve_arg) as (raw, penstock):
-        idle = rss_mb(penstock.pid)
-        print(f"penstock idle RSS at start: {idle:.1f} MB; raw app: {rss_mb(raw.pid):.1f} MB")
+    with servers(args, delay=0.0, extra=args.serve_arg) as started:
+        print(
+            "idle RSS at start, MB: " + ", ".join(f"{s.name} {rss_mb(s.pid):.1f}" for s in started)
+        )
         scenarios = [(32, 512, args.rounds), (256, 64, args.rounds)]
         if not {"all", "cpu"} & set(args.only):
             scenarios = []
         for concurrency, tokens, rounds in scenarios:
-            results: dict[str, list[float]] = {"raw": [], "penstock": []}
+            results: dict[str, list[float]] = {s.name: [] for s in started}
             loads = []
             for _ in range(args.repeats):
                 loads.append(loadavg())
-                for server in (raw, penstock):
+                for server in started:
                     results[server.name].append(
                         await cpu_per_chunk(server, concurrency, tokens, rounds)
                     )
-            ratio = statistics.median(results["penstock"]) / statistics.median(results["raw"])
             print(f"\nCPU us/chunk, {concurrency} streams x {tokens} tokens (load avg {loads}):")
             for name, values in results.items():
-                print(f"  {name:9s} {fmt(values)}")
-            print(f"  ratio     {ratio:.2f}x")
+                print(f"  {name:9s} {fmt(values)}{ratio_to_raw(results, name)}")
         if {"all", "ttft"} & set(args.only):
-            ttft: dict[str, list[float]] = {"raw": [], "penstock": []}
+            ttft: dict[str, list[float]] = {s.name: [] for s in started}
             for _ in range(args.repeats):
-                for server in (raw, penstock):
+                for server in started:
                     ttft[server.name].append(await ttft_p50(server, args.ttft_requests))
-            ratio = statistics.median(ttft["penstock"]) / statistics.median(ttft["raw"])
             print(f"\nTTFT p50 ms, concurrency 1, keep-alive (load avg {loadavg()}):")
             for name, values in ttft.items():
-                print(f"  {name:9s} {fmt(values, 3)}")
-            print(f"  ratio     {ratio:.2f}x")
-            rates: dict[str, list[float]] = {"raw": [], "penstock": []}
-            costs: dict[str, list[float]] = {"raw": [], "penstock": []}
+                print(f"  {name:9s} {fmt(values, 3)}{ratio_to_raw(ttft, name)}")
+            rates: dict[str, list[float]] = {s.name: [] for s in started}
+            costs: dict[str, list[float]] = {s.name: [] for s in started}
             for _ in range(args.repeats):
-                for server in (raw, penstock):
+                for server in started:
                     rate, cost = await non_streaming(server, 32, args.unary_rounds)
                     rates[server.name].append(rate)
                     costs[server.name].append(cost)
-            ratio = statistics.median(rates["raw"]) / statistics.median(rates["penstock"])
             print(f"\nnon-streaming, concurrency 32, 16 tokens (load avg {loadavg()}):")
             for name in rates:
+                raw_over = statistics.median(rates["raw"]) / statistics.median(rates[name])
                 print(
-                    f"  {name:9s} req/s {fmt(rates[name], 0)}; CPU us/request {fmt(costs[name], 0)}"
+                    f"  {name:9s} req/s {fmt(rates[name], 0)} (raw/this {raw_over:.2f}x); "
+                    f"CPU us/request {fmt(costs[name], 0)}{ratio_to_raw(costs, name)}"
                 )
-            print(f"  raw/penstock req/s {ratio:.2f}x")
 
 
 async def run_memory(args: argparse.Namespace) -> None:
     extra = [*args.serve_arg, "--max-concurrency", "8192", "--max-queue", "8192"]
     extra += ["--max-connections", "8192", "--no-access-log"]
     counts = [1000, 5000]
-    with servers(args, delay=args.hold_delay, extra=extra) as (raw, penstock):
+    with servers(args, delay=args.hold_delay, extra=extra) as started:
         print(f"\nRSS MB per 1,000 open streams (load avg {loadavg()}):")
-        for server in (raw, penstock):
+        for server in started:
             growth = await open_streams(server, counts)
             cells = ", ".join(f"{n} open: {mb:.1f}" for n, mb in growth.items())
             print(f"  {server.name:9s} {cells}")
@@ -312,6 +323,7 @@ async def run_memory(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo", type=Path, default=HERE.parent, help="the Penstock to run")
+    parser.add_argument("--before", type=Path, default=None, help="a second tree, run beside")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="requests per stream slot")
     parser.add_argument("--ttft-requests", type=int, default=200)

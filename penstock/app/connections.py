@@ -12,6 +12,9 @@ them:
 * body timeout: the longest pause between two pieces of a request body. While reading is
   paused because the app has not consumed what arrived, the client is not to blame and the
   timer starts over. A response not yet begun becomes a 408 envelope;
+* disconnects: each request's scope holds a
+  :class:`~penstock.serving.sse.DisconnectSignal`, fired when its connection is lost
+  before the response ended, so responses notice without a task blocked on ``receive``;
 * connection limit: a request that arrives while more than ``max_connections``
   connections are open gets a 503 envelope (``too_many_connections``) and its connection
   is closed, so clients see why; the header timeout bounds how long the surplus stays.
@@ -34,6 +37,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from penstock.app.middleware import ANSWERED_STATUS_KEY
 from penstock.errors import PenstockError, ServiceUnavailableError, SlowClientError
+from penstock.serving.sse import DISCONNECT_KEY, DisconnectSignal
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +113,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._cancel_header_timer()
         self._cancel_body_timer()
         super().connection_lost(exc)
+        self._fire_disconnect()
+
+    def _fire_disconnect(self) -> None:
+        """Tell the response of a request cut off before its end (see
+        :class:`~penstock.serving.sse.DisconnectSignal`)."""
+        cycle = self.cycle
+        if cycle is not None and cycle.disconnected:
+            signal = cycle.scope.get(DISCONNECT_KEY)
+            if signal is not None:
+                signal.fire()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -126,6 +140,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._in_headers = True
 
     def on_headers_complete(self) -> None:
+        # Before uvicorn builds the request's cycle around this scope.
+        self.scope[DISCONNECT_KEY] = DisconnectSignal()  # type: ignore[typeddict-unknown-key]
         self._cancel_header_timer()
         self._in_headers = False
         self._in_body = True
@@ -206,6 +222,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             # The app's receive answers a disconnect and its sends are dropped from here on.
             cycle.disconnected = True
             cycle.message_event.set()
+            self._fire_disconnect()
         if not started:
             error = SlowClientError(
                 f"Request body stalled for {self.limits.body_timeout_s:g}s",

@@ -14,6 +14,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from penstock import __version__
 from penstock.app.handlers import install_error_handlers
+from penstock.app.hot import HotRoutes, hot_routes
 from penstock.app.middleware import GatewayMiddleware, OpenRequests
 from penstock.gateway import Gateway
 from penstock.http import create_http_client
@@ -159,6 +160,13 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.include_router(vllm_compat.router)
     app.include_router(videos.router)
     app.include_router(images.router)
+    # Innermost: the hot inference routes skip FastAPI's routing, not the middlewares.
+    app.add_middleware(
+        HotRoutes,
+        routes=hot_routes(
+            [*chat.router.routes, *completions.router.routes, *generate.router.routes], settings
+        ),
+    )
     tracing = active_tracing()
     if tracing is not None:
         # Inside the gateway middleware: the request id is known when the span starts.

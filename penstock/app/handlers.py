@@ -127,6 +127,18 @@ async def _unhandled(_: Request, exc: Exception) -> Response:
     return error_response(InternalServerError())
 
 
+async def handle_error(request: Request, exc: Exception) -> Response:
+    """What the installed handlers answer ``exc`` with, for the routes served outside
+    FastAPI's exception middleware (:mod:`penstock.app.hot`)."""
+    if isinstance(exc, PenstockError):
+        return await _penstock_error(request, exc)
+    if isinstance(exc, RequestValidationError):
+        return await _validation_error(request, exc)
+    if isinstance(exc, StarletteHTTPException):
+        return await _http_error(request, exc)
+    return await _unhandled(request, exc)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(PenstockError, _penstock_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

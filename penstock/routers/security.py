@@ -10,6 +10,7 @@ from fastapi import Request
 
 from penstock.errors import AuthenticationError, PermissionDeniedError
 from penstock.media.records import Owner
+from penstock.settings import Settings
 
 ADMIN_TAG = "admin"
 
@@ -43,10 +44,18 @@ async def require_inference_key(request: Request) -> None:
     passes too (it is the stronger credential, and sees every caller's media jobs).
     """
     settings = request.app.state.gateway.settings
-    if not settings.api_keys or request.url.path in settings.auth_exempt_paths:
+    if not settings.api_keys:
         return
     route = request.scope.get("route")
     if route is not None and ADMIN_TAG in (getattr(route, "tags", None) or []):
+        return
+    check_inference_key(request, request.url.path, settings)
+
+
+def check_inference_key(request: Request, path: str, settings: Settings) -> None:
+    """:func:`require_inference_key`'s rule for a request to ``path`` of a route that is no
+    admin route."""
+    if not settings.api_keys or path in settings.auth_exempt_paths:
         return
     token = bearer_token(request)
     if token is None:

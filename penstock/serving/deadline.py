@@ -29,11 +29,24 @@ from penstock.settings import Settings
 T = TypeVar("T")
 
 TIMEOUT_HEADER = "X-Request-Timeout"
+_TIMEOUT_KEY = TIMEOUT_HEADER.lower().encode()
+
+
+def header(request: Request, name: bytes) -> str | None:
+    """The request's header ``name`` (lowercase bytes, as ASGI gives them), or None.
+
+    A scan of the raw pairs: Starlette's ``Headers.get`` pays an exception for each header
+    that is absent, and these are looked up on every request.
+    """
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def requested_timeout(request: Request, settings: Settings) -> float | None:
     """The request's time budget in seconds, or None; 400 for a header that is no budget."""
-    raw = request.headers.get(TIMEOUT_HEADER)
+    raw = header(request, _TIMEOUT_KEY)
     if raw is None:
         return settings.request_timeout_s
     try:

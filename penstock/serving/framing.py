@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from penstock.errors import ClientClosedRequest, InternalServerError, PenstockError
-from penstock.serving.sse import DONE_FRAME
+from penstock.serving.sse import DONE_FRAME, disconnect_signal
 
 logger = logging.getLogger(__name__)
 
@@ -82,25 +82,33 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``; if the client goes away first, cancel it (which aborts the engine).
 
     Raises :class:`ClientClosedRequest` (499) once the cancelled work has wound down, so
-    every non-streaming route answers a disconnect the same way.
+    every non-streaming route answers a disconnect the same way. The work runs in the
+    calling task; the disconnect cancels it (see :class:`DisconnectSignal`).
     """
-    task = asyncio.ensure_future(work)
+    signal, watcher = disconnect_signal(request.scope, request.receive)
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
 
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            continue
+    def cancel() -> None:
+        nonlocal gone
+        gone = True
+        task.cancel()
 
-    watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if signal.lost:
+            if asyncio.iscoroutine(work):
+                work.close()
+            raise ClientClosedRequest("The client closed the request")
+        signal.watch(cancel)
+        return await work
+    except asyncio.CancelledError:
+        if gone and task.uncancel() == 0:
+            raise ClientClosedRequest("The client closed the request") from None
+        raise
     finally:
-        for pending in (task, watcher):
-            if not pending.done():
-                pending.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-    if task.cancelled() or not task.done():
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise ClientClosedRequest("The client closed the request")
-    return task.result()
+        signal.watch(None)
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher

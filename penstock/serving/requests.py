@@ -26,7 +26,7 @@ from penstock.schemas.openai import (
     InputAudio,
     SamplingFields,
 )
-from penstock.serving.deadline import Deadline
+from penstock.serving.deadline import Deadline, header
 from penstock.settings import Settings
 
 P = ParamSpec("P")
@@ -37,6 +37,7 @@ T = TypeVar("T")
 SUPPORTS_RESPONSE_FORMAT = "supports_response_format"
 # The header naming a client's session (its key in the engine context's metadata too).
 SESSION_HEADER = "x-session-id"
+_SESSION_KEY = SESSION_HEADER.encode()
 
 
 class PassthroughRequest(GenerateRequest, total=False):
@@ -68,14 +69,14 @@ def engine_context(
     """
     request_id = request.state.request_id
     metadata = {"x-request-id": request_id}
-    session = request.headers.get(SESSION_HEADER) or user
+    session = header(request, _SESSION_KEY) or user
     if session:
         metadata[SESSION_HEADER] = session
     return Context(
         request_id if prompt_index is None else f"{request_id}-{prompt_index}",
         metadata,
-        traceparent=request.headers.get("traceparent"),
-        tracestate=request.headers.get("tracestate"),
+        traceparent=header(request, b"traceparent"),
+        tracestate=header(request, b"tracestate"),
     )
 
 
@@ -183,7 +184,7 @@ def check_prompt_length(
 def body_size(request: Request) -> int:
     """The request body's declared length (0 when it came chunked)."""
     try:
-        return int(request.headers.get("content-length", 0))
+        return int(header(request, b"content-length") or 0)
     except ValueError:
         return 0
 

@@ -13,7 +13,7 @@ from starlette.types import Message
 
 from penstock.errors import ClientClosedRequest, InvalidRequestError
 from penstock.serving.framing import ChunkEncoder, unless_disconnected, with_error_frame
-from penstock.serving.sse import DONE_FRAME
+from penstock.serving.sse import DISCONNECT_KEY, DONE_FRAME, DisconnectSignal
 
 HEAD = {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "m"}
 
@@ -128,4 +128,29 @@ async def test_a_disconnect_cancels_the_work_and_answers_499() -> None:
     with pytest.raises(ClientClosedRequest) as raised:
         await unless_disconnected(request, work())
     assert raised.value.status_code == 499
+    assert cancelled.is_set()
+
+
+async def test_the_servers_disconnect_signal_cancels_the_work_in_its_own_task() -> None:
+    cancelled = asyncio.Event()
+    started = asyncio.Event()
+
+    async def work() -> None:
+        try:
+            started.set()
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    signal = DisconnectSignal()
+    request = request_with([])
+    request.scope[DISCONNECT_KEY] = signal
+    before = len(asyncio.all_tasks())
+    waiter = asyncio.ensure_future(unless_disconnected(request, work()))
+    await asyncio.wait_for(started.wait(), 5)
+    assert len(asyncio.all_tasks()) == before + 1
+    signal.fire()
+    with pytest.raises(ClientClosedRequest):
+        await asyncio.wait_for(waiter, 5)
     assert cancelled.is_set()

@@ -7,7 +7,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from penstock.app.middleware import WireSend
-from penstock.serving.sse import DONE_FRAME, WIRE_SEND_KEY, EventStreamResponse
+from penstock.serving.sse import (
+    DISCONNECT_KEY,
+    DONE_FRAME,
+    KEEPALIVE_FRAME,
+    WIRE_SEND_KEY,
+    DisconnectSignal,
+    EventStreamResponse,
+)
 
 
 async def frames() -> AsyncIterator[bytes]:
@@ -34,7 +41,8 @@ async def test_frames_skip_the_chain_when_the_wire_send_is_known() -> None:
     scope = {"type": "http", WIRE_SEND_KEY: server_send}
     await response(scope, never_disconnects, through_chain)
     assert [m["type"] for m in chain] == ["http.response.start"]
-    assert [m["body"] for m in wire] == [b"data: 1\n\n", DONE_FRAME, b""]
+    assert [m["body"] for m in wire] == [b"data: 1\n\n", DONE_FRAME]
+    # The last frame ends the body: one message, one write.
     assert wire[-1]["more_body"] is False
 
 
@@ -45,7 +53,7 @@ async def test_without_it_every_message_goes_through_the_chain() -> None:
         sent.append(message)
 
     await EventStreamResponse(frames(), keepalive_s=0)({"type": "http"}, never_disconnects, send)
-    assert [m.get("body") for m in sent] == [None, b"data: 1\n\n", DONE_FRAME, b""]
+    assert [m.get("body") for m in sent] == [None, b"data: 1\n\n", DONE_FRAME]
 
 
 async def test_wire_send_leaves_the_server_send_in_http_scopes_only() -> None:
@@ -62,3 +70,55 @@ async def test_wire_send_leaves_the_server_send_in_http_scopes_only() -> None:
     await wrapped({"type": "lifespan"}, never_disconnects, send)
     assert seen[0][WIRE_SEND_KEY] is send
     assert WIRE_SEND_KEY not in seen[1]
+
+
+async def test_a_disconnect_while_waiting_for_a_frame_ends_the_producer_in_one_task() -> None:
+    """The server's signal cancels the writer where it waits; no watcher task is made."""
+    closed = asyncio.Event()
+    waiting = asyncio.Event()
+
+    async def quiet_engine() -> AsyncIterator[bytes]:
+        try:
+            yield b"data: 1\n\n"
+            waiting.set()
+            await asyncio.Event().wait()
+            yield b"data: never\n\n"
+        finally:
+            closed.set()
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    signal = DisconnectSignal()
+    response = EventStreamResponse(quiet_engine(), keepalive_s=0)
+    scope = {"type": "http", DISCONNECT_KEY: signal}
+    before = len(asyncio.all_tasks())
+    writer = asyncio.ensure_future(response(scope, never_disconnects, send))
+    await asyncio.wait_for(waiting.wait(), 5)
+    assert len(asyncio.all_tasks()) == before + 1
+    signal.fire()
+    await asyncio.wait_for(writer, 5)
+    assert closed.is_set()
+    assert response.disconnected
+    assert [m.get("body") for m in sent] == [None, b"data: 1\n\n"]
+
+
+async def test_idle_streams_get_keepalive_comments_between_frames() -> None:
+    async def slow() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        await asyncio.sleep(0.25)
+        yield DONE_FRAME
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", DISCONNECT_KEY: DisconnectSignal()}
+    await EventStreamResponse(slow(), keepalive_s=0.1)(scope, never_disconnects, send)
+    bodies = [m.get("body") for m in sent]
+    assert bodies[:2] == [None, b"data: 1\n\n"]
+    assert bodies[-1] == DONE_FRAME
+    assert KEEPALIVE_FRAME in bodies[2:-1]
