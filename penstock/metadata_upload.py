@@ -19,14 +19,15 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import fsspec
 import msgpack
 import zstandard
-from fsspec.implementations.dirfs import DirFileSystem
 
 from penstock.settings import local_path
+
+if TYPE_CHECKING:
+    from fsspec.implementations.dirfs import DirFileSystem
 
 SCHEMA_VERSION = 1
 
@@ -38,6 +39,10 @@ _KEY_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 def get_fs(url: str) -> DirFileSystem:
     """A filesystem rooted at ``url``; a plain path or a ``file://`` URL means the local disk."""
+    # Imported here: only servers given an upload root pay fsspec's ~15 MB.
+    import fsspec
+    from fsspec.implementations.dirfs import DirFileSystem
+
     protocol, sep, _ = url.partition("://")
     if not sep or protocol == "file":
         fs, root = fsspec.core.url_to_fs(local_path(url), auto_mkdir=True)

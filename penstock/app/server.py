@@ -32,6 +32,7 @@ from penstock.errors import ListenError
 from penstock.gateway import Gateway, ServedModel
 from penstock.media.artifacts import check_location
 from penstock.media.records import check_database
+from penstock.media.requests import generates_media
 from penstock.preprocess import Preprocessor
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import Settings
@@ -338,8 +339,10 @@ async def _serve(settings: Settings) -> int:
         warn_if_exposed(settings)
         gateway = await build_gateway(settings)
         try:
-            # The default store is named after the served model, known only now.
-            check_location(media_store_location(settings, gateway.listed_models()[0].name))
+            # The default store is named after the served model, known only now; a server
+            # generating no media never writes there.
+            if generates_media(gateway):
+                check_location(media_store_location(settings, gateway.listed_models()[0].name))
             app = create_app(gateway)
             limits = ConnectionLimits(
                 header_timeout_s=settings.header_timeout_s,

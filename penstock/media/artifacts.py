@@ -9,13 +9,22 @@ import posixpath
 import re
 import uuid
 from pathlib import Path
-
-import fsspec
+from typing import TYPE_CHECKING
 
 from penstock.errors import MediaStoreError
 from penstock.settings import local_path
 
+if TYPE_CHECKING:
+    import fsspec
+
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+
+
+def _url_to_fs(location: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    # fsspec costs ~15 MB of memory: imported only by servers that keep media.
+    import fsspec
+
+    return fsspec.core.url_to_fs(location)
 
 
 def _check_key(key: str) -> str:
@@ -26,13 +35,13 @@ def _check_key(key: str) -> str:
 
 def local_folder(location: str) -> Path | None:
     """The folder ``location`` names on this machine; None for a remote or in-memory store."""
-    fs, root = fsspec.core.url_to_fs(local_path(location))
+    fs, root = _url_to_fs(local_path(location))
     return Path(root) if _is_local(fs) else None
 
 
 def in_memory(location: str) -> bool:
     """Whether ``location`` names fsspec's in-memory store (gone when the process ends)."""
-    fs, _ = fsspec.core.url_to_fs(location)
+    fs, _ = _url_to_fs(location)
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     return "memory" in protocols
 
@@ -72,7 +81,7 @@ class ArtifactStore:
 
     def __init__(self, location: str) -> None:
         # fsspec keeps a file URL's escapes ('%20'); the folder is the decoded path.
-        self.fs, self.root = fsspec.core.url_to_fs(local_path(location))
+        self.fs, self.root = _url_to_fs(local_path(location))
         self.fs.makedirs(self.root, exist_ok=True)
 
     @property

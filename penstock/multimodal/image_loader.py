@@ -21,14 +21,15 @@ import io
 import os
 import warnings
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
-
-from PIL import Image, UnidentifiedImageError
 
 from penstock.errors import HttpStatusError, UrlValidationError
 from penstock.http import HttpClient, UrlValidationPolicy, describe_media_source
 from penstock.multimodal.media_source import DEFAULT_MAX_MEDIA_BYTES, fetch_media
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 CACHE_SIZE_MAXIMUM = int(os.environ.get("PENSTOCK_MM_IMAGE_CACHE_SIZE", "8"))
 DEFAULT_MAX_PIXELS = 32 * 1024 * 1024
@@ -47,6 +48,9 @@ def normalize_url(url: str) -> str:
 
 
 def _decode(data: bytes, url: str, max_pixels: int) -> Image.Image:
+    # Pillow is imported by the servers that load images only.
+    from PIL import Image, UnidentifiedImageError
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -145,6 +149,8 @@ class ImageLoader:
         return await asyncio.to_thread(_decode, media.data, label, self.max_pixels)
 
     async def _load_decoded(self, metadata: Any) -> Image.Image:
+        from PIL import Image
+
         from penstock.multimodal.transfer import TransferRequest
 
         if isinstance(metadata, Image.Image):

@@ -42,10 +42,10 @@ def test_a_store_url_nothing_can_open_fails_at_startup_in_one_line() -> None:
 
 
 def test_a_file_where_the_default_store_goes_fails_at_startup_in_one_line(tmp_path: Path) -> None:
-    default_store = tmp_path / "media" / "sample-model"
+    default_store = tmp_path / "media" / "sample-diffusion-model"
     default_store.parent.mkdir()
     default_store.write_text("not a folder")
-    result = serve_sample("--cache-dir", str(tmp_path))
+    result = serve_sample("--cache-dir", str(tmp_path), "--engine", "sample-diffusion")
     assert result.returncode == 1
     assert (
         result.stderr.strip()
