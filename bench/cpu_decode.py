@@ -1,12 +1,15 @@
 """The CPU engine against transformers' own ``generate``, in one process, runs alternating.
 
 Loads SmolLM2-135M-Instruct (the default model) once for ``generate`` (float32, greedy)
-and starts the transformers engine twice: ``--cpu-weight-dtype float32`` and the default
-(bfloat16 weights, float32 arithmetic). Each round times, in turn, ``generate`` at
-concurrency 1 and both engines at concurrency 1 and 16, all with the same thread count.
-Last, checks that both engines' greedy tokens equal ``generate``'s on every prompt.
+and starts the transformers engine once per ``--cpu-weight-dtype`` asked for (float32,
+bfloat16: the default, int8). Each round times, in turn, ``generate`` at concurrency 1
+and every engine at concurrency 1 and 16, all with the same thread count. Last, per
+engine: how many prompts' greedy tokens equal ``generate``'s, and the teacher-forced top-1
+agreement with the float32 model over ``generate``'s continuations (the next token each
+model picks at every position of the same text).
 
     .venv/bin/python bench/cpu_decode.py [--rounds 3] [--tokens 64] [--threads 1]
+        [--weights float32,bfloat16,int8]
 """
 
 from __future__ import annotations
@@ -65,11 +68,31 @@ async def engine_rate(
     return sum(len(r) for r in results) / (time.perf_counter() - started)
 
 
+def top1_agreement(
+    reference: object, engine: TransformersEngine, texts: list[tuple[list[int], list[int]]]
+) -> float:
+    """Share of positions where the engine's model picks the float32 model's next token."""
+    agree = total = 0
+    assert engine.scheduler is not None
+    with torch.inference_mode(), engine.scheduler.step_lock:
+        for prompt, continuation in texts:
+            ids = torch.tensor([prompt + continuation])
+            span = slice(len(prompt) - 1, ids.shape[1] - 1)
+            wanted = reference(input_ids=ids).logits[0, span].argmax(-1)  # type: ignore[operator]
+            got = engine.model(input_ids=ids).logits[0, span].argmax(-1)
+            agree += int((wanted == got).sum())
+            total += wanted.numel()
+    return agree / total
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--weights", default="float32,bfloat16,int8", help="--cpu-weight-dtype values to run"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = await prepare_default_model(default_model_cache_dir())
@@ -85,8 +108,9 @@ async def main() -> int:
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     common = ["--cpu-threads", str(args.threads), "--max-num-seqs", "16"]
     engines: dict[str, TransformersEngine] = {}
-    for label, extra in (("fp32 weights", ["--cpu-weight-dtype", "float32"]), ("bf16 weights", [])):
-        engine, _ = await TransformersEngine.from_args(common + extra)
+    for dtype in args.weights.split(","):
+        label = f"{dtype} weights"
+        engine, _ = await TransformersEngine.from_args([*common, "--cpu-weight-dtype", dtype])
         await engine.start(0)
         await engine_tokens(engine, prompts[0], 4)
         engines[label] = engine
@@ -113,20 +137,23 @@ async def main() -> int:
             median = statistics.median(values)
             runs = ", ".join(f"{v:.1f}" for v in values)
             print(f"  {label:<26} {median:7.1f}  {median / base:5.2f}x generate  [{runs}]")
-        mismatches = 0
-        for prompt in prompts:
-            expected = hf_generate(reference, prompt, args.tokens)
-            for label, engine in engines.items():
+        texts = [(prompt, hf_generate(reference, prompt, args.tokens)) for prompt in prompts]
+        for label, engine in engines.items():
+            equal = 0
+            for prompt, expected in texts:
                 got = await engine_tokens(engine, prompt, args.tokens)
-                if got != expected:
-                    mismatches += 1
+                if got == expected:
+                    equal += 1
+                else:
                     same = next(
                         i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b
                     )
                     print(f"  {label}: differs from generate at token {same}")
-        print(
-            f"greedy tokens equal to generate's: {2 * len(prompts) - mismatches}/{2 * len(prompts)}"
-        )
+            agreement = top1_agreement(reference, engine, texts)
+            print(
+                f"{label}: greedy tokens equal to generate's on {equal}/{len(texts)} prompts, "
+                f"teacher-forced top-1 agreement with float32 {100 * agreement:.1f}%"
+            )
     finally:
         for engine in engines.values():
             await engine.cleanup()

@@ -10,7 +10,7 @@ from pathlib import Path
 MODEL_CACHE_ENV = "PENSTOCK_MODEL_CACHE"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CPU_WEIGHT_DTYPES = ("auto", "float32", "bfloat16")
+CPU_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8")
 
 
 def default_model_cache_dir() -> Path:
@@ -104,8 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
         "in; arithmetic stays float32, so bfloat16 halves the bytes a decode step reads and "
         "loses nothing for a checkpoint stored in bfloat16 (weight updates are rounded to "
         "bfloat16). Needs AVX-512 and a C++ compiler (one build of ~40 s into "
-        "--model-cache-dir); without them weights stay float32. auto = bfloat16 when the "
-        "checkpoint is stored in bfloat16 (default: auto)",
+        "--model-cache-dir); without them weights stay float32. int8 = bfloat16 plus an "
+        "int8 copy of each linear weight (one scale per 64 weights) that decoding reads: "
+        "~1.8x faster linears, not lossless (greedy output can differ from float32; see "
+        "bench/README.md). auto = bfloat16 when the checkpoint is stored in bfloat16 "
+        "(default: auto)",
     )
     parser.add_argument(
         "--generation-config",

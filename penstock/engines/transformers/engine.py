@@ -43,7 +43,7 @@ from penstock.engines.contract import (
 )
 from penstock.engines.health import build_health_check_payload, parse_health_check_payload_cli
 from penstock.engines.transformers.args import EngineArgs, parse_args
-from penstock.engines.transformers.cpu_weights import load_kernel, pack_model
+from penstock.engines.transformers.cpu_weights import load_kernel, pack_model, requantize
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from penstock.engines.transformers.generation_config import load_sampling_defaults
 from penstock.engines.transformers.lora import (
@@ -188,6 +188,8 @@ class TransformersEngine(LLMEngine):
         self._bos_or_eos = 0
         # Linear and embedding weights kept in bfloat16, computed in float32 (see cpu_weights).
         self.bf16_weights = False
+        # On top, linear layers decode from an int8 copy of their weight (see cpu_weights).
+        self.int8_weights = False
         self.lora = AdapterSet()
         # Adapters being unloaded, and unloaded ones: their names are refused, never served
         # by the base model in their place.
@@ -288,7 +290,11 @@ class TransformersEngine(LLMEngine):
             self.model_path,
             self.device,
             str(self.dtype).removeprefix("torch."),
-            ", bfloat16 weights" if self.bf16_weights else "",
+            ", int8 weights"
+            if self.int8_weights
+            else ", bfloat16 weights"
+            if self.bf16_weights
+            else "",
             self.context_length,
             self.args.max_num_seqs,
             kv_tokens,
@@ -316,14 +322,15 @@ class TransformersEngine(LLMEngine):
         if choice == "auto":
             stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
             choice = "bfloat16" if str(stored).removeprefix("torch.") == "bfloat16" else "float32"
-        if choice != "bfloat16":
+        if choice not in ("bfloat16", "int8"):
             return
         failure = load_kernel(self.args.model_cache_dir)
         if failure is not None:
             logger.warning("weights stay float32 (--cpu-weight-dtype): %s", failure)
             return
-        pack_model(self.model)
+        pack_model(self.model, int8=choice == "int8")
         self.bf16_weights = True
+        self.int8_weights = choice == "int8"
 
     async def cleanup(self) -> None:
         scheduler, self.scheduler = self.scheduler, None
@@ -680,7 +687,7 @@ class TransformersEngine(LLMEngine):
         """Point the scheduler at the module to call (call with ``step_lock`` held)."""
         if self.bf16_weights:
             # A model reloaded after deep sleep comes back float32.
-            pack_model(self.model)
+            pack_model(self.model, int8=self.int8_weights)
         scheduler.model = self.lora.forward_module(self.model)
         scheduler.adapters_loaded = bool(self.lora)
 
@@ -773,7 +780,7 @@ class TransformersEngine(LLMEngine):
             await asyncio.to_thread(self._load_weights, source)
         except CheckpointError as exc:
             return _error(f"weight update failed, the previous weights keep serving: {exc}")
-        self._weights_changed()
+        await self._weights_changed()
         self._weights_source = source
         if version is not None:
             self.weight_version = version
@@ -792,10 +799,16 @@ class TransformersEngine(LLMEngine):
         with scheduler.step_lock:
             apply_weight_update(plan)
 
-    def _weights_changed(self) -> None:
+    async def _weights_changed(self) -> None:
         # Cached image features came from the old vision tower.
         if self.vision is not None:
             self.vision.forget()
+        if self.int8_weights:
+            await asyncio.to_thread(self._requantize)
+
+    def _requantize(self) -> None:
+        with self._require_scheduler().step_lock:
+            requantize(self.model)
 
     def _pushable_model(self, update: str, body: Body) -> Any:
         """The live model, if ``update`` may write into it now; else a refusal to return."""
@@ -819,7 +832,7 @@ class TransformersEngine(LLMEngine):
             result = await asyncio.to_thread(run, model)
         except WeightSyncError as exc:
             return _error(f"{update} refused, the previous weights keep serving: {exc}")
-        self._weights_changed()
+        await self._weights_changed()
         version = body.get("weight_version")
         if version is not None:
             self.weight_version = version
