@@ -38,14 +38,24 @@ single-process admin plane does (:meth:`AdminStateMachine.call_engine`).
   only: with more, a failure could not be undone. ``update_weights_from_distributed``
   and its group routes are not offered across a fleet (each replica would need its own
   rank in the trainer's process group).
+* Rotation: once a weight update has committed, requests go only to the replicas that
+  hold the fleet's weights (:func:`penstock.ray.routing.set_rotation`). A replica Ray
+  starts later (a replacement, autoscaling) begins on the checkpoint's weights, so it is
+  out of rotation until the ingress brings it to the fleet's: a disk update is replayed
+  on it (:meth:`FleetEngine.catch_up`, within a second or so of it appearing) and it
+  joins once it reports the fleet's checksum and version. Other updates (tensors,
+  NIXL, broadcast) are not kept, so such a replica stays out, ``/health`` says why, and
+  the next fleet weight update includes it (it joins if it then agrees with the replicas
+  in rotation, whose agreement alone decides the transaction).
 * :meth:`FleetEngine.refresh` asks every replica for its state, weight version and
-  running requests; ``/health`` and ``/engine/capabilities`` show that view per replica.
+  running requests; ``/health`` and ``/engine/capabilities`` show that view per replica
+  (``in_rotation``, ``out_of_rotation``: why not; ``fleet_weights``: the committed
+  checksum and version).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -61,6 +71,7 @@ from penstock.errors import (
     PenstockError,
     ReplicaLostError,
 )
+from penstock.ray.routing import set_rotation
 from penstock.rl.state import AdminStateMachine
 
 if TYPE_CHECKING:
@@ -80,6 +91,8 @@ FLEET_UNOFFERED_UPDATES = frozenset(
     }
 )
 WEIGHT_UPDATE_PREFIX = "update_weights_"
+# Updates whose request alone reproduces the weights on a replica started later.
+REPLAYABLE_UPDATES = frozenset({"update_weights_from_disk"})
 # Controls a failure of which is undone on the replicas that succeeded.
 _UNDO = {"pause_generation": "resume_generation", "sleep": "wake_up"}
 _SUMMED = frozenset({"flushed_entries"})
@@ -135,12 +148,13 @@ class ReplicaAdmin:
             "begin": self.begin,
             "apply": self.apply,
             "end": self.end,
+            "sync": self.sync,
             "status": self.status,
         }.get(operation)
         if handler is None:
             return _failed(self.name, InvalidRequestError(f"unknown fleet operation {operation}"))
         try:
-            if operation in ("begin", "apply", "end"):
+            if operation in ("begin", "apply", "end", "sync"):
                 async with self._steps:
                     return await handler(*args)
             return await handler(*args)
@@ -222,6 +236,28 @@ class ReplicaAdmin:
                 await self._resume()
         return _ok(self.name, restored=restored, **await self._weights())
 
+    async def sync(
+        self, members: list[str], update: str | None, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Bring this replica to the fleet's weights by replaying the fleet's last update
+        (``update`` with ``body``), unless it is one of the ``members`` that hold them."""
+        if self.name in members:
+            return _ok(self.name, current=True)
+        if update is None:
+            raise ConflictError(
+                "the fleet's last weight update cannot be replayed here",
+                code="weights_not_replayable",
+            )
+        txn = f"sync-{uuid.uuid4().hex}"
+        await self.begin(txn, TRANSACTION_PAUSE_MODE)
+        try:
+            applied = await self.apply(txn, update, body)
+        except BaseException:
+            await self.end(txn, True)
+            raise
+        await self.end(txn, False)
+        return {**applied, "current": False}
+
     async def status(self) -> dict[str, Any]:
         weights = await self._weights(checksum=False)
         return _ok(
@@ -286,8 +322,15 @@ class FleetEngine:
     # The admin plane lets a weight update run while serving: the transaction pauses.
     pauses_for_updates = True
 
-    def __init__(self, handle: Any, description: dict[str, Any], adapters: FleetAdapters) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        description: dict[str, Any],
+        adapters: FleetAdapters,
+        app_name: str = "",
+    ) -> None:
         self.class_name = description["engine_class"]
+        self._app_name = app_name
         self._handle = handle
         self._adapters = adapters
         self._controls = set(description.get("controls", ()))
@@ -295,6 +338,16 @@ class FleetEngine:
         self.view: dict[str, dict[str, Any]] = {}
         self.view_at: float | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        # Weight transactions and catch-ups of late replicas run one at a time.
+        self._weights_lock = asyncio.Lock()
+        # Set by the first committed weight update: the replicas holding the fleet's
+        # weights (the only ones routed to), those weights, and how to replay them.
+        self.rotation: frozenset[str] | None = None
+        self.fleet_weights: dict[str, Any] | None = None
+        self._replay: tuple[str, dict[str, Any]] | None = None
+        self._generation = 0
+        self.out_of_rotation: dict[str, str] = {}
+        self._synced: dict[str, int] = {}
 
     def supported_controls(self) -> set[str]:
         return set(self._controls)
@@ -343,6 +396,10 @@ class FleetEngine:
         return merge_results(answers)
 
     async def _transaction(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self._weights_lock:
+            return await self._run_transaction(update, body)
+
+    async def _run_transaction(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
         txn = uuid.uuid4().hex
         outcome: dict[str, dict[str, Any]] = {}
         failure: PenstockError | None = None
@@ -373,7 +430,9 @@ class FleetEngine:
                     answer["replica"],
                     answer["error"]["message"],
                 )
-        first = next(iter(outcome.values()))["apply"]
+        applied_answers = [steps["apply"] for steps in outcome.values()]
+        first = self._reference(applied_answers)[0]
+        self._commit(update, body, first, applied_answers)
         result = dict(first["result"])
         result.update(weight_version=first["weight_version"], replicas=detail)
         result.setdefault("checksum", first["checksum"])
@@ -396,8 +455,9 @@ class FleetEngine:
         failed = [a for a in applied if not a["ok"]]
         if failed:
             return self._failure(update, failed[0], applied)
-        checksums = {a["checksum"] for a in applied}
-        versions = {a["weight_version"] for a in applied}
+        reference = self._reference(applied)
+        checksums = {a["checksum"] for a in reference}
+        versions = {a["weight_version"] for a in reference}
         if len(checksums) > 1 or len(versions) > 1:
             return FleetInconsistentError(
                 f"{update}: the replicas disagree after the update (checksums "
@@ -406,6 +466,112 @@ class FleetEngine:
                 extra={"failed_replica": None},
             )
         return None
+
+    def _reference(self, answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The answers that must agree: those of replicas in rotation (a late replica not
+        yet on the fleet's weights may end elsewhere, and then stays out of rotation)."""
+        if self.rotation is None:
+            return answers
+        return [a for a in answers if a["replica"] in self.rotation] or answers
+
+    def _commit(
+        self,
+        update: str,
+        body: dict[str, Any],
+        reference: dict[str, Any],
+        applied: list[dict[str, Any]],
+    ) -> None:
+        """Route to the replicas holding the committed weights from now on."""
+        self._generation += 1
+        self.fleet_weights = {
+            "weight_version": reference["weight_version"],
+            "checksum": reference["checksum"],
+            "update": update,
+        }
+        # Only a disk update can be run again later as it ran now.
+        self._replay = (update, dict(body)) if update in REPLAYABLE_UPDATES else None
+        members = set()
+        self.out_of_rotation = {}
+        for answer in applied:
+            if self._holds_fleet_weights(answer):
+                members.add(answer["replica"])
+            else:
+                self.out_of_rotation[answer["replica"]] = self._mismatch(answer)
+        self._publish(frozenset(members))
+
+    def _holds_fleet_weights(self, answer: dict[str, Any]) -> bool:
+        weights = self.fleet_weights or {}
+        return bool(
+            answer["ok"]
+            and answer.get("checksum") == weights.get("checksum")
+            and answer.get("weight_version") == weights.get("weight_version")
+        )
+
+    def _mismatch(self, answer: dict[str, Any]) -> str:
+        weights = self.fleet_weights or {}
+        return (
+            f"holds checksum {answer.get('checksum')} version {answer.get('weight_version')}, "
+            f"not the fleet's {weights.get('checksum')} {weights.get('weight_version')}"
+        )
+
+    def _publish(self, members: frozenset[str]) -> None:
+        self.rotation = members
+        set_rotation(self._app_name, members)
+
+    def rotation_state(self, name: str) -> dict[str, Any]:
+        """Whether ``name`` is routed to and, when not, why (for ``/health``)."""
+        if self.rotation is None or name in self.rotation:
+            return {"in_rotation": True}
+        reason = self.out_of_rotation.get(
+            name, "started after the fleet's last weight update: not yet on its weights"
+        )
+        return {"in_rotation": False, "out_of_rotation": reason}
+
+    async def catch_up(self) -> None:
+        """Bring replicas out of rotation to the fleet's weights by replaying the fleet's
+        last update on them (once per update and replica); a replica that then reports the
+        fleet's checksum and version joins the rotation."""
+        if self.rotation is None or self._weights_lock.locked():
+            return
+        late = [
+            name
+            for name in self.view
+            if name not in self.rotation and self._synced.get(name) != self._generation
+        ]
+        if not late:
+            return
+        if self._replay is None:
+            weights = self.fleet_weights or {}
+            for name in late:
+                self.out_of_rotation[name] = (
+                    f"started after the fleet's last weight update ({weights.get('update')}), "
+                    "which cannot be replayed; the next fleet weight update includes it"
+                )
+                self._synced[name] = self._generation
+            return
+        async with self._weights_lock:
+            generation = self._generation
+            update, body = self._replay
+            answers = await self.broadcast("sync", sorted(self.rotation), update, body)
+            joined = set()
+            for answer in answers:
+                name = answer["replica"]
+                if name not in late or answer.get("current") is True:
+                    continue
+                self._synced[name] = generation
+                if self._holds_fleet_weights(answer):
+                    joined.add(name)
+                    self.out_of_rotation.pop(name, None)
+                    logger.info("replica %s replayed %s and joins the rotation", name, update)
+                elif answer["ok"]:
+                    self.out_of_rotation[name] = f"replayed {update} but " + self._mismatch(answer)
+                else:
+                    self.out_of_rotation[name] = (
+                        f"replaying {update} failed: {answer['error']['message']}"
+                    )
+            if joined:
+                self._publish(self.rotation | joined)
+            self._note(answers)
 
     def _check_rolled_back(
         self,
@@ -499,6 +665,9 @@ class FleetEngine:
 
     async def refresh_forever(self, interval_s: float) -> None:
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 await self.refresh()
+                await self.catch_up()
+            except Exception:
+                logger.debug("refreshing the fleet view failed", exc_info=True)
             await asyncio.sleep(interval_s)

@@ -333,3 +333,50 @@ def test_a_lora_adapter_loads_on_every_replica(client: httpx.Client, tmp_path: P
     assert base["choices"][0]["text"] != texts[0]
     after = fleet_view(client)["replicas"]
     assert all(after[name]["served"] > served for name, served in before.items()), after
+
+
+def test_a_replacement_replica_serves_only_once_on_the_fleets_weights(
+    client: httpx.Client, tmp_path: Path
+) -> None:
+    """After a fleet disk update one replica is killed: Ray's replacement starts on the
+    checkpoint's weights, so it gets no request until the ingress has replayed the update
+    on it and it reports the fleet's checksum and version (about 10-20 s)."""
+    weights = write_sample_weights(tmp_path / "v4.safetensors", 5)
+    answer = client.post(
+        "/engine/update_weights_from_disk",
+        json={"model_path": str(weights), "weight_version": "v4"},
+    )
+    assert answer.status_code == 200, answer.text
+    fleet_checksum = answer.json()["checksum"]
+    before = fleet_view(client, lambda v: v["weight_versions"] == ["v4"])["replicas"]
+    assert all(r["in_rotation"] for r in before.values())
+    victim = sorted(before)[0]
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+
+    versions: set[Any] = set()
+    newcomer: str | None = None
+    deadline = time.monotonic() + 90
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    while time.monotonic() < deadline:
+        reply = client.post("/v1/completions", json=body)
+        if reply.status_code == 200:
+            versions.add(reply.json()["weight_version"])
+        else:
+            assert reply.json()["error"]["code"] == "replica_lost", reply.text
+        replicas = client.get("/health").json()["fleet"]["replicas"]
+        fresh = {name: r for name, r in replicas.items() if name not in before}
+        for name, replica in fresh.items():
+            newcomer = name
+            if not replica["in_rotation"]:
+                assert replica["served"] == 0, replica
+                assert "not yet on its weights" in replica["out_of_rotation"], replica
+        if newcomer is not None and fresh[newcomer]["served"] > 0:
+            break
+        time.sleep(0.1)
+    assert newcomer is not None and fresh[newcomer]["served"] > 0, replicas
+    # The replacement starts on the checkpoint's version: a request it served before
+    # the replay would carry that.
+    assert versions == {"v4"}
+    checked = client.post("/engine/control/weights_checksum", json={}).json()
+    assert checked["replicas"][newcomer]["checksum"] == fleet_checksum
+    assert replicas[newcomer]["weight_version"] == "v4"
