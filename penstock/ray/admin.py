@@ -35,9 +35,19 @@ single-process admin plane does (:meth:`AdminStateMachine.call_engine`).
   the transaction short rolls it back the same way.
 
   An engine without ``weights_snapshot`` can be updated across a fleet of one replica
-  only: with more, a failure could not be undone. ``update_weights_from_distributed``
-  and its group routes are not offered across a fleet (each replica would need its own
-  rank in the trainer's process group).
+  only: with more, a failure could not be undone.
+* The collective broadcast (``init_weights_update_group``,
+  ``update_weights_from_distributed``, ``destroy_weights_update_group``; SGLang's and
+  vLLM's routes alike), as verl and OpenRLHF drive several vLLM engines: the trainer is
+  rank 0 of a group of ``rank_offset + N`` ranks, N the fleet's live replicas
+  (``/engine/capabilities`` ``fleet.size``; a wrong ``world_size`` is a 400 that names
+  the right one). The ingress gives replica ``i`` (in name order) rank
+  ``rank_offset + i`` and every replica joins at once; the init answer lists the
+  ``ranks``. If one cannot join, all leave the group. An update broadcast then runs
+  inside the transaction above on every replica at once (each receives the trainer's
+  one broadcast), verified and rolled back as any other update. A replica that is not
+  a rank of the group (it started later) skips the update and stays out of rotation
+  until the trainer re-creates the group with it.
 * Rotation: once a weight update has committed, requests go only to the replicas that
   hold the fleet's weights (:func:`penstock.ray.routing.set_rotation`). A replica Ray
   starts later (a replacement, autoscaling) begins on the checkpoint's weights, so it is
@@ -63,6 +73,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from penstock.engines.weight_sync import DEFAULT_GROUP_NAME
 from penstock.errors import (
     ConflictError,
     FleetInconsistentError,
@@ -82,14 +93,9 @@ logger = logging.getLogger(__name__)
 
 # Pausing in place freezes in-flight requests and holds new ones: nothing is lost.
 TRANSACTION_PAUSE_MODE = "keep"
-# The distributed broadcast needs a rank per replica in the trainer's group.
-FLEET_UNOFFERED_UPDATES = frozenset(
-    {
-        "update_weights_from_distributed",
-        "init_weights_update_group",
-        "destroy_weights_update_group",
-    }
-)
+DISTRIBUTED_UPDATE = "update_weights_from_distributed"
+INIT_GROUP = "init_weights_update_group"
+DESTROY_GROUP = "destroy_weights_update_group"
 WEIGHT_UPDATE_PREFIX = "update_weights_"
 # Updates whose request alone reproduces the weights on a replica started later.
 REPLAYABLE_UPDATES = frozenset({"update_weights_from_disk"})
@@ -138,6 +144,8 @@ class ReplicaAdmin:
         self._steps = asyncio.Lock()
         self.paused: str | None = None
         self.sleeping = False
+        # The trainer's weights update groups this replica joined: name -> its rank.
+        self.groups: dict[str, int] = {}
 
     async def run(self, operation: str, *args: Any) -> dict[str, Any]:
         """Run ``operation`` (``control``, ``update``, ``begin``, ``apply``, ``end``,
@@ -149,6 +157,8 @@ class ReplicaAdmin:
             "apply": self.apply,
             "end": self.end,
             "sync": self.sync,
+            "join": self.join,
+            "leave": self.leave,
             "status": self.status,
         }.get(operation)
         if handler is None:
@@ -179,6 +189,36 @@ class ReplicaAdmin:
     async def update(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         return _ok(self.name, result=await self._calls.call_engine("update", name, body))
 
+    async def join(self, body: dict[str, Any], ranks: dict[str, int]) -> dict[str, Any]:
+        """``init_weights_update_group`` with this replica's own rank of ``ranks``."""
+        rank = ranks.get(self.name)
+        if rank is None:
+            raise ConflictError(
+                "this replica started after the fleet's ranks were assigned; "
+                "call init_weights_update_group again",
+                code="replica_not_in_group",
+            )
+        name = str(body.get("group_name") or DEFAULT_GROUP_NAME)
+        result = await self._calls.call_engine(
+            "update", "init_weights_update_group", {**body, "rank_offset": rank}
+        )
+        self.groups[name] = rank
+        return _ok(self.name, result=result, rank=rank)
+
+    async def leave(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``destroy_weights_update_group``; a replica that never joined the group has
+        nothing to destroy."""
+        name = str(body.get("group_name") or DEFAULT_GROUP_NAME)
+        if name not in self.groups:
+            return _ok(self.name, result={"status": "ok", "message": "not in the group"})
+        result = await self._calls.call_engine("update", "destroy_weights_update_group", body)
+        self.groups.pop(name, None)
+        return _ok(self.name, result=result)
+
+    def _in_group(self, body: dict[str, Any]) -> bool:
+        name = body.get("group_name")
+        return name in self.groups if name else len(self.groups) == 1
+
     async def begin(self, txn: str, pause_mode: str) -> dict[str, Any]:
         if self._txn is not None:
             # Left by an ingress that went away mid-transaction: never committed, undo it.
@@ -206,6 +246,10 @@ class ReplicaAdmin:
                 "this replica did not join the update (it started after the update began)",
                 code="replica_not_in_update",
             )
+        if update == DISTRIBUTED_UPDATE and not self._in_group(body):
+            # Not a rank of the trainer's group (it started after the group was made): it
+            # keeps its weights and stays out of rotation.
+            return _ok(self.name, skipped=True, **await self._weights())
         param = "model_path" if "model_path" in body else None
         result = await self._calls.call_engine("update", update, body, param=param)
         version = body.get("weight_version")
@@ -334,7 +378,7 @@ class FleetEngine:
         self._handle = handle
         self._adapters = adapters
         self._controls = set(description.get("controls", ()))
-        self._updates = set(description.get("updates", ())) - FLEET_UNOFFERED_UPDATES
+        self._updates = set(description.get("updates", ()))
         self.view: dict[str, dict[str, Any]] = {}
         self.view_at: float | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -385,6 +429,10 @@ class FleetEngine:
         return merge_results(answers)
 
     async def engine_update(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
+        if update == INIT_GROUP:
+            return await self._init_group(body)
+        if update == DESTROY_GROUP:
+            return await self._merged("leave", update, body)
         if update.startswith(WEIGHT_UPDATE_PREFIX):
             return await self._transaction(update, body)
         if update in self._adapters.updates:
@@ -394,6 +442,49 @@ class FleetEngine:
         if failed:
             raise self._failure(update, failed[0], answers)
         return merge_results(answers)
+
+    async def _merged(self, operation: str, update: str, *args: Any) -> dict[str, Any]:
+        answers = await self.broadcast(operation, *args)
+        failed = [a for a in answers if not a["ok"]]
+        if failed:
+            raise self._failure(update, failed[0], answers)
+        return merge_results(answers)
+
+    async def _init_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Every live replica joins the trainer's group, replica ``i`` (by name) as rank
+        ``rank_offset + i``: the trainer makes a group of ``rank_offset + N`` ranks."""
+        offset = body.get("rank_offset", 1)
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 1:
+            raise InvalidRequestError(
+                "'rank_offset' must be an integer of at least 1 (the trainer is rank 0)",
+                param="rank_offset",
+                code="invalid_value",
+            )
+        live = sorted(a["replica"] for a in await self.broadcast("status") if a["ok"])
+        world_size = body.get("world_size")
+        if world_size != offset + len(live):
+            raise InvalidRequestError(
+                f"'world_size' must be rank_offset + one rank per replica: this fleet has "
+                f"{len(live)} replicas, so {offset + len(live)} with rank_offset {offset}; "
+                f"got {world_size!r}",
+                param="world_size",
+                code="invalid_value",
+            )
+        ranks = {name: offset + index for index, name in enumerate(live)}
+        answers = await self.broadcast("join", body, ranks)
+        failed = [a for a in answers if not a["ok"]]
+        if failed:
+            # A group some replicas never joined cannot broadcast: leave it everywhere.
+            group = {"group_name": body.get("group_name") or DEFAULT_GROUP_NAME}
+            await self.broadcast("leave", group)
+            raise self._failure(INIT_GROUP, failed[0], answers)
+        merged = merge_results(answers)
+        merged["ranks"] = ranks
+        merged["message"] = (
+            f"{len(ranks)} replicas joined as ranks {offset}..{offset + len(ranks) - 1} "
+            f"of {world_size}"
+        )
+        return merged
 
     async def _transaction(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
         async with self._weights_lock:
@@ -455,6 +546,13 @@ class FleetEngine:
         failed = [a for a in applied if not a["ok"]]
         if failed:
             return self._failure(update, failed[0], applied)
+        if all(a.get("skipped") for a in applied):
+            return InvalidRequestError(
+                f"{update}: no replica is in the weights update group; "
+                "call init_weights_update_group first",
+                param="group_name",
+                code="invalid_value",
+            )
         reference = self._reference(applied)
         checksums = {a["checksum"] for a in reference}
         versions = {a["weight_version"] for a in reference}
@@ -470,9 +568,10 @@ class FleetEngine:
     def _reference(self, answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The answers that must agree: those of replicas in rotation (a late replica not
         yet on the fleet's weights may end elsewhere, and then stays out of rotation)."""
+        taking = [a for a in answers if not a.get("skipped")]
         if self.rotation is None:
-            return answers
-        return [a for a in answers if a["replica"] in self.rotation] or answers
+            return taking
+        return [a for a in taking if a["replica"] in self.rotation] or taking
 
     def _commit(
         self,
@@ -493,8 +592,13 @@ class FleetEngine:
         members = set()
         self.out_of_rotation = {}
         for answer in applied:
-            if self._holds_fleet_weights(answer):
+            if self._holds_fleet_weights(answer) and not answer.get("skipped"):
                 members.add(answer["replica"])
+            elif answer.get("skipped"):
+                self.out_of_rotation[answer["replica"]] = (
+                    "not a rank of the trainer's weights update group, so it missed "
+                    f"{update}; init_weights_update_group again to include it"
+                )
             else:
                 self.out_of_rotation[answer["replica"]] = self._mismatch(answer)
         self._publish(frozenset(members))

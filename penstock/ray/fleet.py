@@ -132,6 +132,8 @@ class FleetHost:
         view = self.engine.view
         return {
             "deployment": DEPLOYMENT_NAME,
+            # Live replicas as last asked: the ranks a trainer's weights update group needs.
+            "size": sum(1 for entry in view.values() if "state" in entry),
             "replicas": {
                 name: {
                     **view.get(name, {}),

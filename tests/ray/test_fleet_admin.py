@@ -30,13 +30,14 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from penstock.engines.sample import write_sample_weights  # noqa: E402
-from tests.support.server import REPO_ROOT, ServerProcess, start_server  # noqa: E402
+from tests.support.server import REPO_ROOT, ServerProcess, free_port, start_server  # noqa: E402
 from tests.support.tiny_llm import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 MODEL = "sample-model"
 STREAMS = 16
+PROMPT = [5, 17, 29, 41]
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +192,6 @@ def test_capabilities_and_health_describe_every_replica(client: httpx.Client) ->
     assert set(capabilities["fleet"]["replicas"]) == set(view["replicas"])
     methods = capabilities["weight_sync"]["methods"]
     assert {"update_weights_from_disk", "update_weights_from_tensor"} <= set(methods)
-    assert "update_weights_from_distributed" not in methods
 
 
 def test_one_update_call_under_streams_moves_every_replica_together(
@@ -306,6 +306,63 @@ def test_transformers_replicas_update_from_disk_together_and_roll_back_together(
     chat = {"model": tiny_client.get("/v1/models").json()["data"][0]["id"], "max_tokens": 3}
     chat["messages"] = [{"role": "user", "content": "hi"}]
     assert tiny_client.post("/v1/chat/completions", json=chat).json()["weight_version"] == "t1"
+
+
+def fleet_greedy(client: httpx.Client, count: int) -> list[list[int]]:
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    }
+    replies = [client.post("/generate", json=body) for _ in range(count)]
+    assert all(reply.status_code == 200 for reply in replies), replies[0].text
+    return [reply.json()["output_ids"] for reply in replies]
+
+
+def test_a_trainer_broadcasts_to_every_replica_in_one_group(
+    tiny_client: httpx.Client, tiny_models: tuple[Path, Path, Path]
+) -> None:
+    """The trainer (this process) is rank 0 of a gloo group of 1 + 2 ranks, one per
+    replica; one broadcast updates both inside the fleet transaction, and a refused one
+    rolls both back (about 5 s on two cores)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from penstock.rl.trainer import EngineRefused, WeightPusher
+
+    model = LlamaForCausalLM.from_pretrained(tiny_models[1], torch_dtype=torch.float32)
+    (served,) = checksums(tiny_client)
+    before = fleet_greedy(tiny_client, 1)[0]
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.2)
+    state = {name: t.detach() for name, t in model.state_dict().items()}
+    pusher = WeightPusher(str(tiny_client.base_url))
+    try:
+        assert pusher.engine_ranks() == 2
+        joined = pusher.init_group("127.0.0.1", free_port(), timeout_s=20)
+        assert joined["message"] == "2 replicas joined as ranks 1..2 of 3", joined
+        reply = pusher.broadcast(state, weight_version="b1")
+        assert reply["checksum"] == pusher.checksum(state, dtype=torch.float32)
+        assert checksums(tiny_client) == {reply["checksum"]}
+        assert tiny_client.get("/engine/get_weight_version").json()["version"] == "b1"
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8
+            )
+        expected = [int(t) for t in out[0, len(PROMPT) :]]
+        assert expected != before
+        assert fleet_greedy(tiny_client, 4) == [expected] * 4
+
+        bad = {next(iter(state)): torch.zeros(3, 5)}
+        with pytest.raises(EngineRefused) as refused:
+            pusher.broadcast(bad, weight_version="b2")
+        assert refused.value.status_code == 400, refused.value.body
+        assert checksums(tiny_client) == {reply["checksum"]} != {served}
+        assert tiny_client.get("/engine/get_weight_version").json()["version"] == "b1"
+    finally:
+        pusher.destroy_group()
+        pusher.close()
 
 
 def test_a_lora_adapter_loads_on_every_replica(client: httpx.Client, tmp_path: Path) -> None:
