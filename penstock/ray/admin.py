@@ -35,17 +35,37 @@ single-process admin plane does (:meth:`AdminStateMachine.call_engine`).
   the transaction short rolls it back the same way.
 
   An engine without ``weights_snapshot`` can be updated across a fleet of one replica
-  only: with more, a failure could not be undone. ``update_weights_from_distributed``
-  and its group routes are not offered across a fleet (each replica would need its own
-  rank in the trainer's process group).
+  only: with more, a failure could not be undone.
+* The collective broadcast (``init_weights_update_group``,
+  ``update_weights_from_distributed``, ``destroy_weights_update_group``; SGLang's and
+  vLLM's routes alike), as verl and OpenRLHF drive several vLLM engines: the trainer is
+  rank 0 of a group of ``rank_offset + N`` ranks, N the fleet's live replicas
+  (``/engine/capabilities`` ``fleet.size``; a wrong ``world_size`` is a 400 that names
+  the right one). The ingress gives replica ``i`` (in name order) rank
+  ``rank_offset + i`` and every replica joins at once; the init answer lists the
+  ``ranks``. If one cannot join, all leave the group. An update broadcast then runs
+  inside the transaction above on every replica at once (each receives the trainer's
+  one broadcast), verified and rolled back as any other update. A replica that is not
+  a rank of the group (it started later) skips the update and stays out of rotation
+  until the trainer re-creates the group with it.
+* Rotation: once a weight update has committed, requests go only to the replicas that
+  hold the fleet's weights (:func:`penstock.ray.routing.set_rotation`). A replica Ray
+  starts later (a replacement, autoscaling) begins on the checkpoint's weights, so it is
+  out of rotation until the ingress brings it to the fleet's: a disk update is replayed
+  on it (:meth:`FleetEngine.catch_up`, within a second or so of it appearing) and it
+  joins once it reports the fleet's checksum and version. Other updates (tensors,
+  NIXL, broadcast) are not kept, so such a replica stays out, ``/health`` says why, and
+  the next fleet weight update includes it (it joins if it then agrees with the replicas
+  in rotation, whose agreement alone decides the transaction).
 * :meth:`FleetEngine.refresh` asks every replica for its state, weight version and
-  running requests; ``/health`` and ``/engine/capabilities`` show that view per replica.
+  running requests; ``/health`` and ``/engine/capabilities`` show that view per replica
+  (``in_rotation``, ``out_of_rotation``: why not; ``fleet_weights``: the committed
+  checksum and version).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -53,6 +73,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from penstock.engines.weight_sync import DEFAULT_GROUP_NAME
 from penstock.errors import (
     ConflictError,
     FleetInconsistentError,
@@ -61,6 +82,7 @@ from penstock.errors import (
     PenstockError,
     ReplicaLostError,
 )
+from penstock.ray.routing import set_rotation
 from penstock.rl.state import AdminStateMachine
 
 if TYPE_CHECKING:
@@ -71,15 +93,12 @@ logger = logging.getLogger(__name__)
 
 # Pausing in place freezes in-flight requests and holds new ones: nothing is lost.
 TRANSACTION_PAUSE_MODE = "keep"
-# The distributed broadcast needs a rank per replica in the trainer's group.
-FLEET_UNOFFERED_UPDATES = frozenset(
-    {
-        "update_weights_from_distributed",
-        "init_weights_update_group",
-        "destroy_weights_update_group",
-    }
-)
+DISTRIBUTED_UPDATE = "update_weights_from_distributed"
+INIT_GROUP = "init_weights_update_group"
+DESTROY_GROUP = "destroy_weights_update_group"
 WEIGHT_UPDATE_PREFIX = "update_weights_"
+# Updates whose request alone reproduces the weights on a replica started later.
+REPLAYABLE_UPDATES = frozenset({"update_weights_from_disk"})
 # Controls a failure of which is undone on the replicas that succeeded.
 _UNDO = {"pause_generation": "resume_generation", "sleep": "wake_up"}
 _SUMMED = frozenset({"flushed_entries"})
@@ -125,6 +144,8 @@ class ReplicaAdmin:
         self._steps = asyncio.Lock()
         self.paused: str | None = None
         self.sleeping = False
+        # The trainer's weights update groups this replica joined: name -> its rank.
+        self.groups: dict[str, int] = {}
 
     async def run(self, operation: str, *args: Any) -> dict[str, Any]:
         """Run ``operation`` (``control``, ``update``, ``begin``, ``apply``, ``end``,
@@ -135,12 +156,15 @@ class ReplicaAdmin:
             "begin": self.begin,
             "apply": self.apply,
             "end": self.end,
+            "sync": self.sync,
+            "join": self.join,
+            "leave": self.leave,
             "status": self.status,
         }.get(operation)
         if handler is None:
             return _failed(self.name, InvalidRequestError(f"unknown fleet operation {operation}"))
         try:
-            if operation in ("begin", "apply", "end"):
+            if operation in ("begin", "apply", "end", "sync"):
                 async with self._steps:
                     return await handler(*args)
             return await handler(*args)
@@ -164,6 +188,36 @@ class ReplicaAdmin:
 
     async def update(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         return _ok(self.name, result=await self._calls.call_engine("update", name, body))
+
+    async def join(self, body: dict[str, Any], ranks: dict[str, int]) -> dict[str, Any]:
+        """``init_weights_update_group`` with this replica's own rank of ``ranks``."""
+        rank = ranks.get(self.name)
+        if rank is None:
+            raise ConflictError(
+                "this replica started after the fleet's ranks were assigned; "
+                "call init_weights_update_group again",
+                code="replica_not_in_group",
+            )
+        name = str(body.get("group_name") or DEFAULT_GROUP_NAME)
+        result = await self._calls.call_engine(
+            "update", "init_weights_update_group", {**body, "rank_offset": rank}
+        )
+        self.groups[name] = rank
+        return _ok(self.name, result=result, rank=rank)
+
+    async def leave(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``destroy_weights_update_group``; a replica that never joined the group has
+        nothing to destroy."""
+        name = str(body.get("group_name") or DEFAULT_GROUP_NAME)
+        if name not in self.groups:
+            return _ok(self.name, result={"status": "ok", "message": "not in the group"})
+        result = await self._calls.call_engine("update", "destroy_weights_update_group", body)
+        self.groups.pop(name, None)
+        return _ok(self.name, result=result)
+
+    def _in_group(self, body: dict[str, Any]) -> bool:
+        name = body.get("group_name")
+        return name in self.groups if name else len(self.groups) == 1
 
     async def begin(self, txn: str, pause_mode: str) -> dict[str, Any]:
         if self._txn is not None:
@@ -192,6 +246,10 @@ class ReplicaAdmin:
                 "this replica did not join the update (it started after the update began)",
                 code="replica_not_in_update",
             )
+        if update == DISTRIBUTED_UPDATE and not self._in_group(body):
+            # Not a rank of the trainer's group (it started after the group was made): it
+            # keeps its weights and stays out of rotation.
+            return _ok(self.name, skipped=True, **await self._weights())
         param = "model_path" if "model_path" in body else None
         result = await self._calls.call_engine("update", update, body, param=param)
         version = body.get("weight_version")
@@ -221,6 +279,28 @@ class ReplicaAdmin:
             if current.paused_here:
                 await self._resume()
         return _ok(self.name, restored=restored, **await self._weights())
+
+    async def sync(
+        self, members: list[str], update: str | None, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Bring this replica to the fleet's weights by replaying the fleet's last update
+        (``update`` with ``body``), unless it is one of the ``members`` that hold them."""
+        if self.name in members:
+            return _ok(self.name, current=True)
+        if update is None:
+            raise ConflictError(
+                "the fleet's last weight update cannot be replayed here",
+                code="weights_not_replayable",
+            )
+        txn = f"sync-{uuid.uuid4().hex}"
+        await self.begin(txn, TRANSACTION_PAUSE_MODE)
+        try:
+            applied = await self.apply(txn, update, body)
+        except BaseException:
+            await self.end(txn, True)
+            raise
+        await self.end(txn, False)
+        return {**applied, "current": False}
 
     async def status(self) -> dict[str, Any]:
         weights = await self._weights(checksum=False)
@@ -286,15 +366,32 @@ class FleetEngine:
     # The admin plane lets a weight update run while serving: the transaction pauses.
     pauses_for_updates = True
 
-    def __init__(self, handle: Any, description: dict[str, Any], adapters: FleetAdapters) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        description: dict[str, Any],
+        adapters: FleetAdapters,
+        app_name: str = "",
+    ) -> None:
         self.class_name = description["engine_class"]
+        self._app_name = app_name
         self._handle = handle
         self._adapters = adapters
         self._controls = set(description.get("controls", ()))
-        self._updates = set(description.get("updates", ())) - FLEET_UNOFFERED_UPDATES
+        self._updates = set(description.get("updates", ()))
         self.view: dict[str, dict[str, Any]] = {}
         self.view_at: float | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        # Weight transactions and catch-ups of late replicas run one at a time.
+        self._weights_lock = asyncio.Lock()
+        # Set by the first committed weight update: the replicas holding the fleet's
+        # weights (the only ones routed to), those weights, and how to replay them.
+        self.rotation: frozenset[str] | None = None
+        self.fleet_weights: dict[str, Any] | None = None
+        self._replay: tuple[str, dict[str, Any]] | None = None
+        self._generation = 0
+        self.out_of_rotation: dict[str, str] = {}
+        self._synced: dict[str, int] = {}
 
     def supported_controls(self) -> set[str]:
         return set(self._controls)
@@ -332,6 +429,10 @@ class FleetEngine:
         return merge_results(answers)
 
     async def engine_update(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
+        if update == INIT_GROUP:
+            return await self._init_group(body)
+        if update == DESTROY_GROUP:
+            return await self._merged("leave", update, body)
         if update.startswith(WEIGHT_UPDATE_PREFIX):
             return await self._transaction(update, body)
         if update in self._adapters.updates:
@@ -342,7 +443,54 @@ class FleetEngine:
             raise self._failure(update, failed[0], answers)
         return merge_results(answers)
 
+    async def _merged(self, operation: str, update: str, *args: Any) -> dict[str, Any]:
+        answers = await self.broadcast(operation, *args)
+        failed = [a for a in answers if not a["ok"]]
+        if failed:
+            raise self._failure(update, failed[0], answers)
+        return merge_results(answers)
+
+    async def _init_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Every live replica joins the trainer's group, replica ``i`` (by name) as rank
+        ``rank_offset + i``: the trainer makes a group of ``rank_offset + N`` ranks."""
+        offset = body.get("rank_offset", 1)
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 1:
+            raise InvalidRequestError(
+                "'rank_offset' must be an integer of at least 1 (the trainer is rank 0)",
+                param="rank_offset",
+                code="invalid_value",
+            )
+        live = sorted(a["replica"] for a in await self.broadcast("status") if a["ok"])
+        world_size = body.get("world_size")
+        if world_size != offset + len(live):
+            raise InvalidRequestError(
+                f"'world_size' must be rank_offset + one rank per replica: this fleet has "
+                f"{len(live)} replicas, so {offset + len(live)} with rank_offset {offset}; "
+                f"got {world_size!r}",
+                param="world_size",
+                code="invalid_value",
+            )
+        ranks = {name: offset + index for index, name in enumerate(live)}
+        answers = await self.broadcast("join", body, ranks)
+        failed = [a for a in answers if not a["ok"]]
+        if failed:
+            # A group some replicas never joined cannot broadcast: leave it everywhere.
+            group = {"group_name": body.get("group_name") or DEFAULT_GROUP_NAME}
+            await self.broadcast("leave", group)
+            raise self._failure(INIT_GROUP, failed[0], answers)
+        merged = merge_results(answers)
+        merged["ranks"] = ranks
+        merged["message"] = (
+            f"{len(ranks)} replicas joined as ranks {offset}..{offset + len(ranks) - 1} "
+            f"of {world_size}"
+        )
+        return merged
+
     async def _transaction(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self._weights_lock:
+            return await self._run_transaction(update, body)
+
+    async def _run_transaction(self, update: str, body: dict[str, Any]) -> dict[str, Any]:
         txn = uuid.uuid4().hex
         outcome: dict[str, dict[str, Any]] = {}
         failure: PenstockError | None = None
@@ -373,7 +521,9 @@ class FleetEngine:
                     answer["replica"],
                     answer["error"]["message"],
                 )
-        first = next(iter(outcome.values()))["apply"]
+        applied_answers = [steps["apply"] for steps in outcome.values()]
+        first = self._reference(applied_answers)[0]
+        self._commit(update, body, first, applied_answers)
         result = dict(first["result"])
         result.update(weight_version=first["weight_version"], replicas=detail)
         result.setdefault("checksum", first["checksum"])
@@ -396,8 +546,16 @@ class FleetEngine:
         failed = [a for a in applied if not a["ok"]]
         if failed:
             return self._failure(update, failed[0], applied)
-        checksums = {a["checksum"] for a in applied}
-        versions = {a["weight_version"] for a in applied}
+        if all(a.get("skipped") for a in applied):
+            return InvalidRequestError(
+                f"{update}: no replica is in the weights update group; "
+                "call init_weights_update_group first",
+                param="group_name",
+                code="invalid_value",
+            )
+        reference = self._reference(applied)
+        checksums = {a["checksum"] for a in reference}
+        versions = {a["weight_version"] for a in reference}
         if len(checksums) > 1 or len(versions) > 1:
             return FleetInconsistentError(
                 f"{update}: the replicas disagree after the update (checksums "
@@ -406,6 +564,118 @@ class FleetEngine:
                 extra={"failed_replica": None},
             )
         return None
+
+    def _reference(self, answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The answers that must agree: those of replicas in rotation (a late replica not
+        yet on the fleet's weights may end elsewhere, and then stays out of rotation)."""
+        taking = [a for a in answers if not a.get("skipped")]
+        if self.rotation is None:
+            return taking
+        return [a for a in taking if a["replica"] in self.rotation] or taking
+
+    def _commit(
+        self,
+        update: str,
+        body: dict[str, Any],
+        reference: dict[str, Any],
+        applied: list[dict[str, Any]],
+    ) -> None:
+        """Route to the replicas holding the committed weights from now on."""
+        self._generation += 1
+        self.fleet_weights = {
+            "weight_version": reference["weight_version"],
+            "checksum": reference["checksum"],
+            "update": update,
+        }
+        # Only a disk update can be run again later as it ran now.
+        self._replay = (update, dict(body)) if update in REPLAYABLE_UPDATES else None
+        members = set()
+        self.out_of_rotation = {}
+        for answer in applied:
+            if self._holds_fleet_weights(answer) and not answer.get("skipped"):
+                members.add(answer["replica"])
+            elif answer.get("skipped"):
+                self.out_of_rotation[answer["replica"]] = (
+                    "not a rank of the trainer's weights update group, so it missed "
+                    f"{update}; init_weights_update_group again to include it"
+                )
+            else:
+                self.out_of_rotation[answer["replica"]] = self._mismatch(answer)
+        self._publish(frozenset(members))
+
+    def _holds_fleet_weights(self, answer: dict[str, Any]) -> bool:
+        weights = self.fleet_weights or {}
+        return bool(
+            answer["ok"]
+            and answer.get("checksum") == weights.get("checksum")
+            and answer.get("weight_version") == weights.get("weight_version")
+        )
+
+    def _mismatch(self, answer: dict[str, Any]) -> str:
+        weights = self.fleet_weights or {}
+        return (
+            f"holds checksum {answer.get('checksum')} version {answer.get('weight_version')}, "
+            f"not the fleet's {weights.get('checksum')} {weights.get('weight_version')}"
+        )
+
+    def _publish(self, members: frozenset[str]) -> None:
+        self.rotation = members
+        set_rotation(self._app_name, members)
+
+    def rotation_state(self, name: str) -> dict[str, Any]:
+        """Whether ``name`` is routed to and, when not, why (for ``/health``)."""
+        if self.rotation is None or name in self.rotation:
+            return {"in_rotation": True}
+        reason = self.out_of_rotation.get(
+            name, "started after the fleet's last weight update: not yet on its weights"
+        )
+        return {"in_rotation": False, "out_of_rotation": reason}
+
+    async def catch_up(self) -> None:
+        """Bring replicas out of rotation to the fleet's weights by replaying the fleet's
+        last update on them (once per update and replica); a replica that then reports the
+        fleet's checksum and version joins the rotation."""
+        if self.rotation is None or self._weights_lock.locked():
+            return
+        late = [
+            name
+            for name in self.view
+            if name not in self.rotation and self._synced.get(name) != self._generation
+        ]
+        if not late:
+            return
+        if self._replay is None:
+            weights = self.fleet_weights or {}
+            for name in late:
+                self.out_of_rotation[name] = (
+                    f"started after the fleet's last weight update ({weights.get('update')}), "
+                    "which cannot be replayed; the next fleet weight update includes it"
+                )
+                self._synced[name] = self._generation
+            return
+        async with self._weights_lock:
+            generation = self._generation
+            update, body = self._replay
+            answers = await self.broadcast("sync", sorted(self.rotation), update, body)
+            joined = set()
+            for answer in answers:
+                name = answer["replica"]
+                if name not in late or answer.get("current") is True:
+                    continue
+                self._synced[name] = generation
+                if self._holds_fleet_weights(answer):
+                    joined.add(name)
+                    self.out_of_rotation.pop(name, None)
+                    logger.info("replica %s replayed %s and joins the rotation", name, update)
+                elif answer["ok"]:
+                    self.out_of_rotation[name] = f"replayed {update} but " + self._mismatch(answer)
+                else:
+                    self.out_of_rotation[name] = (
+                        f"replaying {update} failed: {answer['error']['message']}"
+                    )
+            if joined:
+                self._publish(self.rotation | joined)
+            self._note(answers)
 
     def _check_rolled_back(
         self,
@@ -499,6 +769,9 @@ class FleetEngine:
 
     async def refresh_forever(self, interval_s: float) -> None:
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 await self.refresh()
+                await self.catch_up()
+            except Exception:
+                logger.debug("refreshing the fleet view failed", exc_info=True)
             await asyncio.sleep(interval_s)

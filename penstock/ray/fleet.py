@@ -105,7 +105,7 @@ class FleetHost:
         self._settings = settings
         self._owns_ray = owns_ray
         self.adapters = FleetAdapters(handle, set(description.get("updates", ())))
-        self.engine = FleetEngine(handle, description, self.adapters)
+        self.engine = FleetEngine(handle, description, self.adapters, settings.ray_app_name)
         self.engine_config: EngineConfig = description["engine_config"]
         self.model_input: ModelInput = description["model_input"]
         self.worker_config = SimpleNamespace(**description["worker"])
@@ -132,10 +132,17 @@ class FleetHost:
         view = self.engine.view
         return {
             "deployment": DEPLOYMENT_NAME,
+            # Live replicas as last asked: the ranks a trainer's weights update group needs.
+            "size": sum(1 for entry in view.values() if "state" in entry),
             "replicas": {
-                name: {**view.get(name, {}), **vars(self.replicas.get(name, ReplicaLoad()))}
+                name: {
+                    **view.get(name, {}),
+                    **vars(self.replicas.get(name, ReplicaLoad())),
+                    **self.engine.rotation_state(name),
+                }
                 for name in sorted(set(self.replicas) | set(view))
             },
+            "fleet_weights": self.engine.fleet_weights,
             "weight_versions": sorted({v.get("weight_version") for v in view.values()}, key=str),
             "checked_at": self.engine.view_at,
         }

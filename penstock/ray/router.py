@@ -14,7 +14,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from penstock.ray.routing import AFFINITY_KWARG, SAMPLE, choose, preference
+from penstock.ray.routing import AFFINITY_KWARG, SAMPLE, choose, in_rotation, preference
 
 
 class AffinityRouter(RequestRouter):
@@ -28,12 +28,18 @@ class AffinityRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        candidate_replicas = in_rotation(
+            self._deployment_id.app_name,
+            candidate_replicas,
+            lambda replica: replica.replica_id.to_full_id_str(),
+        )
+        if pending_request is not None:
+            # Serve retries with a growing back-off until a chosen replica accepts.
+            pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
         key = None
         if pending_request is not None:
-            # Serve retries with a growing back-off until a chosen replica accepts.
-            pending_request.routing_context.should_backoff = True
             key = pending_request.kwargs.get(AFFINITY_KWARG)
         if not key or len(candidate_replicas) == 1:
             count = min(len(candidate_replicas), SAMPLE)

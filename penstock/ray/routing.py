@@ -17,6 +17,11 @@ The rule (``penstock serve --ray``):
    replica leaves or joins only the keys it ranked first move. The preferred replica is
    taken unless it has more than ``--ray-affinity-max-imbalance`` ongoing requests beyond
    the least-loaded one sampled (or its queue is full); then the least-loaded one is.
+4. Only replicas *in rotation* are candidates: once a fleet weight update has committed,
+   the ingress publishes the replicas that hold the fleet's weights (:func:`set_rotation`)
+   and a replica Ray starts later (a replacement, autoscaling) gets no request until the
+   ingress has brought it to the fleet's version (:mod:`penstock.ray.admin`). With no
+   replica in rotation, requests wait (Serve retries with back-off) until one is.
 
 This module is the policy and imports no Ray; :mod:`penstock.ray.router` applies it as a
 Ray Serve request router.
@@ -25,7 +30,7 @@ Ray Serve request router.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from penstock.engines.context import Context
@@ -38,6 +43,27 @@ SESSION_METADATA = "x-session-id"
 SAMPLE = 4
 
 R = TypeVar("R")
+
+# Per Serve application: the replica names in rotation, or absent while every replica is.
+# Written by the ingress's fleet engine, read by the router (another thread): each value
+# is replaced whole, never mutated.
+_ROTATION: dict[str, frozenset[str]] = {}
+
+
+def set_rotation(app_name: str, replicas: frozenset[str] | None) -> None:
+    """Route ``app_name``'s requests only to ``replicas`` (``None``: to every replica)."""
+    if replicas is None:
+        _ROTATION.pop(app_name, None)
+    else:
+        _ROTATION[app_name] = replicas
+
+
+def in_rotation(app_name: str, replicas: Sequence[R], name: Callable[[R], str]) -> list[R]:
+    """The replicas of ``app_name`` that may serve requests now."""
+    allowed = _ROTATION.get(app_name)
+    if allowed is None:
+        return list(replicas)
+    return [replica for replica in replicas if name(replica) in allowed]
 
 
 def affinity_key(request: Mapping[str, Any], context: Context, prefix_tokens: int) -> str | None:

@@ -6,6 +6,7 @@
 
     pusher = WeightPusher("http://engine:8000", admin_key="...")
     pusher.init_group("10.0.0.5", 29500)           # this process becomes rank 0 (gloo/nccl)
+                                                   # of 1 + one rank per fleet replica
     pusher.pause()                                 # keep mode: in-flight requests freeze
     reply = pusher.broadcast(model.state_dict(), weight_version="step-3")
     assert reply["checksum"] == pusher.checksum(model.state_dict(), dtype=torch.float32)
@@ -103,12 +104,17 @@ class WeightPusher:
         master_address: str,
         master_port: int,
         *,
-        world_size: int = 2,
+        world_size: int | None = None,
         group_name: str = DEFAULT_GROUP_NAME,
         backend: str = "gloo",
         timeout_s: float = 30.0,
     ) -> dict[str, Any]:
-        """Ask the engine to join as rank 1.., and join as rank 0 meanwhile."""
+        """Ask the engine to join as rank 1.., and join as rank 0 meanwhile.
+
+        ``world_size`` defaults to 1 + :meth:`engine_ranks`: one rank per replica of a
+        ``--ray`` fleet (each joins with its own rank), else one."""
+        if world_size is None:
+            world_size = 1 + self.engine_ranks()
         body = {
             "master_address": master_address,
             "master_port": master_port,
@@ -130,6 +136,15 @@ class WeightPusher:
         )
         self.group_name = group_name
         return joined.result()
+
+    def engine_ranks(self) -> int:
+        """How many ranks the server's engines take in a weights update group: its fleet's
+        live replicas under ``--ray``, else 1."""
+        response = self.http.get("/engine/capabilities")
+        if response.is_error:
+            raise EngineRefused(response)
+        fleet = response.json().get("fleet")
+        return int(fleet["size"]) if isinstance(fleet, dict) and fleet.get("size") else 1
 
     def destroy_group(self) -> dict[str, Any]:
         from penstock.engines.weight_sync import destroy_process_group

@@ -4,9 +4,9 @@ verifies and resumes every replica, or rolls every replica back.
 A local two-node Ray cluster (two logical CPUs per node) runs two servers on it: two
 replicas of the sample engine (``FleetUpdateFailingEngine``: it refuses updates on the
 replica a file names), and two replicas of the transformers engine on the tiny
-checkpoint. The module takes about 85-110 s on two cores (cluster and the sample
-deployment ~25-40 s, its tests ~6 s, the transformers deployment ~35 s and its test
-~1 s, teardown ~15 s).
+checkpoint. The module takes about 45-130 s on two cores (cluster and the sample
+deployment ~25-40 s, its tests ~6 s, a killed replica replaced and caught up ~10-20 s,
+the transformers deployment ~35 s and its tests ~6 s, teardown ~15 s).
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from penstock.engines.sample import write_sample_weights  # noqa: E402
-from tests.support.server import REPO_ROOT, ServerProcess, start_server  # noqa: E402
+from tests.support.server import REPO_ROOT, ServerProcess, free_port, start_server  # noqa: E402
 from tests.support.tiny_llm import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 MODEL = "sample-model"
 STREAMS = 16
+PROMPT = [5, 17, 29, 41]
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +192,6 @@ def test_capabilities_and_health_describe_every_replica(client: httpx.Client) ->
     assert set(capabilities["fleet"]["replicas"]) == set(view["replicas"])
     methods = capabilities["weight_sync"]["methods"]
     assert {"update_weights_from_disk", "update_weights_from_tensor"} <= set(methods)
-    assert "update_weights_from_distributed" not in methods
 
 
 def test_one_update_call_under_streams_moves_every_replica_together(
@@ -308,6 +308,63 @@ def test_transformers_replicas_update_from_disk_together_and_roll_back_together(
     assert tiny_client.post("/v1/chat/completions", json=chat).json()["weight_version"] == "t1"
 
 
+def fleet_greedy(client: httpx.Client, count: int) -> list[list[int]]:
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    }
+    replies = [client.post("/generate", json=body) for _ in range(count)]
+    assert all(reply.status_code == 200 for reply in replies), replies[0].text
+    return [reply.json()["output_ids"] for reply in replies]
+
+
+def test_a_trainer_broadcasts_to_every_replica_in_one_group(
+    tiny_client: httpx.Client, tiny_models: tuple[Path, Path, Path]
+) -> None:
+    """The trainer (this process) is rank 0 of a gloo group of 1 + 2 ranks, one per
+    replica; one broadcast updates both inside the fleet transaction, and a refused one
+    rolls both back (about 5 s on two cores)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from penstock.rl.trainer import EngineRefused, WeightPusher
+
+    model = LlamaForCausalLM.from_pretrained(tiny_models[1], torch_dtype=torch.float32)
+    (served,) = checksums(tiny_client)
+    before = fleet_greedy(tiny_client, 1)[0]
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.2)
+    state = {name: t.detach() for name, t in model.state_dict().items()}
+    pusher = WeightPusher(str(tiny_client.base_url))
+    try:
+        assert pusher.engine_ranks() == 2
+        joined = pusher.init_group("127.0.0.1", free_port(), timeout_s=20)
+        assert joined["message"] == "2 replicas joined as ranks 1..2 of 3", joined
+        reply = pusher.broadcast(state, weight_version="b1")
+        assert reply["checksum"] == pusher.checksum(state, dtype=torch.float32)
+        assert checksums(tiny_client) == {reply["checksum"]}
+        assert tiny_client.get("/engine/get_weight_version").json()["version"] == "b1"
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8
+            )
+        expected = [int(t) for t in out[0, len(PROMPT) :]]
+        assert expected != before
+        assert fleet_greedy(tiny_client, 4) == [expected] * 4
+
+        bad = {next(iter(state)): torch.zeros(3, 5)}
+        with pytest.raises(EngineRefused) as refused:
+            pusher.broadcast(bad, weight_version="b2")
+        assert refused.value.status_code == 400, refused.value.body
+        assert checksums(tiny_client) == {reply["checksum"]} != {served}
+        assert tiny_client.get("/engine/get_weight_version").json()["version"] == "b1"
+    finally:
+        pusher.destroy_group()
+        pusher.close()
+
+
 def test_a_lora_adapter_loads_on_every_replica(client: httpx.Client, tmp_path: Path) -> None:
     (tmp_path / "adapter_config.json").write_text("{}")
     write_sample_weights(tmp_path / "adapter_model.safetensors", 11)
@@ -333,3 +390,51 @@ def test_a_lora_adapter_loads_on_every_replica(client: httpx.Client, tmp_path: P
     assert base["choices"][0]["text"] != texts[0]
     after = fleet_view(client)["replicas"]
     assert all(after[name]["served"] > served for name, served in before.items()), after
+
+
+def test_a_replacement_replica_serves_only_once_on_the_fleets_weights(
+    client: httpx.Client, tmp_path: Path
+) -> None:
+    """After a fleet disk update one replica is killed: Ray's replacement starts on the
+    checkpoint's weights, so it gets no request until the ingress has replayed the update
+    on it and it reports the fleet's checksum and version (about 10-20 s)."""
+    weights = write_sample_weights(tmp_path / "v4.safetensors", 5)
+    answer = client.post(
+        "/engine/update_weights_from_disk",
+        json={"model_path": str(weights), "weight_version": "v4"},
+    )
+    assert answer.status_code == 200, answer.text
+    fleet_checksum = answer.json()["checksum"]
+    before = fleet_view(client, lambda v: v["weight_versions"] == ["v4"])["replicas"]
+    assert all(r["in_rotation"] for r in before.values())
+    victim = sorted(before)[0]
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+
+    versions: set[Any] = set()
+    newcomer: str | None = None
+    deadline = time.monotonic() + 90
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    while time.monotonic() < deadline:
+        reply = client.post("/v1/completions", json=body)
+        if reply.status_code == 200:
+            versions.add(reply.json()["weight_version"])
+        else:
+            assert reply.json()["error"]["code"] == "replica_lost", reply.text
+        replicas = client.get("/health").json()["fleet"]["replicas"]
+        # A dying replica may answer a status call as failed, with no state.
+        fresh = {n: r for n, r in replicas.items() if n not in before and "state" in r}
+        for name, replica in fresh.items():
+            newcomer = name
+            if not replica["in_rotation"]:
+                assert replica["served"] == 0, replica
+                assert "not yet on its weights" in replica["out_of_rotation"], replica
+        if newcomer is not None and fresh[newcomer]["served"] > 0:
+            break
+        time.sleep(0.1)
+    assert newcomer is not None and fresh[newcomer]["served"] > 0, replicas
+    # The replacement starts on the checkpoint's version: a request it served before
+    # the replay would carry that.
+    assert versions == {"v4"}
+    checked = client.post("/engine/control/weights_checksum", json={}).json()
+    assert checked["replicas"][newcomer]["checksum"] == fleet_checksum
+    assert replicas[newcomer]["weight_version"] == "v4"
