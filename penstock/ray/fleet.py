@@ -304,7 +304,9 @@ def _deploy(settings: Settings) -> tuple[Any, dict[str, Any], bool]:
             if settings.ray_address:
                 ray.init(address=settings.ray_address, log_to_driver=False)
             else:
-                ray.init(include_dashboard=False, log_to_driver=False)
+                # "local": a new cluster even where another one runs on this machine (a
+                # bare init joins that one, and this server would then stop its Serve).
+                ray.init(address="local", include_dashboard=False, log_to_driver=False)
         # The gateway process is the HTTP ingress: no Serve proxy is needed.
         serve.start(proxy_location="Disabled")
         app = serve.deployment(EngineReplica).options(**deployment_options(settings))
