@@ -9,7 +9,6 @@ replacing a killed replica ~10 s, teardown ~15 s).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -26,7 +25,8 @@ from openai import OpenAI  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from tests.support.server import REPO_ROOT, ServerProcess, start_server  # noqa: E402
+from tests.support.ray_cluster import two_node_cluster  # noqa: E402
+from tests.support.server import ServerProcess, start_server  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -36,20 +36,8 @@ HELLO = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    # Replicas import the test engines from this checkout.
-    os.environ["PYTHONPATH"] = str(REPO_ROOT)
-    started = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    started.add_node(num_cpus=1)
-    started.wait_for_nodes()
-    ray.init(address=started.address, log_to_driver=False)
-    try:
+    with two_node_cluster(cpus_per_node=1) as started:
         yield started
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        started.shutdown()
 
 
 @pytest.fixture(scope="module")

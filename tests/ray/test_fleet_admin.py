@@ -12,7 +12,6 @@ the transformers deployment ~35 s and its tests ~6 s, teardown ~15 s).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -26,11 +25,11 @@ import pytest
 ray = pytest.importorskip(
     "ray", reason="Ray Serve is not installed: pip install 'penstock[ray]' to run tests/ray"
 )
-from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from penstock.engines.sample import write_sample_weights  # noqa: E402
-from tests.support.server import REPO_ROOT, ServerProcess, free_port, start_server  # noqa: E402
+from tests.support.ray_cluster import two_node_cluster  # noqa: E402
+from tests.support.server import ServerProcess, free_port, start_server  # noqa: E402
 from tests.support.tiny_llm import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
@@ -42,20 +41,8 @@ PROMPT = [5, 17, 29, 41]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    # Replicas import the test engines from this checkout.
-    os.environ["PYTHONPATH"] = str(REPO_ROOT)
-    started = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
-    )
-    started.add_node(num_cpus=2)
-    started.wait_for_nodes()
-    ray.init(address=started.address, log_to_driver=False)
-    try:
+    with two_node_cluster(cpus_per_node=2) as started:
         yield started
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        started.shutdown()
 
 
 @pytest.fixture(scope="module")

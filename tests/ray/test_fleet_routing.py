@@ -10,7 +10,6 @@ to stop; the requests take a few seconds).
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 from collections.abc import Iterator
@@ -27,7 +26,6 @@ ray = pytest.importorskip(
 import safetensors.numpy  # noqa: E402
 from openai import OpenAI  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from tests.deploy.support import panel_queries  # noqa: E402
@@ -36,7 +34,8 @@ from tests.e2e.test_metrics import (  # noqa: E402
     assert_documented_families_present,
     documented_families,
 )
-from tests.support.server import REPO_ROOT, ServerProcess, start_server  # noqa: E402
+from tests.support.ray_cluster import two_node_cluster  # noqa: E402
+from tests.support.server import ServerProcess, start_server  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
@@ -46,19 +45,8 @@ ADMIN_KEY = "k"
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    os.environ["PYTHONPATH"] = str(REPO_ROOT)
-    started = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    started.add_node(num_cpus=1)
-    started.wait_for_nodes()
-    ray.init(address=started.address, log_to_driver=False)
-    try:
+    with two_node_cluster(cpus_per_node=1) as started:
         yield started
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        started.shutdown()
 
 
 def serve_fleet(cluster: Cluster, log_dir: Path, args: list[str]) -> Iterator[ServerProcess]:
