@@ -19,10 +19,10 @@ at the same time; if the engine refuses the request while this side is still sen
 the collective is abandoned with the engine's error and the group must be re-created
 (``destroy_group`` then ``init_group``). A NIXL push registers the tensors with this
 process's NIXL agent (made on the first push), posts their descriptors, polls the agent
-(which serves the engine's connection) until the engine answers and its READ
-notification is in, then deregisters them; the engine reads this
-process's memory meanwhile, so the tensors must not change until the call returns. Torch
-is imported only when a method needs it.
+(which serves the engines' connections) until the engine answers and the READ
+notification of every engine that read is in (one per replica of a ``--ray`` fleet),
+then deregisters them; the engines read this process's memory meanwhile, so the tensors
+must not change until the call returns. Torch is imported only when a method needs it.
 """
 
 from __future__ import annotations
@@ -59,6 +59,15 @@ class EngineRefused(RuntimeError):
         except ValueError:
             self.body = response.text
         super().__init__(f"{response.request.url.path}: {response.status_code} {self.body}")
+
+
+def readers_of(answer: Mapping[str, Any]) -> int:
+    """How many engines READ a NIXL push: each replica of a ``--ray`` fleet (its answer
+    lists them under ``replicas``), else the one engine."""
+    replicas = answer.get("replicas")
+    if isinstance(replicas, dict) and replicas:
+        return sum(1 for replica in replicas.values() if replica.get("ok"))
+    return 1
 
 
 class WeightPusher:
@@ -231,15 +240,21 @@ class WeightPusher:
             if weight_version is not None:
                 body["weight_version"] = weight_version
             answered = self._pool.submit(self.post, "/update_weights_from_nixl", body)
-            notified = False
+            tag = notify.encode()
+            notified = 0
+            # Polled until the answer, not just until the first notification: this agent
+            # has no progress thread, and each replica of a fleet reads on its own.
             while not answered.done():
-                notified = notified or agent.take(None, notify.encode())
+                notified += agent.take(None, tag)
                 time.sleep(0.001)
             answer = answered.result()
-            # The notification follows the READ, and may trail the answer a little; once
-            # it is in, no READ of this memory is outstanding.
-            if not notified and not agent.wait_for(None, notify.encode(), notify_timeout_s):
-                raise RuntimeError(f"the engine's READ notification {notify!r} never came")
+            # Each reader notifies after its READ, maybe a little after the answer; once
+            # all are in, no READ of this memory is outstanding.
+            for reader in range(notified, readers_of(answer)):
+                if not agent.wait_for(None, tag, notify_timeout_s):
+                    raise RuntimeError(
+                        f"the READ notification {notify!r} of reader {reader + 1} never came"
+                    )
             return answer
         finally:
             agent.agent.deregister_memory(registration)

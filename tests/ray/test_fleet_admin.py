@@ -178,7 +178,11 @@ def test_capabilities_and_health_describe_every_replica(client: httpx.Client) ->
     capabilities = client.get("/engine/capabilities").json()
     assert set(capabilities["fleet"]["replicas"]) == set(view["replicas"])
     methods = capabilities["weight_sync"]["methods"]
-    assert {"update_weights_from_disk", "update_weights_from_tensor"} <= set(methods)
+    assert {
+        "update_weights_from_disk",
+        "update_weights_from_tensor",
+        "update_weights_from_nixl",
+    } <= set(methods)
 
 
 def test_one_update_call_under_streams_moves_every_replica_together(
@@ -268,6 +272,53 @@ def test_a_replica_that_fails_the_update_rolls_the_whole_fleet_back(
     assert client.post("/v1/completions", json=body).json()["weight_version"] == "v2"
 
 
+def test_a_nixl_pull_reaches_every_replica_and_one_refusal_rolls_all_back(
+    client: httpx.Client, fail_on: Path
+) -> None:
+    """The trainer (this process) registers ``token_shift`` with its NIXL agent; each
+    replica READs it itself inside one transaction. With one replica refusing, the other
+    has already read the new value and is put back (about 1 s)."""
+    import torch
+
+    from penstock.rl.trainer import EngineRefused, WeightPusher
+
+    pushed = {"token_shift": torch.tensor([9], dtype=torch.int64)}
+    pusher = WeightPusher(str(client.base_url))
+    try:
+        reply = pusher.push_nixl(pushed, weight_version="n1")
+        assert reply["checksum"] == pusher.checksum(pushed) and reply["weight_version"] == "n1"
+        assert checksums(client) == {reply["checksum"]}
+        # The transaction paused both replicas itself, so it resumed them.
+        view = fleet_view(
+            client,
+            lambda v: (
+                v["weight_versions"] == ["n1"]
+                and all(r["paused"] is None for r in v["replicas"].values())
+            ),
+        )
+
+        victim = sorted(view["replicas"])[1]
+        fail_on.write_text(victim)
+        try:
+            with pytest.raises(EngineRefused) as refused:
+                pusher.push_nixl(
+                    {"token_shift": torch.tensor([4], dtype=torch.int64)}, weight_version="n2"
+                )
+        finally:
+            fail_on.write_text("")
+    finally:
+        pusher.close()
+    assert refused.value.status_code == 400, refused.value.body
+    error = refused.value.body["error"]
+    assert error["failed_replica"] == victim
+    other = next(name for name in error["replicas"] if name != victim)
+    assert error["replicas"][other]["ok"] and error["replicas"][other]["rolled_back"]
+    assert {r["checksum"] for r in error["replicas"].values()} == {reply["checksum"]}
+    assert {r["weight_version"] for r in error["replicas"].values()} == {"n1"}
+    assert checksums(client) == {reply["checksum"]}
+    fleet_view(client, lambda v: v["weight_versions"] == ["n1"])
+
+
 def test_transformers_replicas_update_from_disk_together_and_roll_back_together(
     tiny_client: httpx.Client, tiny_models: tuple[Path, Path, Path]
 ) -> None:
@@ -350,6 +401,45 @@ def test_a_trainer_broadcasts_to_every_replica_in_one_group(
     finally:
         pusher.destroy_group()
         pusher.close()
+
+
+def test_a_trainer_serves_one_nixl_pull_to_every_replica(
+    tiny_client: httpx.Client, tiny_models: tuple[Path, Path, Path]
+) -> None:
+    """Each replica READs the whole model from the trainer's (this process's) NIXL agent
+    in one fleet transaction; a push of a wrong shape leaves both on the pushed weights
+    (about 3 s on two cores)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from penstock.rl.trainer import EngineRefused, WeightPusher
+
+    model = LlamaForCausalLM.from_pretrained(tiny_models[1], torch_dtype=torch.float32)
+    (served,) = checksums(tiny_client)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.2)
+    state = {name: t.detach() for name, t in model.state_dict().items()}
+    pusher = WeightPusher(str(tiny_client.base_url))
+    try:
+        reply = pusher.push_nixl(state, weight_version="x1")
+        assert reply["checksum"] == pusher.checksum(state, dtype=torch.float32) != served
+        assert checksums(tiny_client) == {reply["checksum"]}
+        assert fleet_view(tiny_client)["weight_versions"] == ["x1"]
+
+        name = next(iter(state))
+        with pytest.raises(EngineRefused) as refused:
+            pusher.push_nixl({name: torch.zeros(3, 5)}, weight_version="x2")
+    finally:
+        pusher.close()
+    assert refused.value.status_code == 400, refused.value.body
+    error = refused.value.body["error"]
+    assert name in error["message"] and error["failed_replica"]
+    assert {r["checksum"] for r in error["replicas"].values()} == {reply["checksum"]}
+    assert {r["weight_version"] for r in error["replicas"].values()} == {"x1"}
+    assert checksums(tiny_client) == {reply["checksum"]}
+    assert tiny_client.get("/engine/get_weight_version").json()["version"] == "x1"
 
 
 def test_a_lora_adapter_loads_on_every_replica(client: httpx.Client, tmp_path: Path) -> None:
