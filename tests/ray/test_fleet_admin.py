@@ -4,8 +4,9 @@ verifies and resumes every replica, or rolls every replica back.
 A local two-node Ray cluster (two logical CPUs per node) runs two servers on it: two
 replicas of the sample engine (``FleetUpdateFailingEngine``: it refuses updates on the
 replica a file names), and two replicas of the transformers engine on the tiny
-checkpoint. The module takes about 45-130 s on two cores (cluster and the sample
-deployment ~25-40 s, its tests ~6 s, a killed replica replaced and caught up ~10-20 s,
+checkpoint. Updates go by disk, tensors, a trainer's gloo broadcast and NIXL pulls from
+this process. The module takes about 50-135 s on two cores (cluster and the sample
+deployment ~25-40 s, its tests ~9 s, a killed replica replaced and caught up ~10-20 s,
 the transformers deployment ~35 s and its tests ~6 s, teardown ~15 s).
 """
 
@@ -277,7 +278,8 @@ def test_a_nixl_pull_reaches_every_replica_and_one_refusal_rolls_all_back(
 ) -> None:
     """The trainer (this process) registers ``token_shift`` with its NIXL agent; each
     replica READs it itself inside one transaction. With one replica refusing, the other
-    has already read the new value and is put back (about 1 s)."""
+    has already read the new value and is put back (about 3 s: both replicas make their
+    NIXL agents)."""
     import torch
 
     from penstock.rl.trainer import EngineRefused, WeightPusher
@@ -408,7 +410,7 @@ def test_a_trainer_serves_one_nixl_pull_to_every_replica(
 ) -> None:
     """Each replica READs the whole model from the trainer's (this process's) NIXL agent
     in one fleet transaction; a push of a wrong shape leaves both on the pushed weights
-    (about 3 s on two cores)."""
+    (about 1 s on two cores)."""
     import torch
     from transformers import LlamaForCausalLM
 
