@@ -6,13 +6,14 @@ the manager's GenerationConfig enables them); it has no per-request seed, min-p,
 penalties, min_tokens, top logprobs or ``n``. This scheduler keeps the model's own forward
 and KV cache and adds what a server needs around them.
 
-Layout: every running sequence is one row of a batched ``DynamicCache``, right-aligned
-(left padding), so one decode step appends one column for all rows. Each row's real
+Layout: every running sequence is one row of a batched :class:`.kv_cache.BatchKv`,
+right-aligned (left padding), so one decode step appends one column for all rows in
+place. Each row's real
 tokens are selected by an attention mask and its own position ids. Membership changes
 only at step boundaries: a new request is prefilled alone (so its first token does not
-depend on its neighbours), then its KV is merged into the batch; a finished or cancelled
-sequence's row is dropped, and padding columns no row needs any more are trimmed, so its
-KV is released at once.
+depend on its neighbours), then its KV is written into a free row of the batch; a
+finished or cancelled sequence's row is given to another, and padding columns no row
+needs any more are trimmed.
 
 With LoRA adapters loaded, each row names its adapter (or none) in the forward pass, so
 requests for different adapters and for the base model share one batch.
@@ -37,6 +38,7 @@ import torch
 from transformers import DynamicCache
 
 from penstock.engines.context import Context
+from penstock.engines.transformers.kv_cache import BatchKv
 from penstock.engines.transformers.lora import BASE_ROW
 from penstock.engines.transformers.sampling import (
     PenaltyState,
@@ -152,7 +154,7 @@ class BatchScheduler:
         self._waiting: deque[Submission] = deque()
         self._admitted: list[Submission] = []
         self._running: list[Sequence] = []
-        self._cache: DynamicCache | None = None
+        self._cache: BatchKv | None = None
         self._width = 0
         self._reserved_tokens = 0
         self._paused = False
@@ -293,11 +295,7 @@ class BatchScheduler:
     def move_kv(self, device: torch.device) -> None:
         """Move the KV of held sequences (call with ``step_lock`` held)."""
         if self._cache is not None:
-            self._cache = DynamicCache(
-                ddp_cache_data=[
-                    (layer.keys.to(device), layer.values.to(device)) for layer in self._cache.layers
-                ]
-            )
+            self._cache.to(device)
 
     # -- the loop (scheduler thread) ------------------------------------------------------
 
@@ -402,6 +400,8 @@ class BatchScheduler:
         columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
         attention_mask = (columns >= (width - lengths).unsqueeze(1)).long()
         input_ids = torch.tensor([[seq.next_token] for seq in rows], device=self.device)
+        assert self._cache is not None
+        self._cache.reserve(1, limit=max(self._remaining(seq) for seq in rows))
         output = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -410,7 +410,6 @@ class BatchScheduler:
             use_cache=True,
             **self._adapter_names(seq.submission for seq in rows),
         )
-        self._cache = output.cache
         self._width = width + 1
         for seq in rows:
             seq.kv_length += 1
@@ -454,6 +453,11 @@ class BatchScheduler:
             if not seq.finished:
                 joined.append((seq, layers))
         return joined
+
+    @staticmethod
+    def _remaining(seq: Sequence) -> int:
+        """Decode steps the row may still take (its last token is never fed back)."""
+        return max(seq.submission.params.max_tokens - len(seq.output_ids), 1)
 
     def _adapter_names(self, submissions: Iterable[Submission]) -> dict[str, Any]:
         if not self.adapters_loaded:
@@ -569,7 +573,11 @@ class BatchScheduler:
         keep = [i for i, seq in enumerate(self._running) if not seq.finished]
         if len(keep) == len(self._running) and not joined:
             return
-        survivors = [self._running[i] for i in keep]
+        if self._cache is not None:
+            order = self._cache.keep_rows(keep) if len(keep) != len(self._running) else keep
+            survivors = [self._running[i] for i in order]
+        else:
+            survivors = []
         rows = survivors + [seq for seq, _ in joined]
         with self._cond:
             self._running = rows
@@ -578,27 +586,12 @@ class BatchScheduler:
             self._width = 0
             return
         width = max(seq.kv_length for seq in rows)
-        layer_count = len(joined[0][1]) if joined else len(self._cache.layers)  # type: ignore[union-attr]
-        merged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in range(layer_count):
-            parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-            if survivors and self._cache is not None:
-                cached = self._cache.layers[layer]
-                keys, values = cached.keys, cached.values
-                if len(keep) != keys.shape[0]:
-                    index = torch.tensor(keep, device=keys.device)
-                    keys, values = keys.index_select(0, index), values.index_select(0, index)
-                parts.append(_fit_width(keys, values, width))
-            for _seq, prefilled in joined:
-                keys, values = prefilled[layer]
-                parts.append(_fit_width(keys, values, width))
-            merged.append(
-                (
-                    torch.cat([k for k, _ in parts], dim=0),
-                    torch.cat([v for _, v in parts], dim=0),
-                )
-            )
-        self._cache = DynamicCache(ddp_cache_data=merged)
+        headroom = max(self._remaining(seq) for seq in rows)
+        if self._cache is None:
+            self._cache = BatchKv(joined[0][1], row_capacity=len(joined))
+        self._cache.set_width(width, headroom=headroom)
+        if joined:
+            self._cache.add_rows([layers for _, layers in joined], self.max_num_seqs)
         self._width = width
 
     def _send(self, outbox: dict[Submission, list[Any]]) -> None:
@@ -642,16 +635,3 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-
-
-def _fit_width(
-    keys: torch.Tensor, values: torch.Tensor, width: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-align ``[batch, heads, length, dim]`` KV to ``width`` columns."""
-    length = keys.shape[-2]
-    if length > width:
-        return keys[..., length - width :, :], values[..., length - width :, :]
-    if length < width:
-        pad = (0, 0, width - length, 0)
-        return torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad)
-    return keys, values

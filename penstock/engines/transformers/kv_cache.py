@@ -1,0 +1,226 @@
+"""The decode batch's KV cache: one preallocated buffer per layer that grows in place.
+
+Why not transformers' ``DynamicCache``: its layers append each step's keys and values
+with ``cat``, a copy of every layer's whole cache per decode step (at 16 rows of ~100
+tokens on SmolLM2-135M, ~70 MB a step: the main cost of a batched CPU step). Here each
+layer holds ``[row capacity, kv heads, column capacity, head dim]`` buffers and the model
+sees the view of the first ``rows`` rows and the columns ``[start, end)``: the
+scheduler's right-aligned (left-padded) layout. A decode step writes one column in
+place. Columns grow geometrically, never past what the running rows can still use, so
+the whole cache is copied only when it grows. A leaving row is replaced by the last row
+(only moved rows are copied), a joining row is written into a free slot, and padding no
+row needs any more is dropped by moving ``start``. Padding columns always hold zeros, as
+``DynamicCache``'s padded rows did, so masked columns contribute exactly nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+# Columns added at least when the cache grows, so short rows do not regrow every step.
+MIN_GROWTH = 32
+# A cache holding more than this many times what its rows use is reallocated tight when
+# rows leave: a long request that ended does not pin its memory until the batch empties.
+_SHRINK_FACTOR = 4
+
+KvPair = tuple[torch.Tensor, torch.Tensor]
+
+
+class GrowingLayer(DynamicLayer):
+    """One layer's keys and values, ``keys``/``values`` being views of the live region."""
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor) -> None:
+        super().__init__()
+        self.key_buffer = key_buffer
+        self.value_buffer = value_buffer
+        self.device = key_buffer.device
+        self.is_initialized = True
+        self.rows = 0
+        self.start = 0
+        self.end = 0
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.keys = self.key_buffer[: self.rows, :, self.start : self.end]
+        self.values = self.value_buffer[: self.rows, :, self.start : self.end]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> KvPair:
+        added = key_states.shape[-2]
+        if self.end + added > self.key_buffer.shape[-2]:
+            # The scheduler reserves room before each step; this keeps a stray caller correct.
+            width = self.end - self.start
+            self.reallocate(self.rows, 0, width + max(added, width, MIN_GROWTH))
+        columns = slice(self.end, self.end + added)
+        self.key_buffer[: self.rows, :, columns].copy_(key_states)
+        self.value_buffer[: self.rows, :, columns].copy_(value_states)
+        self.end += added
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.end - self.start
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def row_capacity(self) -> int:
+        return self.key_buffer.shape[0]
+
+    @property
+    def column_capacity(self) -> int:
+        return self.key_buffer.shape[-2]
+
+    def reallocate(self, row_capacity: int, left: int, columns: int) -> None:
+        """Copy the live region into new zeroed buffers, starting at column ``left``."""
+        width = self.end - self.start
+        shape = (row_capacity, self.key_buffer.shape[1], columns, self.key_buffer.shape[-1])
+        keys = self.key_buffer.new_zeros(shape)
+        values = self.value_buffer.new_zeros(shape)
+        keys[: self.rows, :, left : left + width] = self.keys
+        values[: self.rows, :, left : left + width] = self.values
+        self.key_buffer, self.value_buffer = keys, values
+        self.start, self.end = left, left + width
+        self._refresh()
+
+    def to(self, device: torch.device) -> None:
+        self.key_buffer = self.key_buffer.to(device)
+        self.value_buffer = self.value_buffer.to(device)
+        self.device = self.key_buffer.device
+        self._refresh()
+
+
+class BatchKv(DynamicCache):
+    """The ``Cache`` of the decode batch: every layer a :class:`GrowingLayer` of one shape."""
+
+    def __init__(self, prefilled: Sequence[KvPair], row_capacity: int) -> None:
+        """Empty buffers shaped after one prefilled row's layers (``[1, heads, length, dim]``)."""
+        layers = [
+            GrowingLayer(
+                keys.new_zeros((row_capacity, keys.shape[1], 0, keys.shape[-1])),
+                values.new_zeros((row_capacity, values.shape[1], 0, values.shape[-1])),
+            )
+            for keys, values in prefilled
+        ]
+        Cache.__init__(self, layers=layers)  # type: ignore[arg-type]
+
+    @property
+    def _growing(self) -> list[GrowingLayer]:
+        return self.layers  # type: ignore[return-value]
+
+    @property
+    def rows(self) -> int:
+        return self._growing[0].rows
+
+    @property
+    def width(self) -> int:
+        return self._growing[0].get_seq_length()
+
+    def reserve(self, columns: int, limit: int) -> None:
+        """Room for ``columns`` more decode columns; growth adds at most ``limit`` columns."""
+        first = self._growing[0]
+        if first.end + columns <= first.column_capacity:
+            return
+        width = self.width
+        extra = max(columns, _growth(width, limit))
+        for layer in self._growing:
+            layer.reallocate(layer.row_capacity, 0, width + extra)
+
+    def keep_rows(self, keep: Sequence[int]) -> list[int]:
+        """Keep only the rows ``keep`` (ascending); returns the old row now in each slot.
+
+        Kept rows past the new end move into the slots of dropped rows, so only they are
+        copied; the others stay where they are.
+        """
+        first = self._growing[0]
+        remaining = len(keep)
+        order = list(range(first.rows))
+        kept = set(keep)
+        movers = [row for row in keep if row >= remaining]
+        holes = [row for row in range(remaining) if row not in kept]
+        if movers:
+            source = torch.tensor(movers, device=first.device)
+            target = torch.tensor(holes, device=first.device)
+            for layer in self._growing:
+                for buffer in (layer.key_buffer, layer.value_buffer):
+                    live = buffer[:, :, layer.start : layer.end]
+                    live.index_copy_(0, target, live.index_select(0, source))
+            for hole, mover in zip(holes, movers, strict=True):
+                order[hole] = mover
+        for layer in self._growing:
+            layer.rows = remaining
+            layer._refresh()
+        return order[:remaining]
+
+    def set_width(self, width: int, *, headroom: int) -> None:
+        """Make the live region ``width`` columns wide, keeping its right edge.
+
+        Narrowing drops padding columns no row needs. Widening (a joining row longer than
+        the batch) zeroes the columns it uncovers, reallocating when there is no room on
+        the left. ``headroom``: the decode steps the rows may still take, which bounds the
+        free columns a reallocation leaves on the right.
+        """
+        first = self._growing[0]
+        if width <= self.width:
+            for layer in self._growing:
+                layer.start = layer.end - width
+                layer._refresh()
+            self._shrink_if_wasteful(headroom)
+            return
+        if first.end - width < 0:
+            left = width - self.width
+            for layer in self._growing:
+                layer.reallocate(layer.row_capacity, left, width + _growth(width, headroom))
+        for layer in self._growing:
+            uncovered = slice(layer.end - width, layer.start)
+            layer.key_buffer[: layer.rows, :, uncovered].zero_()
+            layer.value_buffer[: layer.rows, :, uncovered].zero_()
+            layer.start = layer.end - width
+            layer._refresh()
+
+    def _shrink_if_wasteful(self, headroom: int) -> None:
+        first = self._growing[0]
+        columns = self.width + _growth(self.width, headroom)
+        if first.row_capacity * first.column_capacity <= _SHRINK_FACTOR * first.rows * columns:
+            return
+        for layer in self._growing:
+            layer.reallocate(first.rows, 0, columns)
+
+    def add_rows(self, prefilled: Sequence[Sequence[KvPair]], max_rows: int) -> None:
+        """Append rows (each its layers' ``[1, heads, length, dim]`` KV), right-aligned.
+
+        The live region must already be at least as wide as every new row.
+        """
+        first = self._growing[0]
+        wanted = first.rows + len(prefilled)
+        if wanted > first.row_capacity:
+            capacity = min(max(wanted, 2 * first.row_capacity), max(max_rows, wanted))
+            for layer in self._growing:
+                layer.reallocate(capacity, layer.start, layer.column_capacity)
+        for index, layer in enumerate(self._growing):
+            for offset, row_layers in enumerate(prefilled):
+                row = layer.rows + offset
+                keys, values = row_layers[index]
+                length = keys.shape[-2]
+                padding = slice(layer.start, layer.end - length)
+                layer.key_buffer[row, :, padding].zero_()
+                layer.value_buffer[row, :, padding].zero_()
+                layer.key_buffer[row, :, layer.end - length : layer.end] = keys[0]
+                layer.value_buffer[row, :, layer.end - length : layer.end] = values[0]
+            layer.rows = wanted
+            layer._refresh()
+
+    def to(self, device: torch.device) -> None:
+        for layer in self._growing:
+            layer.to(device)
+
+
+def _growth(width: int, limit: int) -> int:
+    """Free columns to add: the width again (at least ``MIN_GROWTH``), at most ``limit``."""
+    return max(1, min(max(width, MIN_GROWTH), limit))

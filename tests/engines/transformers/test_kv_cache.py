@@ -1,0 +1,92 @@
+"""The in-place batch KV cache holds what a padded, concatenated cache would, step by step."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from penstock.engines.transformers.kv_cache import BatchKv
+
+LAYERS, HEADS, DIM = 2, 3, 4
+
+
+def prefilled(length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [
+        (torch.randn(1, HEADS, length, DIM), torch.randn(1, HEADS, length, DIM))
+        for _ in range(LAYERS)
+    ]
+
+
+def dense(rows: list[list[tuple[torch.Tensor, torch.Tensor]]], layer: int, width: int) -> tuple:
+    """What the batch must look like: each row's own KV right-aligned on zeros."""
+    keys = torch.zeros(len(rows), HEADS, width, DIM)
+    values = torch.zeros(len(rows), HEADS, width, DIM)
+    for index, row in enumerate(rows):
+        k, v = row[layer]
+        keys[index, :, width - k.shape[-2] :] = k[0]
+        values[index, :, width - v.shape[-2] :] = v[0]
+    return keys, values
+
+
+def test_rows_joining_leaving_and_decoding_match_a_padded_cache() -> None:
+    torch.manual_seed(0)
+    pick = random.Random(0)
+    cache: BatchKv | None = None
+    rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    for _ in range(60):
+        action = pick.random()
+        if rows and action < 0.2:
+            keep = sorted(pick.sample(range(len(rows)), pick.randrange(len(rows))))
+            if not keep:
+                cache, rows = None, []
+                continue
+            assert cache is not None
+            order = cache.keep_rows(keep)
+            assert sorted(order) == keep
+            rows = [rows[i] for i in order]
+            cache.set_width(max(r[0][0].shape[-2] for r in rows), headroom=5)
+        elif action < 0.45 and len(rows) < 8:
+            joining = [prefilled(pick.randrange(1, 40)) for _ in range(pick.randrange(1, 3))]
+            if cache is None:
+                cache = BatchKv(joining[0], row_capacity=len(joining))
+            rows += joining
+            cache.set_width(max(r[0][0].shape[-2] for r in rows), headroom=5)
+            cache.add_rows(joining, max_rows=8)
+        elif cache is not None:
+            cache.reserve(1, limit=5)
+            new = [(torch.randn(len(rows), HEADS, 1, DIM), torch.randn(len(rows), HEADS, 1, DIM))]
+            new *= LAYERS
+            for layer, (k, v) in enumerate(new):
+                cache.update(k, v, layer)
+            rows = [
+                [
+                    (torch.cat([kv[0], k[i : i + 1]], -2), torch.cat([kv[1], v[i : i + 1]], -2))
+                    for kv, (k, v) in zip(row, new, strict=True)
+                ]
+                for i, row in enumerate(rows)
+            ]
+        if cache is None:
+            continue
+        width = max(r[0][0].shape[-2] for r in rows)
+        assert cache.width == width and cache.rows == len(rows)
+        for layer in range(LAYERS):
+            keys, values = dense(rows, layer, width)
+            assert torch.equal(cache.layers[layer].keys, keys)
+            assert torch.equal(cache.layers[layer].values, values)
+
+
+def test_a_cache_mostly_unused_after_rows_leave_is_reallocated_smaller() -> None:
+    torch.manual_seed(1)
+    rows = [prefilled(60) for _ in range(7)] + [prefilled(2)]
+    cache = BatchKv(rows[0], row_capacity=len(rows))
+    cache.set_width(60, headroom=100)
+    cache.add_rows(rows, max_rows=8)
+    before = cache.layers[0].key_buffer.numel()
+    assert cache.keep_rows([7]) == [7]
+    cache.set_width(2, headroom=100)
+    assert cache.layers[0].key_buffer.numel() * 10 < before
+    for layer in range(LAYERS):
+        keys, values = dense(rows[7:], layer, 2)
+        assert torch.equal(cache.layers[layer].keys, keys)
+        assert torch.equal(cache.layers[layer].values, values)
