@@ -311,8 +311,11 @@ def choose_tokens(
     for i, row in enumerate(rows):
         if row.generated < row.params.min_tokens and row.banned_until_min_tokens:
             logits[i, row.banned_until_min_tokens] = -math.inf
-    chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    if len(greedy) == len(rows):
+        # An all-greedy batch needs no row selection (a copy of every row's logits).
+        return _with_logprobs(logits.argmax(dim=-1).tolist(), rows, raw_logprobs)
+    chosen = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if greedy:
         index = torch.tensor(greedy, device=logits.device)
         chosen[index] = logits[index].argmax(dim=-1)
@@ -326,7 +329,12 @@ def choose_tokens(
         for j, i in enumerate(sampled):
             noise[j].exponential_(generator=rows[i].generator or shared_generator)
         chosen[index] = (probs / noise).argmax(dim=-1)
-    token_ids = chosen.tolist()
+    return _with_logprobs(chosen.tolist(), rows, raw_logprobs)
+
+
+def _with_logprobs(
+    token_ids: list[int], rows: list[RowSampling], raw_logprobs: torch.Tensor | None
+) -> list[TokenChoice]:
     choices = [TokenChoice(token_id) for token_id in token_ids]
     if raw_logprobs is not None:
         for i, row in enumerate(rows):
