@@ -55,7 +55,7 @@ class GrowingLayer(DynamicLayer):
         if self.end + added > self.key_buffer.shape[-2]:
             # The scheduler reserves room before each step; this keeps a stray caller correct.
             width = self.end - self.start
-            self.reallocate(self.rows, 0, width + max(added, width, MIN_GROWTH))
+            self.reallocate(self.row_capacity, 0, width + max(added, width, MIN_GROWTH))
         columns = slice(self.end, self.end + added)
         self.key_buffer[: self.rows, :, columns].copy_(key_states)
         self.value_buffer[: self.rows, :, columns].copy_(value_states)

@@ -8,12 +8,12 @@ and KV cache and adds what a server needs around them.
 
 Layout: every running sequence is one row of a batched :class:`.kv_cache.BatchKv`,
 right-aligned (left padding), so one decode step appends one column for all rows in
-place. Each row's real
-tokens are selected by an attention mask and its own position ids. Membership changes
-only at step boundaries: a new request is prefilled alone (so its first token does not
-depend on its neighbours), then its KV is written into a free row of the batch; a
-finished or cancelled sequence's row is given to another, and padding columns no row
-needs any more are trimmed.
+place. Each row's real tokens are selected by an attention mask and its own position
+ids. Membership changes only at step boundaries: a new request is prefilled alone (so
+its first token does not depend on its neighbours), then its KV is written into a free
+row of the batch; a finished or cancelled sequence's row is given to another, and padding
+columns no row needs any more are trimmed. The buffers are released when the batch
+empties, or reallocated smaller when rows leave most of them unused.
 
 With LoRA adapters loaded, each row names its adapter (or none) in the forward pass, so
 requests for different adapters and for the base model share one batch.
