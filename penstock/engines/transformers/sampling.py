@@ -223,17 +223,22 @@ class PenaltyState:
     """Token statistics one sequence needs for its penalties (kept only when asked for)."""
 
     def __init__(self, prompt_ids: list[int], vocab_size: int, device: torch.device) -> None:
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-        self.seen[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+        # The seen ids, not a vocabulary-wide mask: the repetition penalty then touches only
+        # those logits instead of rewriting every row's whole vocabulary each step.
+        self._seen = set(prompt_ids)
+        self.seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long, device=device)
         self.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
 
     def record(self, token_id: int) -> None:
-        self.seen[token_id] = True
+        if token_id not in self._seen:
+            self._seen.add(token_id)
+            self.seen_ids = torch.cat([self.seen_ids, self.seen_ids.new_tensor([token_id])])
         self.output_counts[token_id] += 1
 
     def copy(self) -> PenaltyState:
         clone = PenaltyState.__new__(PenaltyState)
-        clone.seen = self.seen.clone()
+        clone._seen = set(self._seen)
+        clone.seen_ids = self.seen_ids.clone()
         clone.output_counts = self.output_counts.clone()
         return clone
 
@@ -263,10 +268,11 @@ def _apply_penalties(logits: torch.Tensor, rows: list[RowSampling]) -> None:
             continue
         line = logits[i]
         if params.repetition_penalty != 1.0:
+            seen = line.index_select(0, state.seen_ids)
             penalised = torch.where(
-                line > 0, line / params.repetition_penalty, line * params.repetition_penalty
+                seen > 0, seen / params.repetition_penalty, seen * params.repetition_penalty
             )
-            line.copy_(torch.where(state.seen, penalised, line))
+            line.index_copy_(0, state.seen_ids, penalised)
         if params.frequency_penalty != 0.0:
             line.sub_(params.frequency_penalty * state.output_counts)
         if params.presence_penalty != 0.0:
