@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections import Counter as Tally
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,17 +45,17 @@ def observe_many(histogram: Any, amounts: Iterable[float]) -> None:
     one of the sum: the same counts, for the per-token families a stream flushes in
     batches (``histogram`` is a labelled child or an unlabelled histogram)."""
     bounds = histogram._upper_bounds
-    buckets = histogram._buckets
+    hits = [0] * len(bounds)
     total = 0.0
-    hits: Tally[int] = Tally()
     for amount in amounts:
         total += amount
         hits[bisect_left(bounds, amount)] += 1
-    if not hits:
+    if not any(hits):
         return
     histogram._sum.inc(total)
-    for index, count in hits.items():
-        buckets[index].inc(count)
+    for bucket, count in zip(histogram._buckets, hits, strict=True):
+        if count:
+            bucket.inc(count)
 
 
 @dataclass(frozen=True)
