@@ -391,13 +391,28 @@ class EngineHost:
         except Exception:
             logger.exception("engine abort failed for request %s", context.id())
 
-    async def generate(self, request: dict[str, Any], context: Context) -> AsyncIterator[dict]:
+    def generate(self, request: dict[str, Any], context: Context) -> AsyncIterator[dict]:
         """Stream an engine's chunks under the contract's rules.
 
         Token engines: ends after every expected choice (``sampling_options.n``) produced its
         terminal. Raw engines: ends when the engine's stream ends. Raises
-        :class:`PenstockError` for engine failures.
+        :class:`PenstockError` for engine failures (once iterated, as every other error).
+
+        A single-choice request is one generator between the engine's task and the caller
+        (each layer costs every chunk a resumption); a fanned-out one merges its choices
+        under one admission slot.
         """
+        expected = 1
+        if not self.is_raw:
+            n = (request.get("sampling_options") or {}).get("n") or 1
+            expected = n if isinstance(n, int) and n > 0 else 1
+        if expected > 1 and not self.multi_choice:
+            return self._admitted(request, context, self._fan_out(request, context, expected))
+        return self._generate_one(request, context, expected, admit=True)
+
+    async def _admit(self, request: dict[str, Any], context: Context) -> AdmissionGate | None:
+        """Take the request's admission slot (none for a canary); :meth:`_release` gives
+        back what this returns."""
         if self.state is not EngineState.RUNNING:
             raise EngineError("engine is not running")
         gate = None if is_probe(request) else self.admission
@@ -406,90 +421,99 @@ class EngineHost:
             context.current_span().add_event("admitted")
         self._inflight += 1
         self._last_activity = time.monotonic()
+        return gate
+
+    def _release(self, gate: AdmissionGate | None) -> None:
+        self._inflight -= 1
+        self._last_activity = time.monotonic()
+        if gate is not None:
+            gate.release()
+
+    async def _admitted(
+        self, request: dict[str, Any], context: Context, stream: AsyncGenerator[dict, None]
+    ) -> AsyncGenerator[dict, None]:
+        gate = await self._admit(request, context)
         try:
-            expected = 1
-            if not self.is_raw:
-                n = (request.get("sampling_options") or {}).get("n") or 1
-                expected = n if isinstance(n, int) and n > 0 else 1
-            if expected > 1 and not self.multi_choice:
-                stream = self._fan_out(request, context, expected)
-            else:
-                stream = self._generate_one(request, context, expected)
             try:
                 async for chunk in stream:
                     yield chunk
             finally:
                 await stream.aclose()
         finally:
-            self._inflight -= 1
-            self._last_activity = time.monotonic()
-            if gate is not None:
-                gate.release()
+            self._release(gate)
 
     async def _generate_one(
-        self, request: dict[str, Any], context: Context, expected: int
+        self, request: dict[str, Any], context: Context, expected: int, *, admit: bool = False
     ) -> AsyncGenerator[dict, None]:
         """One engine request, its generator run by its own task (see the module
-        docstring: a consumer going away must not reach the engine as ``CancelledError``)."""
-        marks = self._marks_of(context)
-        marks.active = True
-        raw = self.is_raw
-        top_k = None if raw else (request.get("output_options") or {}).get("logprobs")
-        if not isinstance(top_k, int) or isinstance(top_k, bool):
-            top_k = None
-        finished: set[int] = set()
-        agen: AsyncGenerator[dict, None] = self.engine.generate(request, context)  # type: ignore[attr-defined]
-        queue = _Handoff()
-        pump = self.spawn(self._pump(agen, queue))
-        completed = ended = False
+        docstring: a consumer going away must not reach the engine as ``CancelledError``).
+        With ``admit``, it also holds the request's admission slot until it ends."""
+        gate = await self._admit(request, context) if admit else None
         try:
-            while True:
-                chunk, error = await queue.get()
-                ended = chunk is _END
-                if error is not None:
-                    raise error
-                if ended:
-                    break
-                if raw:
-                    yield chunk
-                    continue
-                if not isinstance(chunk, dict):
-                    raise EngineError("engine yielded a non-object chunk")
-                index = chunk.get("index", 0)
-                if index in finished or not isinstance(index, int) or index >= expected:
-                    self._contract_violation(context, f"chunk for choice {index!r} dropped")
-                    continue
-                if chunk.get("token_ids") and not context.first_token_seen:
-                    context.notify_first_token()
-                if top_k is not None and chunk.get("top_logprobs"):
-                    chunk["top_logprobs"] = [_top(alts, top_k) for alts in chunk["top_logprobs"]]
-                if chunk.get("finish_reason"):
-                    finished.add(index)
-                    if len(finished) == expected:
-                        completed = True
-                        self._end(context)
-                        self.spawn(self._drain_after_terminal(pump, queue, context))
+            marks = self._marks_of(context)
+            marks.active = True
+            raw = self.is_raw
+            top_k = None if raw else (request.get("output_options") or {}).get("logprobs")
+            if not isinstance(top_k, int) or isinstance(top_k, bool):
+                top_k = None
+            finished: set[int] = set()
+            agen: AsyncGenerator[dict, None] = self.engine.generate(request, context)  # type: ignore[attr-defined]
+            queue = _Handoff()
+            pump = self.spawn(self._pump(agen, queue))
+            completed = ended = False
+            try:
+                while True:
+                    chunk, error = await queue.get()
+                    ended = chunk is _END
+                    if error is not None:
+                        raise error
+                    if ended:
+                        break
+                    if raw:
                         yield chunk
-                        return
-                yield chunk
-            if not raw:
-                missing = sorted(set(range(expected)) - finished)
-                raise EngineError(f"engine ended the stream without a terminal for {missing}")
-            completed = True
-            self._end(context)
-        except PenstockError:
-            raise
-        except Exception as exc:
-            logger.exception("generate failed for request %s", context.id())
-            overload = self.admission.overload_status if self.admission is not None else 529
-            raise engine_exception_to_error(exc, overload) from exc
+                        continue
+                    if not isinstance(chunk, dict):
+                        raise EngineError("engine yielded a non-object chunk")
+                    index = chunk.get("index", 0)
+                    if index in finished or not isinstance(index, int) or index >= expected:
+                        self._contract_violation(context, f"chunk for choice {index!r} dropped")
+                        continue
+                    if chunk.get("token_ids") and not context.first_token_seen:
+                        context.notify_first_token()
+                    if top_k is not None and chunk.get("top_logprobs"):
+                        chunk["top_logprobs"] = [
+                            _top(alts, top_k) for alts in chunk["top_logprobs"]
+                        ]
+                    if chunk.get("finish_reason"):
+                        finished.add(index)
+                        if len(finished) == expected:
+                            completed = True
+                            self._end(context)
+                            self.spawn(self._drain_after_terminal(pump, queue, context))
+                            yield chunk
+                            return
+                    yield chunk
+                if not raw:
+                    missing = sorted(set(range(expected)) - finished)
+                    raise EngineError(f"engine ended the stream without a terminal for {missing}")
+                completed = True
+                self._end(context)
+            except PenstockError:
+                raise
+            except Exception as exc:
+                logger.exception("generate failed for request %s", context.id())
+                overload = self.admission.overload_status if self.admission is not None else 529
+                raise engine_exception_to_error(exc, overload) from exc
+            finally:
+                marks.active = False
+                if not completed:
+                    # The consumer went away or the stream failed: mark it first, then let
+                    # the engine wind down before it is aborted.
+                    context.kill()
+                    self.spawn(self._wind_down(pump, queue, context, ended))
         finally:
-            marks.active = False
-            if not completed:
-                # The consumer went away or the stream failed: mark it first, then let
-                # the engine wind down before it is aborted.
-                context.kill()
-                self.spawn(self._wind_down(pump, queue, context, ended))
+            if admit:
+                self._release(gate)
 
     def _end(self, context: Context) -> None:
         """The request ended with its terminal: abort only if it had been stopped."""

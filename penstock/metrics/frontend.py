@@ -8,7 +8,9 @@ version as a label: only the :data:`MAX_WEIGHT_VERSIONS` most recent keep their 
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,24 @@ def log_buckets(low: float, high: float, count: int) -> list[float]:
         if value not in bounds:
             bounds.append(value)
     return bounds
+
+
+def observe_many(histogram: Any, amounts: Iterable[float]) -> None:
+    """``histogram.observe`` for each of ``amounts``, with one increment per bucket and
+    one of the sum: the same counts, for the per-token families a stream flushes in
+    batches (``histogram`` is a labelled child or an unlabelled histogram)."""
+    bounds = histogram._upper_bounds
+    hits = [0] * len(bounds)
+    total = 0.0
+    for amount in amounts:
+        total += amount
+        hits[bisect_left(bounds, amount)] += 1
+    if not any(hits):
+        return
+    histogram._sum.inc(total)
+    for bucket, count in zip(histogram._buckets, hits, strict=True):
+        if count:
+            bucket.inc(count)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from penstock.engines.context import Context
 from penstock.engines.contract import GenerateRequest
 from penstock.errors import EngineError, MetadataUploadError, OverloadedError, PenstockError
 from penstock.metadata_upload import MetadataUploader
+from penstock.metrics.frontend import observe_many
 from penstock.serving.choice import ChoiceState, Delta
 from penstock.serving.deadline import Deadline
 from penstock.tracing import active as active_tracing
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
+
+# Chunks whose inter-token latency and token count a stream keeps before recording them:
+# one histogram observation a token was ~13% of a streamed chunk's CPU.
+_FLUSH_EVERY = 64
 
 
 class Generation:
@@ -90,6 +95,11 @@ class Generation:
         metrics.queued.inc()
         started = last = time.perf_counter()
         first_token = True
+        perf_counter = time.perf_counter
+        # Per-token observations wait here and reach the families in batches (exact
+        # counts; a scrape sees a stream's tokens at most ``_FLUSH_EVERY`` late).
+        itl: list[float] = []
+        unflushed_tokens = 0
         status, error_type = "error", "internal"
         stream = self.model.host.generate(self.request, self.context)
         tracing = active_tracing()
@@ -108,16 +118,22 @@ class Generation:
                 delta = choice.consume(chunk, self.weight_version)
                 token_ids = delta.token_ids
                 if token_ids:
-                    now = time.perf_counter()
+                    now = perf_counter()
                     if first_token:
                         first_token = False
                         metrics.queued.dec()
                         metrics.ttft.observe(now - started)
                         metrics.input_tokens.observe(self.prompt_tokens)
                     else:
-                        metrics.itl.observe((now - last) / len(token_ids))
+                        itl.append((now - last) / len(token_ids))
+                        if len(itl) >= _FLUSH_EVERY:
+                            observe_many(metrics.itl, itl)
+                            itl.clear()
                     last = now
-                    metrics.output_tokens_total.inc(len(token_ids))
+                    unflushed_tokens += len(token_ids)
+                    if unflushed_tokens >= _FLUSH_EVERY:
+                        metrics.output_tokens_total.inc(unflushed_tokens)
+                        unflushed_tokens = 0
                 if delta.finish_reason is not None:
                     pending -= 1
                     self._record_usage(chunk)
@@ -137,6 +153,9 @@ class Generation:
             error_type = "validation" if exc.status_code < 500 else "internal"
             raise
         finally:
+            observe_many(metrics.itl, itl)
+            if unflushed_tokens:
+                metrics.output_tokens_total.inc(unflushed_tokens)
             if first_token:
                 metrics.queued.dec()
             metrics.active.dec()
