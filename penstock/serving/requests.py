@@ -7,7 +7,7 @@ context length, what the engine can honour) live here, so the routes stay thin.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 from starlette.requests import Request
@@ -352,20 +352,26 @@ async def chat_prompt(
         response_format = body.response_format.model_dump(by_alias=True)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
 
+    def tokenize() -> Awaitable[list[int]]:
+        return gateway.preprocess.run(
+            max(chars, body_size(request)),
+            render_and_tokenize,
+            gateway.settings,
+            model,
+            pre,
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+
     async def prompt_and_media() -> tuple[list[int], dict[str, Any] | None]:
+        # Without media nothing runs beside the tokenizing: no task to start.
+        if not images and not audio:
+            return await tokenize(), None
         loads = asyncio.ensure_future(load_media(media, images, audio))
         try:
-            token_ids = await gateway.preprocess.run(
-                max(chars, body_size(request)),
-                render_and_tokenize,
-                gateway.settings,
-                model,
-                pre,
-                messages,
-                add_generation_prompt=body.add_generation_prompt,
-                tools=tools,
-                chat_template_kwargs=body.chat_template_kwargs,
-            )
+            token_ids = await tokenize()
         except BaseException:
             loads.cancel()
             raise
