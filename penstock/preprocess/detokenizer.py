@@ -7,6 +7,8 @@ import logging
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from penstock.preprocess.token_bytes import byte_level_bytes
+
 logger = logging.getLogger(__name__)
 
 # DecodeStream raises this when a decoder is not prefix-stable (the text of the tokens seen
@@ -18,6 +20,46 @@ _INVALID_PREFIX_MESSAGE = "Invalid prefix encountered"
 _PRIMING_TOKENS = 8
 
 
+class PlainTokenTexts:
+    """The text of each token a byte-level decoder turns into whole characters by itself.
+
+    With a byte-level decoder a token stands for the same bytes wherever it appears, so
+    when the stream so far ends on a character boundary, such a token's text is its own
+    decoding, whatever came before: a lookup replaces a pass through ``DecodeStream``.
+    Tokens that hold part of a character, and added (special) tokens, map to ``""`` and
+    go through the stream. One table per tokenizer, filled as tokens are first seen.
+    """
+
+    __slots__ = ("_added", "_texts", "_tokenizer", "_vocab_size")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._added = frozenset(tokenizer.get_added_tokens_decoder())
+        self._vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._texts: dict[int, str] = {}
+
+    def get(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._read(token_id)
+            if isinstance(token_id, int) and 0 <= token_id < self._vocab_size:
+                self._texts[token_id] = text
+        return text
+
+    def _read(self, token_id: int) -> str:
+        if not isinstance(token_id, int) or token_id in self._added:
+            return ""
+        if not 0 <= token_id < self._vocab_size:
+            return ""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None:
+            return ""
+        try:
+            return byte_level_bytes(piece).decode("utf-8")
+        except UnicodeDecodeError:
+            return ""
+
+
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text without ever emitting a broken UTF-8 character.
 
@@ -26,7 +68,7 @@ class IncrementalDetokenizer:
     :meth:`flush` returns whatever is still held back once the stream ends.
     """
 
-    __slots__ = ("_pending_ids", "_skip_special_tokens", "_stream", "_tokenizer")
+    __slots__ = ("_pending_ids", "_plain", "_skip_special_tokens", "_stream", "_tokenizer")
 
     def __init__(
         self,
@@ -34,15 +76,22 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int] | None = None,
         *,
         skip_special_tokens: bool = True,
+        plain_texts: PlainTokenTexts | None = None,
     ) -> None:
+        """``plain_texts``: the tokenizer's table when its decoder is byte-level (no token
+        then depends on what precedes it, so the prompt need not prime the stream)."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stream = DecodeStream(
-            _priming_ids(tokenizer, prompt_token_ids), skip_special_tokens=skip_special_tokens
-        )
+        self._plain = plain_texts
+        priming = None if plain_texts is not None else _priming_ids(tokenizer, prompt_token_ids)
+        self._stream = DecodeStream(priming, skip_special_tokens=skip_special_tokens)
         self._pending_ids: list[int] = []
 
     def step(self, token_id: int) -> str:
+        if self._plain is not None and not self._pending_ids:
+            text = self._plain.get(token_id)
+            if text:
+                return text
         try:
             text = self._stream.step(self._tokenizer, token_id)
         except (OverflowError, TypeError):

@@ -15,8 +15,8 @@ from penstock.preprocess.chat_template import (
     render_template,
     select_template_name,
 )
-from penstock.preprocess.detokenizer import IncrementalDetokenizer
-from penstock.preprocess.token_bytes import token_bytes_reader
+from penstock.preprocess.detokenizer import IncrementalDetokenizer, PlainTokenTexts
+from penstock.preprocess.token_bytes import is_byte_level, token_bytes_reader
 from penstock.preprocess.tokenizer_files import (
     TokenizerFiles,
     read_tokenizer_folder,
@@ -53,6 +53,9 @@ class Preprocessor:
             for token_id, added in self._tokenizer.get_added_tokens_decoder().items()
         }
         self._read_token_bytes = token_bytes_reader(self._tokenizer)
+        self._plain_texts = (
+            PlainTokenTexts(self._tokenizer) if is_byte_level(self._tokenizer) else None
+        )
         self._token_texts: dict[int, str] = {}
         # An upper bound on any token's length in characters: byte-level entries count
         # bytes, word-piece entries their "##", so the stored form is never shorter.
@@ -129,7 +132,10 @@ class Preprocessor:
         self, prompt_token_ids: list[int] | None = None, *, skip_special_tokens: bool = True
     ) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(
-            self._tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
+            self._tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=skip_special_tokens,
+            plain_texts=self._plain_texts,
         )
 
     def token_text(self, token_id: int) -> str:

@@ -42,7 +42,7 @@ def token_bytes_reader(tokenizer: Tokenizer) -> Callable[[str], bytes]:
     decoder_specs = list(_decoder_specs(tokenizer))
     kinds = {spec.get("type") for spec in decoder_specs}
     if "ByteLevel" in kinds:
-        return _byte_level_bytes
+        return byte_level_bytes
     replacements = [
         (spec["pattern"]["String"], spec["content"])
         for spec in decoder_specs
@@ -70,7 +70,15 @@ def token_bytes_reader(tokenizer: Tokenizer) -> Callable[[str], bytes]:
     return read
 
 
-def _byte_level_bytes(piece: str) -> bytes:
+def is_byte_level(tokenizer: Tokenizer) -> bool:
+    """Whether the decoder is GPT-2's byte-level mapping and nothing else: a token then
+    stands for the same bytes wherever it appears."""
+    kinds = {spec.get("type") for spec in _decoder_specs(tokenizer)}
+    return "ByteLevel" in kinds and kinds <= {"ByteLevel", "Sequence"}
+
+
+def byte_level_bytes(piece: str) -> bytes:
+    """The bytes a byte-level vocabulary string stands for."""
     result = bytearray()
     for character in piece:
         byte = _BYTE_OF_CHARACTER.get(character)

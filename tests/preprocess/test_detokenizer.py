@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from penstock.preprocess import Preprocessor
+from penstock.preprocess.detokenizer import IncrementalDetokenizer, PlainTokenTexts
 
 # Multi-byte characters the sample tokenizer (trained on ASCII-heavy source code) splits
 # into single-byte tokens: 2-, 3- and 4-byte UTF-8, combining marks, ZWJ emoji sequences.
@@ -115,3 +116,55 @@ def test_ids_outside_the_vocabulary_produce_no_text(preprocessor: Preprocessor) 
     assert detokenizer.step(preprocessor.vocab_size + 10) == ""
     assert detokenizer.step(-1) == ""
     assert detokenizer.step(preprocessor.encode("ok")[0]) == "ok"
+
+
+def test_a_byte_level_token_that_is_whole_characters_reads_as_its_own_decoding(
+    preprocessor: Preprocessor,
+) -> None:
+    table = PlainTokenTexts(preprocessor._tokenizer)
+    plain = 0
+    for token_id in range(preprocessor.vocab_size):
+        text = table.get(token_id)
+        if text:
+            plain += 1
+            assert text == preprocessor.decode([token_id], skip_special_tokens=False)
+    # Every added token, and every byte of a multi-byte character, goes through the stream.
+    assert table.get(preprocessor.encode("<|im_end|>")[0]) == ""
+    assert all(table.get(token_id) == "" for token_id in preprocessor.encode("🎉"))
+    assert plain > preprocessor.vocab_size // 2
+
+
+model_output = st.lists(
+    st.one_of(
+        st.integers(min_value=-2, max_value=2005),
+        st.sampled_from([*range(0, 8), 1999, 2000]),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=unicode_text,
+    completion=unicode_text,
+    noise=model_output,
+    skip_special_tokens=st.booleans(),
+)
+def test_the_table_lookup_streams_exactly_what_the_decode_stream_alone_does(
+    preprocessor: Preprocessor,
+    prompt: str,
+    completion: str,
+    noise: list[int],
+    skip_special_tokens: bool,
+) -> None:
+    prompt_ids = preprocessor.tokenize_chat([{"role": "user", "content": prompt}])
+    ids = preprocessor.encode(completion + "<|im_end|>") + noise + preprocessor.encode(completion)
+    with_table = preprocessor.new_detokenizer(prompt_ids, skip_special_tokens=skip_special_tokens)
+    stream_only = IncrementalDetokenizer(
+        preprocessor._tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens
+    )
+
+    assert [with_table.step(token_id) for token_id in ids] == [
+        stream_only.step(token_id) for token_id in ids
+    ]
+    assert with_table.flush() == stream_only.flush()
