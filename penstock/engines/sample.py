@@ -394,7 +394,8 @@ class SampleLLMEngine(LLMEngine):
                     await asyncio.sleep(self.delay)
                 else:
                     await asyncio.sleep(0)
-                if held:
+                # Checked here first: a call per token costs more than the test.
+                if held and self._holds:
                     await self._hold_while_blocked(flight)
                 reason = flight.abort_reason or ("cancelled" if context.is_stopped() else None)
                 if reason is not None:
