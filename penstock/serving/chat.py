@@ -18,6 +18,7 @@ from penstock.multimodal.inputs import MediaInputs
 from penstock.schemas.openai import ChatCompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import request_deadline
+from penstock.serving.framing import TEXT_SLOT
 from penstock.serving.generation import Generation
 from penstock.serving.requests import (
     chat_prompt,
@@ -76,6 +77,25 @@ class ChatFormat:
                 role["prompt_token_ids"] = generation.request["token_ids"]
             roles.append(role)
         return roles
+
+    def text_only(self, delta: Delta) -> bool:
+        """Whether the delta's choice is :meth:`text_choice` with its text."""
+        return bool(
+            delta.text
+            and delta.finish_reason is None
+            and not delta.logprobs
+            and not delta.tool_calls
+            and not self.return_token_ids
+        )
+
+    @staticmethod
+    def text_choice(index: int) -> dict[str, Any]:
+        return {
+            "index": index,
+            "delta": {"content": TEXT_SLOT},
+            "logprobs": None,
+            "finish_reason": None,
+        }
 
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
         text = delta.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
@@ -20,6 +20,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# Stands for the text in a choice template of :meth:`ChunkEncoder.text_frame`.
+TEXT_SLOT = "\x00text\x00"
+_ENCODED_TEXT_SLOT = orjson.dumps(TEXT_SLOT)
+
+
 class ChunkEncoder:
     """Encodes stream chunks whose id/object/created/model never change.
 
@@ -27,12 +32,13 @@ class ChunkEncoder:
     fields) are serialized.
     """
 
-    __slots__ = ("_head", "_version_tails")
+    __slots__ = ("_head", "_text_choices", "_version_tails")
 
     def __init__(self, response_id: str, obj: str, created: int, model: str) -> None:
         head = orjson.dumps({"id": response_id, "object": obj, "created": created, "model": model})
         self._head = b"data: " + head[:-1] + b',"choices":'
         self._version_tails: dict[str | None, bytes] = {}
+        self._text_choices: dict[int, tuple[bytes, bytes]] = {}
 
     def frame(
         self,
@@ -40,14 +46,34 @@ class ChunkEncoder:
         weight_version: str | None,
         usage: dict[str, Any] | None = None,
     ) -> bytes:
+        body = self._head + orjson.dumps(choices) + self._version_tail(weight_version)
+        if usage is not None:
+            body += b',"usage":' + orjson.dumps(usage)
+        return body + b"}\n\n"
+
+    def text_frame(
+        self,
+        template: Callable[[int], dict[str, Any]],
+        index: int,
+        text: str,
+        weight_version: str | None,
+    ) -> bytes:
+        """``frame([choice], weight_version)`` for a choice that differs from
+        ``template(index)`` only in its text, where the template holds :data:`TEXT_SLOT`:
+        the choice's other bytes are encoded once per index, the text alone per chunk."""
+        around = self._text_choices.get(index)
+        if around is None:
+            before, _, after = orjson.dumps([template(index)]).partition(_ENCODED_TEXT_SLOT)
+            around = self._text_choices[index] = (self._head + before, after)
+        before, after = around
+        return before + orjson.dumps(text) + after + self._version_tail(weight_version) + b"}\n\n"
+
+    def _version_tail(self, weight_version: str | None) -> bytes:
         tail = self._version_tails.get(weight_version)
         if tail is None:
             tail = b',"weight_version":' + orjson.dumps(weight_version)
             self._version_tails[weight_version] = tail
-        body = self._head + orjson.dumps(choices) + tail
-        if usage is not None:
-            body += b',"usage":' + orjson.dumps(usage)
-        return body + b"}\n\n"
+        return tail
 
 
 def error_frame(error: PenstockError) -> bytes:

@@ -54,7 +54,9 @@ class ResponseFormat(Protocol):
 
 # A format may also define ``encoder(plan)`` (its own stream framing, with
 # ``ChunkEncoder.frame``'s signature) and ``reshape(response)`` (its own non-stream body);
-# without them the OpenAI chunk and response shapes apply.
+# without them the OpenAI chunk and response shapes apply. With the OpenAI framing it may
+# define ``text_only(delta)`` and ``text_choice(index)``: a delta that is text only is then
+# framed by ``ChunkEncoder.text_frame``, the choice's constant bytes encoded once.
 
 
 def shows_anything(text: str, delta: Delta, with_token_ids: bool) -> bool:
@@ -105,6 +107,10 @@ async def _stream(plan: ResponsePlan) -> Response:
     options = plan.body.stream_options
     include_usage = bool(options and options.include_usage)
     continuous_usage = bool(options and options.continuous_usage_stats)
+    text_only = getattr(fmt, "text_only", None)
+    if custom_encoder is not None or continuous_usage:
+        text_only = None
+    text_choice = getattr(fmt, "text_choice", None)
     deltas = _deltas(generations)
     deadline = plan.deadline
     # Wait for the engine's first output before committing to 200, so errors the engine
@@ -125,8 +131,10 @@ async def _stream(plan: ResponsePlan) -> Response:
             delta = first
             try:
                 while delta is not None:
-                    item = fmt.chunk_choice(delta)
-                    if item is not None:
+                    if text_only is not None and text_only(delta):
+                        index, version = delta.choice.index, delta.weight_version
+                        yield encoder.text_frame(text_choice, index, delta.text, version)
+                    elif (item := fmt.chunk_choice(delta)) is not None:
                         running = usage(generations) if continuous_usage else None
                         yield encoder.frame([item], delta.weight_version, running)
                     if deadline is None:

@@ -8,10 +8,14 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from starlette.requests import Request
 from starlette.types import Message
 
 from penstock.errors import ClientClosedRequest, InvalidRequestError
+from penstock.serving.chat import ChatFormat
+from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.framing import ChunkEncoder, unless_disconnected, with_error_frame
 from penstock.serving.sse import DISCONNECT_KEY, DONE_FRAME, DisconnectSignal
 
@@ -34,6 +38,39 @@ def test_a_chunk_is_the_constant_head_then_choices_and_weight_version() -> None:
         "choices": choices,
         "weight_version": "v1",
     }
+
+
+@given(
+    texts=st.lists(st.text(min_size=1), min_size=1, max_size=4),
+    index=st.integers(min_value=0, max_value=20),
+    version=st.one_of(st.none(), st.text(max_size=8)),
+)
+def test_a_text_only_chat_delta_is_framed_as_its_whole_choice_would_be(
+    texts: list[str], index: int, version: str | None
+) -> None:
+    chat = ChatFormat(None, return_token_ids=False)  # type: ignore[arg-type]
+    choice = ChoiceState(
+        index, None, None, prompt_token_ids=[], keep_text=False, want_logprobs=False
+    )
+    fast, whole = encoder(), encoder()
+    for text in texts:
+        delta = Delta(choice, text, [7], None, None, version, ())
+        assert chat.text_only(delta)
+        item = chat.chunk_choice(delta)
+        assert item is not None
+        framed = fast.text_frame(chat.text_choice, index, text, version)
+        assert framed == whole.frame([item], version)
+
+
+def test_deltas_with_more_than_text_are_not_text_only() -> None:
+    chat = ChatFormat(None, return_token_ids=False)  # type: ignore[arg-type]
+    choice = ChoiceState(0, None, None, prompt_token_ids=[], keep_text=False, want_logprobs=False)
+    assert not chat.text_only(Delta(choice, "", [7], None, None, None, ()))
+    assert not chat.text_only(Delta(choice, "a", [7], None, "stop", None, ()))
+    logprobs = [LogprobEntry(7, -0.5, [])]
+    assert not chat.text_only(Delta(choice, "a", [7], logprobs, None, None, ()))
+    with_ids = ChatFormat(None, return_token_ids=True)  # type: ignore[arg-type]
+    assert not with_ids.text_only(Delta(choice, "a", [7], None, None, None, ()))
 
 
 def test_each_chunk_carries_its_own_weight_version_and_usage_when_given() -> None:
