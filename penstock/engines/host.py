@@ -213,9 +213,16 @@ class _Handoff:
                 await self._putter
             finally:
                 self._putter = None
+        self.put_nowait(item)
+
+    def put_nowait(self, item: tuple[Any, BaseException | None]) -> bool:
+        """Hand ``item`` over if the slot is free (no coroutine to await); False if not."""
+        if self._full:
+            return False
         self._item = item
         self._full = True
         _wake(self._getter)
+        return True
 
     async def get(self) -> tuple[Any, BaseException | None]:
         while not self._full:
@@ -529,7 +536,9 @@ class EngineHost:
     ) -> None:
         try:
             async for item in agen:
-                await queue.put((item, None))
+                # The consumer has nearly always taken the previous chunk by now.
+                if not queue.put_nowait((item, None)):
+                    await queue.put((item, None))
         except Exception as exc:
             await queue.put((_END, exc))
             return
