@@ -17,6 +17,7 @@ from penstock.gateway import Gateway, ServedModel
 from penstock.schemas.openai import CompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import request_deadline
+from penstock.serving.framing import TEXT_SLOT
 from penstock.serving.generation import Generation
 from penstock.serving.requests import (
     completion_prompts,
@@ -75,6 +76,20 @@ class CompletionFormat:
 
     def prelude(self, generations: Sequence[Generation]) -> list[dict[str, Any]]:
         return []
+
+    def text_only(self, delta: Delta) -> bool:
+        """Whether the delta's choice is :meth:`text_choice` with its text."""
+        return bool(
+            delta.text
+            and delta.finish_reason is None
+            and not delta.logprobs
+            and not self.return_token_ids
+            and not self._unsent_echoes
+        )
+
+    @staticmethod
+    def text_choice(index: int) -> dict[str, Any]:
+        return {"index": index, "text": TEXT_SLOT, "logprobs": None, "finish_reason": None}
 
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
         index = delta.choice.index

@@ -16,6 +16,7 @@ from starlette.types import Message
 from penstock.errors import ClientClosedRequest, InvalidRequestError
 from penstock.serving.chat import ChatFormat
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
+from penstock.serving.completions import CompletionFormat
 from penstock.serving.framing import ChunkEncoder, unless_disconnected, with_error_frame
 from penstock.serving.sse import DISCONNECT_KEY, DONE_FRAME, DisconnectSignal
 
@@ -60,6 +61,41 @@ def test_a_text_only_chat_delta_is_framed_as_its_whole_choice_would_be(
         assert item is not None
         framed = fast.text_frame(chat.text_choice, index, text, version)
         assert framed == whole.frame([item], version)
+
+
+@given(
+    texts=st.lists(st.text(min_size=1), min_size=1, max_size=4),
+    index=st.integers(min_value=0, max_value=20),
+)
+def test_a_text_only_completion_delta_is_framed_as_its_whole_choice_would_be(
+    texts: list[str], index: int
+) -> None:
+    completions = CompletionFormat(None, {}, return_token_ids=False)  # type: ignore[arg-type]
+    choice = ChoiceState(
+        index, None, None, prompt_token_ids=[], keep_text=False, want_logprobs=False
+    )
+    fast, whole = encoder(), encoder()
+    for text in texts:
+        delta = Delta(choice, text, [7], None, None, "v1", ())
+        assert completions.text_only(delta)
+        item = completions.chunk_choice(delta)
+        assert item is not None
+        framed = fast.text_frame(completions.text_choice, index, text, "v1")
+        assert framed == whole.frame([item], "v1")
+
+
+def test_a_completion_whose_echo_is_unsent_is_not_text_only() -> None:
+    completions = CompletionFormat(None, {0: "echo"}, return_token_ids=False)  # type: ignore[arg-type]
+    choice = ChoiceState(0, None, None, prompt_token_ids=[], keep_text=False, want_logprobs=False)
+    delta = Delta(choice, "a", [7], None, None, None, ())
+    assert not completions.text_only(delta)
+    assert completions.chunk_choice(delta) == {
+        "index": 0,
+        "text": "echoa",
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    assert completions.text_only(delta)
 
 
 def test_deltas_with_more_than_text_are_not_text_only() -> None:
