@@ -121,26 +121,37 @@ async def _stream(plan: ResponsePlan) -> Response:
     else:
         first = await deadline.within(anext(deltas, None))
 
+    def encode(delta: Delta) -> bytes:
+        if text_only is not None and text_only(delta):
+            index, version = delta.choice.index, delta.weight_version
+            return encoder.text_frame(text_choice, index, delta.text, version)
+        item = fmt.chunk_choice(delta)
+        if item is None:
+            return b""
+        running = usage(generations) if continuous_usage else None
+        return encoder.frame([item], delta.weight_version, running)
+
     # One generator between the engine's chunks and the wire: each layer of async
     # generators costs every chunk a resumption. Errors after the first byte end the
     # stream here, as ``with_error_frame`` would.
     async def frames() -> AsyncIterator[bytes]:
         try:
-            for item in fmt.prelude(generations):
-                yield encoder.frame([item], generations[-1].weight_version)
+            version = generations[-1].weight_version
+            opening = [encoder.frame([item], version) for item in fmt.prelude(generations)]
             delta = first
             try:
+                # The first delta is at hand: it leaves in the prelude's write.
+                frame = b"".join(opening) + (encode(delta) if delta is not None else b"")
                 while delta is not None:
-                    if text_only is not None and text_only(delta):
-                        index, version = delta.choice.index, delta.weight_version
-                        yield encoder.text_frame(text_choice, index, delta.text, version)
-                    elif (item := fmt.chunk_choice(delta)) is not None:
-                        running = usage(generations) if continuous_usage else None
-                        yield encoder.frame([item], delta.weight_version, running)
+                    if frame:
+                        yield frame
                     if deadline is None:
                         delta = await anext(deltas, None)
                     else:
                         delta = await deadline.within(anext(deltas, None))
+                    frame = encode(delta) if delta is not None else b""
+                if frame:
+                    yield frame
             finally:
                 if deadline is not None:
                     deadline.close()
