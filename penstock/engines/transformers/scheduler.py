@@ -39,6 +39,7 @@ from transformers import DynamicCache
 
 from penstock.engines.context import Context
 from penstock.engines.transformers.kv_cache import BatchKv
+from penstock.engines.transformers.llama_decode import LlamaDecoder
 from penstock.engines.transformers.lora import BASE_ROW
 from penstock.engines.transformers.sampling import (
     PenaltyState,
@@ -138,6 +139,9 @@ class BatchScheduler:
         # True while ``model`` is a peft wrapper: every forward pass then names each
         # row's adapter (set together with ``model``, under ``step_lock``).
         self.adapters_loaded = False
+        # Decode steps run this instead of ``model``'s forward when set and no adapter is
+        # loaded (see :mod:`.llama_decode`); set together with ``model``.
+        self.decoder: LlamaDecoder | None = None
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -396,26 +400,33 @@ class BatchScheduler:
 
     def _decode(self, rows: list[Sequence], outbox: dict[Submission, list[Any]]) -> None:
         width = self._width
-        lengths = torch.tensor([seq.kv_length for seq in rows], device=self.device)
-        columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
-        attention_mask = (columns >= (width - lengths).unsqueeze(1)).long()
-        input_ids = torch.tensor([[seq.next_token] for seq in rows], device=self.device)
-        assert self._cache is not None
-        self._cache.reserve(1, limit=max(self._remaining(seq) for seq in rows))
-        output = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=lengths.unsqueeze(1),
-            cache=self._cache,
-            use_cache=True,
-            **self._adapter_names(seq.submission for seq in rows),
-        )
+        kv_lengths = [seq.kv_length for seq in rows]
+        lengths = torch.tensor(kv_lengths, device=self.device)
+        token_ids = torch.tensor([seq.next_token for seq in rows], device=self.device)
+        cache = self._cache
+        assert cache is not None
+        cache.reserve(1, limit=max(self._remaining(seq) for seq in rows))
+        if self.decoder is not None and not self.adapters_loaded:
+            attention_mask = None
+            if min(kv_lengths) < width:
+                columns = torch.arange(width + 1, device=self.device)
+                attention_mask = (columns >= (width - lengths).unsqueeze(1))[:, None, None, :]
+            logits = self.decoder.decode(token_ids, lengths, cache, attention_mask)
+        else:
+            columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
+            output = self.model(
+                input_ids=token_ids.unsqueeze(1),
+                attention_mask=(columns >= (width - lengths).unsqueeze(1)).long(),
+                position_ids=lengths.unsqueeze(1),
+                cache=cache,
+                use_cache=True,
+                **self._adapter_names(seq.submission for seq in rows),
+            )
+            logits = output.logits[:, -1, :]
         self._width = width + 1
         for seq in rows:
             seq.kv_length += 1
-        choices = choose_tokens(
-            output.logits[:, -1, :], [self._row(seq) for seq in rows], self._shared_generator
-        )
+        choices = choose_tokens(logits, [self._row(seq) for seq in rows], self._shared_generator)
         for seq, choice in zip(rows, choices, strict=True):
             self._accept(seq, choice, outbox)
 
