@@ -4,7 +4,8 @@ Why a scheduler of our own: transformers' ``ContinuousBatchingManager`` fixes it
 setup per manager (only temperature/top-k/top-p have per-request variants, and only when
 the manager's GenerationConfig enables them); it has no per-request seed, min-p,
 penalties, min_tokens, top logprobs or ``n``. This scheduler keeps the model's own forward
-and KV cache and adds what a server needs around them.
+and adds what a server needs around it; decode steps of Llama-architecture models run
+:mod:`.llama_decode` instead, the same logits with far less Python per step.
 
 Layout: every running sequence is one row of a batched :class:`.kv_cache.BatchKv`,
 right-aligned (left padding), so one decode step appends one column for all rows in
