@@ -254,7 +254,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(quantized: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     rows, width = quantized.shape
-    groups = quantized.float().reshape(rows, width // INT8_GROUP, INT8_GROUP)
+    # int8 times float32 widens in the same pass: no float32 copy of the int8 weights first.
+    groups = quantized.reshape(rows, width // INT8_GROUP, INT8_GROUP)
     return (groups * scales.unsqueeze(-1)).reshape(rows, width)
 
 
