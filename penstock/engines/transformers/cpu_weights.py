@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +254,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(quantized: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     rows, width = quantized.shape
-    groups = quantized.float().reshape(rows, width // INT8_GROUP, INT8_GROUP)
+    # int8 times float32 widens in the same pass: no float32 copy of the int8 weights first.
+    groups = quantized.reshape(rows, width // INT8_GROUP, INT8_GROUP)
     return (groups * scales.unsqueeze(-1)).reshape(rows, width)
 
 
@@ -301,6 +303,33 @@ class Int8WeightLinear(Bf16WeightLinear):
         # a prompt's length does not change which model answers it.
         weight = dequantize_int8(quantized, scales).to(device=x.device, dtype=x.dtype)
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def row_linear(module: torch.nn.Module, max_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``module``'s forward for 2-D contiguous inputs of at most ``max_rows`` rows.
+
+    A decode step calls ~200 linear layers at a few rows, where the general path's checks
+    cost as much as the kernel; for inputs of that kind they hold once and for all. The
+    kernel itself still checks dtypes and shapes. Anything else gets ``module.forward``.
+    """
+    if _kernel is None or max_rows > _KERNEL_MAX_ROWS or module.bias is not None:
+        return module.forward
+    if isinstance(module, Int8WeightLinear) and module._on_kernel:
+        int8_linear = _kernel.int8_linear
+        # Read at each call: ``requantize`` replaces the int8 copy.
+        return lambda x: int8_linear(x, module.int8_weight, module.int8_scales)
+    weight = module.weight
+    if (
+        type(module) is Bf16WeightLinear
+        and weight.dtype == torch.bfloat16
+        and weight.is_cpu
+        and weight.is_contiguous()
+        and weight.shape[1] % 16 == 0
+    ):
+        bf16_linear = _kernel.bf16_linear
+        # The Parameter object outlives weight updates (they copy into it).
+        return lambda x: bf16_linear(x, weight)
+    return module.forward
 
 
 class Bf16WeightEmbedding(torch.nn.Embedding):

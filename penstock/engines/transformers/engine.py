@@ -46,6 +46,7 @@ from penstock.engines.transformers.args import EngineArgs, parse_args
 from penstock.engines.transformers.cpu_weights import load_kernel, pack_model, requantize
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from penstock.engines.transformers.generation_config import load_sampling_defaults
+from penstock.engines.transformers.llama_decode import LlamaDecoder
 from penstock.engines.transformers.lora import (
     BASE_ROW,
     AdapterSet,
@@ -274,6 +275,7 @@ class TransformersEngine(LLMEngine):
             on_forward_pass=self._on_forward_pass,
             worker_id=str(worker_id),
         )
+        self.scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)
         if self._load_model is load_vision_model:
             self.vision = VisionEncoder(
                 self.model_path,
@@ -663,6 +665,7 @@ class TransformersEngine(LLMEngine):
                 self.model = None
                 self.lora.forget_model()
                 scheduler.model = None
+                scheduler.decoder = None
         gc.collect()
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -690,6 +693,7 @@ class TransformersEngine(LLMEngine):
             pack_model(self.model, int8=self.int8_weights)
         scheduler.model = self.lora.forward_module(self.model)
         scheduler.adapters_loaded = bool(self.lora)
+        scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)
 
     def _restore_kv(self) -> None:
         scheduler = self._require_scheduler()

@@ -132,6 +132,21 @@ class BatchKv(DynamicCache):
         for layer in self._growing:
             layer.reallocate(layer.row_capacity, 0, width + extra)
 
+    def decode_column(
+        self, index: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Add one column to layer ``index``: its key and value slots ``[rows, heads, dim]``
+        to write this step's keys and values into, and the layer's live keys and values
+        with it. For a forward of its own; ``reserve`` must have made room."""
+        layer = self._growing[index]
+        end = layer.end
+        if end >= layer.column_capacity:
+            raise RuntimeError("no room for a decode column: call reserve first")
+        layer.end = end + 1
+        layer.keys = keys = layer.key_buffer[: layer.rows, :, layer.start : end + 1]
+        layer.values = values = layer.value_buffer[: layer.rows, :, layer.start : end + 1]
+        return keys[:, :, -1], values[:, :, -1], keys, values
+
     def keep_rows(self, keep: Sequence[int]) -> list[int]:
         """Keep only the rows ``keep`` (ascending); returns the old row now in each slot.
 

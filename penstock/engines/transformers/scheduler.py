@@ -4,16 +4,19 @@ Why a scheduler of our own: transformers' ``ContinuousBatchingManager`` fixes it
 setup per manager (only temperature/top-k/top-p have per-request variants, and only when
 the manager's GenerationConfig enables them); it has no per-request seed, min-p,
 penalties, min_tokens, top logprobs or ``n``. This scheduler keeps the model's own forward
-and KV cache and adds what a server needs around them.
+and adds what a server needs around it; decode steps of Llama-architecture models run
+:mod:`.llama_decode` instead, the same logits with far less Python per step.
 
 Layout: every running sequence is one row of a batched :class:`.kv_cache.BatchKv`,
 right-aligned (left padding), so one decode step appends one column for all rows in
 place. Each row's real tokens are selected by an attention mask and its own position
-ids. Membership changes only at step boundaries: a new request is prefilled alone (so
-its first token does not depend on its neighbours), then its KV is written into a free
-row of the batch; a finished or cancelled sequence's row is given to another, and padding
-columns no row needs any more are trimmed. The buffers are released when the batch
-empties, or reallocated smaller when rows leave most of them unused.
+ids. Membership changes only at step boundaries: the requests admitted in a step are
+prefilled together, left-padded in one forward pass (a prompt's padding is masked out, so
+its first token depends on its neighbours only through the rounding of the matrix
+products, whose algorithm follows the batch's row count), then each one's KV is written
+into a free row of the batch; a finished or cancelled sequence's row is given to
+another, and padding columns no row needs any more are trimmed. The buffers are released
+when the batch empties, or reallocated smaller when rows leave most of them unused.
 
 With LoRA adapters loaded, each row names its adapter (or none) in the forward pass, so
 requests for different adapters and for the base model share one batch.
@@ -38,7 +41,8 @@ import torch
 from transformers import DynamicCache
 
 from penstock.engines.context import Context
-from penstock.engines.transformers.kv_cache import BatchKv
+from penstock.engines.transformers.kv_cache import BatchKv, KvPair
+from penstock.engines.transformers.llama_decode import LlamaDecoder
 from penstock.engines.transformers.lora import BASE_ROW
 from penstock.engines.transformers.sampling import (
     PenaltyState,
@@ -56,6 +60,8 @@ from penstock.metrics.forward_pass import (
 logger = logging.getLogger(__name__)
 
 KV_BLOCK_SIZE = 16
+# Prompts prefilled in one forward pass: at most this many tokens, padding included.
+PREFILL_BATCH_TOKENS = 2048
 # How often a thread with held or frozen requests re-checks them for cancellation.
 _HELD_POLL_S = 0.05
 
@@ -138,6 +144,9 @@ class BatchScheduler:
         # True while ``model`` is a peft wrapper: every forward pass then names each
         # row's adapter (set together with ``model``, under ``step_lock``).
         self.adapters_loaded = False
+        # Decode steps run this instead of ``model``'s forward when set and no adapter is
+        # loaded (see :mod:`.llama_decode`); set together with ``model``.
+        self.decoder: LlamaDecoder | None = None
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -381,9 +390,9 @@ class BatchScheduler:
                 if decode_rows:
                     self._decode(decode_rows, outbox)
                     self._send(outbox)
-                joined: list[tuple[Sequence, list[tuple[torch.Tensor, torch.Tensor]]]] = []
-                for submission in admitted:
-                    joined += self._prefill(submission, outbox)
+                joined: list[tuple[Sequence, list[KvPair]]] = []
+                for group in _prefill_groups(admitted):
+                    joined += self._prefill(group, outbox)
                     # Each first token leaves as soon as it exists: TTFT does not wait
                     # for the other prefills of this step.
                     self._send(outbox)
@@ -396,62 +405,102 @@ class BatchScheduler:
 
     def _decode(self, rows: list[Sequence], outbox: dict[Submission, list[Any]]) -> None:
         width = self._width
-        lengths = torch.tensor([seq.kv_length for seq in rows], device=self.device)
-        columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
-        attention_mask = (columns >= (width - lengths).unsqueeze(1)).long()
-        input_ids = torch.tensor([[seq.next_token] for seq in rows], device=self.device)
-        assert self._cache is not None
-        self._cache.reserve(1, limit=max(self._remaining(seq) for seq in rows))
-        output = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=lengths.unsqueeze(1),
-            cache=self._cache,
-            use_cache=True,
-            **self._adapter_names(seq.submission for seq in rows),
-        )
+        kv_lengths = [seq.kv_length for seq in rows]
+        lengths = torch.tensor(kv_lengths, device=self.device)
+        token_ids = torch.tensor([seq.next_token for seq in rows], device=self.device)
+        cache = self._cache
+        assert cache is not None
+        cache.reserve(1, limit=max(self._remaining(seq) for seq in rows))
+        if self.decoder is not None and not self.adapters_loaded:
+            attention_mask = None
+            if min(kv_lengths) < width:
+                columns = torch.arange(width + 1, device=self.device)
+                attention_mask = (columns >= (width - lengths).unsqueeze(1))[:, None, None, :]
+            logits = self.decoder.decode(token_ids, lengths, cache, attention_mask)
+        else:
+            columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
+            output = self.model(
+                input_ids=token_ids.unsqueeze(1),
+                attention_mask=(columns >= (width - lengths).unsqueeze(1)).long(),
+                position_ids=lengths.unsqueeze(1),
+                cache=cache,
+                use_cache=True,
+                **self._adapter_names(seq.submission for seq in rows),
+            )
+            logits = output.logits[:, -1, :]
         self._width = width + 1
         for seq in rows:
             seq.kv_length += 1
-        choices = choose_tokens(
-            output.logits[:, -1, :], [self._row(seq) for seq in rows], self._shared_generator
-        )
+        choices = choose_tokens(logits, [self._row(seq) for seq in rows], self._shared_generator)
         for seq, choice in zip(rows, choices, strict=True):
             self._accept(seq, choice, outbox)
 
     def _prefill(
-        self, submission: Submission, outbox: dict[Submission, list[Any]]
-    ) -> list[tuple[Sequence, list[tuple[torch.Tensor, torch.Tensor]]]]:
-        params = submission.params
-        submission.unfinished = params.n
-        sequences = [self._new_sequence(submission, i) for i in range(params.n)]
-        if submission.should_stop():
-            for seq in sequences:
-                self._finish(seq, "cancelled", outbox, last_chunk=None)
+        self, group: list[Submission], outbox: dict[Submission, list[Any]]
+    ) -> list[tuple[Sequence, list[KvPair]]]:
+        """Prefill ``group`` in one forward pass (see ``_prefill_groups``); returns the
+        sequences that go on decoding, each with its prompt's KV per layer."""
+        live: list[tuple[Submission, list[Sequence]]] = []
+        for submission in group:
+            submission.unfinished = submission.params.n
+            sequences = [self._new_sequence(submission, i) for i in range(submission.params.n)]
+            if submission.should_stop():
+                for seq in sequences:
+                    self._finish(seq, "cancelled", outbox, last_chunk=None)
+            else:
+                live.append((submission, sequences))
+        if not live:
             return []
-        prompt = torch.tensor([submission.prompt_ids], device=self.device)
-        if submission.embed is None:
-            inputs = {"input_ids": prompt}
+        submissions = [submission for submission, _ in live]
+        longest = max(len(s.prompt_ids) for s in submissions)
+        if len(live) == 1:
+            submission = submissions[0]
+            prompt = torch.tensor([submission.prompt_ids], device=self.device)
+            if submission.embed is None:
+                inputs: dict[str, Any] = {"input_ids": prompt}
+            else:
+                inputs = {"inputs_embeds": submission.embed(self.model, prompt)}
         else:
-            inputs = {"inputs_embeds": submission.embed(self.model, prompt)}
+            # Left padding: every prompt's last token is in the last column, where the
+            # logits are kept. Padding positions are masked out and their KV dropped.
+            ids = torch.zeros((len(live), longest), dtype=torch.long)
+            attention_mask = torch.zeros((len(live), longest), dtype=torch.long)
+            for row, submission in enumerate(submissions):
+                length = len(submission.prompt_ids)
+                ids[row, longest - length :] = torch.tensor(submission.prompt_ids)
+                attention_mask[row, longest - length :] = 1
+            positions = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
+            inputs = {
+                "input_ids": ids.to(self.device),
+                "attention_mask": attention_mask.to(self.device),
+                "position_ids": positions.to(self.device),
+            }
         output = self.model(
             **inputs,
             cache=DynamicCache(),
             use_cache=True,
             logits_to_keep=1,
-            **self._adapter_names([submission]),
-        )
-        layers = [(layer.keys, layer.values) for layer in output.cache.layers]
-        logits = output.logits[:, -1, :].expand(params.n, -1)
-        choices = choose_tokens(
-            logits, [self._row(seq) for seq in sequences], self._shared_generator
+            **self._adapter_names(submissions),
         )
         joined = []
-        for seq, choice in zip(sequences, choices, strict=True):
-            seq.kv_length = len(submission.prompt_ids)
-            self._accept(seq, choice, outbox)
-            if not seq.finished:
-                joined.append((seq, layers))
+        for row, (submission, sequences) in enumerate(live):
+            length = len(submission.prompt_ids)
+            layers = [
+                (
+                    layer.keys[row : row + 1, :, longest - length :],
+                    layer.values[row : row + 1, :, longest - length :],
+                )
+                for layer in output.cache.layers
+            ]
+            logits = output.logits[row : row + 1, -1, :].expand(len(sequences), -1)
+            choices = choose_tokens(
+                logits, [self._row(seq) for seq in sequences], self._shared_generator
+            )
+            for seq, choice in zip(sequences, choices, strict=True):
+                seq.kv_length = length
+                self._accept(seq, choice, outbox)
+                if not seq.finished:
+                    joined.append((seq, layers))
         return joined
 
     @staticmethod
@@ -566,9 +615,7 @@ class BatchScheduler:
             outbox.setdefault(submission, []).append(error)
             self._retire(submission)
 
-    def _rebuild_batch(
-        self, joined: list[tuple[Sequence, list[tuple[torch.Tensor, torch.Tensor]]]]
-    ) -> None:
+    def _rebuild_batch(self, joined: list[tuple[Sequence, list[KvPair]]]) -> None:
         """Drop finished rows, trim padding nobody needs, append newly prefilled rows."""
         keep = [i for i, seq in enumerate(self._running) if not seq.finished]
         if len(keep) == len(self._running) and not joined:
@@ -627,6 +674,33 @@ class BatchScheduler:
         self._counter += 1
         heartbeat = ForwardPassMetrics(worker_id=self.worker_id, counter_id=self._counter)
         self._on_forward_pass(heartbeat, self._usage_locked())
+
+
+def _prefill_groups(admitted: list[Submission]) -> list[list[Submission]]:
+    """``admitted`` in order, as the groups prefilled together.
+
+    Text prompts join the group before them while the padded batch stays within
+    ``PREFILL_BATCH_TOKENS``: one pass reads the weights once for all of them, and at
+    many rows the linear layers run as one large matrix product. A prompt with image
+    features is prefilled alone.
+    """
+    groups: list[list[Submission]] = []
+    longest = 0
+    for submission in admitted:
+        length = len(submission.prompt_ids)
+        group = groups[-1] if groups else None
+        if (
+            group is not None
+            and submission.embed is None
+            and group[0].embed is None
+            and (len(group) + 1) * max(longest, length) <= PREFILL_BATCH_TOKENS
+        ):
+            group.append(submission)
+            longest = max(longest, length)
+        else:
+            groups.append([submission])
+            longest = length
+    return groups
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

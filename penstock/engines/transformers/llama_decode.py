@@ -1,0 +1,179 @@
+"""A decode step for Llama-architecture models in plain tensor ops, over the batch's KV cache.
+
+Why: at one row on the CPU, a decode step of SmolLM2-135M reads ~142 MB of int8 weights
+(~13 ms), and transformers' forward adds ~9-12 ms of Python around it (module calls and
+their hooks, the attention interface lookup, mask creation, the cache classes, rotary
+embeddings recomputed per layer). This step computes the same thing with about thirty
+tensor ops a layer: the model's own parameters, read at every step (so weight updates,
+moves between devices and requantization are seen), the linear layers through the
+engine's own path (the CPU kernels of :mod:`.cpu_weights` where they apply), rotary
+embeddings from the model's own ``inv_freq`` once per step, keys and values written
+straight into the :class:`.kv_cache.BatchKv` column of this step, and a mask only when a
+row of the batch is shorter than the others.
+
+It is used only where it computes what the transformers forward does:
+:meth:`LlamaDecoder.for_model` returns None for anything else (other architectures, a
+peft wrapper, rope types whose frequencies depend on the length, registered hooks), and
+the scheduler then keeps calling the model. Prefill always runs the transformers forward.
+Nothing here is CPU-specific: on CUDA the linear layers are plain ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from penstock.engines.transformers.cpu_weights import row_linear
+from penstock.engines.transformers.kv_cache import BatchKv
+
+# Rope types whose frequencies do not depend on the sequence length (transformers'
+# ``dynamic_rope_update`` rewrites ``inv_freq`` per call for "dynamic" and "longrope").
+_STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+_SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.nn.Parameter
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    post_attention_norm: torch.nn.Parameter
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why :class:`LlamaDecoder` can't stand in for ``model``'s forward; None when it can."""
+    name = type(model).__name__
+    if name not in _SUPPORTED_ARCHITECTURES:
+        return f"{name} is not a supported architecture"
+    config = model.config
+    if config.hidden_act != "silu":
+        return f"activation {config.hidden_act!r}"
+    rope_type = getattr(model.model.rotary_emb, "rope_type", None)
+    if rope_type not in _STATIC_ROPE_TYPES:
+        return f"rope type {rope_type!r}"
+    if len(model.model.layers) != config.num_hidden_layers:
+        return "the model runs a subset of its layers"
+    for module in model.modules():
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"{type(module).__name__} has forward hooks"
+    return None
+
+
+class LlamaDecoder:
+    """One decode step of a ``LlamaForCausalLM``: logits of each row's next token."""
+
+    def __init__(self, model: Any, *, max_rows: int) -> None:
+        config = model.config
+        body = model.model
+        self.hidden_size = int(config.hidden_size)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or self.hidden_size // self.heads)
+        self.scaling = self.head_dim**-0.5
+        self.eps = float(config.rms_norm_eps)
+        self._embed = body.embed_tokens.forward
+        self._rotary = body.rotary_emb
+        self._final_norm = body.norm.weight
+        self._lm_head = row_linear(model.lm_head, max_rows)
+        self._layers = [
+            _Layer(
+                input_norm=layer.input_layernorm.weight,
+                q=row_linear(layer.self_attn.q_proj, max_rows),
+                k=row_linear(layer.self_attn.k_proj, max_rows),
+                v=row_linear(layer.self_attn.v_proj, max_rows),
+                o=row_linear(layer.self_attn.o_proj, max_rows),
+                post_attention_norm=layer.post_attention_layernorm.weight,
+                gate=row_linear(layer.mlp.gate_proj, max_rows),
+                up=row_linear(layer.mlp.up_proj, max_rows),
+                down=row_linear(layer.mlp.down_proj, max_rows),
+            )
+            for layer in body.layers
+        ]
+
+    @classmethod
+    def for_model(cls, model: Any, *, max_rows: int) -> LlamaDecoder | None:
+        """A decoder for ``model``, or None when it must keep its own forward."""
+        if unsupported_reason(model) is not None:
+            return None
+        return cls(model, max_rows=max_rows)
+
+    def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' LlamaRMSNorm, op for op: the same rounding as the model's forward.
+        dtype = hidden.dtype
+        wide = hidden if dtype == torch.float32 else hidden.float()
+        variance = wide.pow(2).mean(-1, keepdim=True)
+        wide = wide * torch.rsqrt(variance + self.eps)
+        return weight * (wide if dtype == torch.float32 else wide.to(dtype))
+
+    def _rotation(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` shaped ``[rows, 1, head_dim]``; ``sin``'s first half negated.
+
+        transformers rotates ``x`` into ``x * cos + rotate_half(x) * sin`` with
+        ``rotate_half(x) = cat(-x2, x1)``; ``roll(x) * signed_sin`` is the same product
+        (a sign moved between factors is exact) in one op instead of four.
+        """
+        rotary = self._rotary
+        inv_freq = rotary.inv_freq
+        freqs = positions[:, None].float() * inv_freq.to(device=positions.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos = angles.cos() * rotary.attention_scaling
+        sin = angles.sin() * rotary.attention_scaling
+        half = self.head_dim // 2
+        sin[:, :half].neg_()
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+    def decode(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: BatchKv,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` after feeding each row's token at its position.
+
+        ``cache`` must have room for one more column (``BatchKv.reserve``); this step's
+        keys and values are written into it. ``attention_mask``: None when every row
+        uses every column, else ``[rows, 1, 1, columns + 1]`` booleans, True where a row
+        attends.
+        """
+        rows = token_ids.shape[0]
+        hidden = self._embed(token_ids)
+        cos, sin = self._rotation(positions, hidden.dtype)
+        half = self.head_dim // 2
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        group = heads // kv_heads
+        for index, layer in enumerate(self._layers):
+            normed = self._norm(hidden, layer.input_norm)
+            query = layer.q(normed).view(rows, heads, head_dim)
+            key = layer.k(normed).view(rows, kv_heads, head_dim)
+            value = layer.v(normed).view(rows, kv_heads, head_dim)
+            key_slot, value_slot, keys, values = cache.decode_column(index)
+            torch.add(key * cos, key.roll(half, -1) * sin, out=key_slot)
+            value_slot.copy_(value)
+            query = query * cos + query.roll(half, -1) * sin
+            # transformers' ``pack_gqa``: the query heads sharing a KV head become that
+            # head's queries, so attention reads the cache without repeating it.
+            attended = F.scaled_dot_product_attention(
+                query.view(rows, kv_heads, group, head_dim),
+                keys,
+                values,
+                attn_mask=attention_mask,
+                scale=self.scaling,
+            )
+            hidden = hidden + layer.o(attended.view(rows, heads * head_dim))
+            normed = self._norm(hidden, layer.post_attention_norm)
+            hidden = hidden + layer.down(F.silu(layer.gate(normed)) * layer.up(normed))
+        return self._lm_head(self._norm(hidden, self._final_norm))
