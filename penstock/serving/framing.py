@@ -38,7 +38,7 @@ class ChunkEncoder:
         head = orjson.dumps({"id": response_id, "object": obj, "created": created, "model": model})
         self._head = b"data: " + head[:-1] + b',"choices":'
         self._version_tails: dict[str | None, bytes] = {}
-        self._text_choices: dict[int, tuple[bytes, bytes]] = {}
+        self._text_choices: dict[tuple[int, str | None], tuple[bytes, bytes]] = {}
 
     def frame(
         self,
@@ -60,13 +60,15 @@ class ChunkEncoder:
     ) -> bytes:
         """``frame([choice], weight_version)`` for a choice that differs from
         ``template(index)`` only in its text, where the template holds :data:`TEXT_SLOT`:
-        the choice's other bytes are encoded once per index, the text alone per chunk."""
-        around = self._text_choices.get(index)
+        the frame's other bytes are encoded once per index and weight version, the text
+        alone per chunk."""
+        around = self._text_choices.get((index, weight_version))
         if around is None:
             before, _, after = orjson.dumps([template(index)]).partition(_ENCODED_TEXT_SLOT)
-            around = self._text_choices[index] = (self._head + before, after)
+            after += self._version_tail(weight_version) + b"}\n\n"
+            around = self._text_choices[(index, weight_version)] = (self._head + before, after)
         before, after = around
-        return before + orjson.dumps(text) + after + self._version_tail(weight_version) + b"}\n\n"
+        return before + orjson.dumps(text) + after
 
     def _version_tail(self, weight_version: str | None) -> bytes:
         tail = self._version_tails.get(weight_version)

@@ -138,20 +138,25 @@ async def _stream(plan: ResponsePlan) -> Response:
         try:
             version = generations[-1].weight_version
             opening = [encoder.frame([item], version) for item in fmt.prelude(generations)]
-            delta = first
+            # ``__anext__`` rather than ``anext(deltas, None)``: no wrapper per chunk.
+            next_delta = deltas.__anext__
             try:
                 # The first delta is at hand: it leaves in the prelude's write.
-                frame = b"".join(opening) + (encode(delta) if delta is not None else b"")
-                while delta is not None:
+                frame = b"".join(opening) + (encode(first) if first is not None else b"")
+                more = first is not None
+                while True:
                     if frame:
                         yield frame
-                    if deadline is None:
-                        delta = await anext(deltas, None)
-                    else:
-                        delta = await deadline.within(anext(deltas, None))
-                    frame = encode(delta) if delta is not None else b""
-                if frame:
-                    yield frame
+                    if not more:
+                        break
+                    try:
+                        if deadline is None:
+                            delta = await next_delta()
+                        else:
+                            delta = await deadline.within(next_delta())
+                    except StopAsyncIteration:
+                        break
+                    frame = encode(delta)
             finally:
                 if deadline is not None:
                     deadline.close()
