@@ -9,6 +9,7 @@ nothing, so engines can call them unconditionally."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import secrets
 import uuid
@@ -19,7 +20,10 @@ from typing import Any, Protocol
 _TRACEPARENT_VERSION = "00"
 
 
+@functools.cache
 def tracing_enabled() -> bool:
+    """Read once per process: a context is made per request, and a lookup of a variable
+    that isn't set costs a few microseconds each time."""
     return os.environ.get("OTEL_EXPORT_ENABLED", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
