@@ -15,6 +15,8 @@ import pytest
 from tests.support.server import ServerProcess, running_server
 
 TIMEOUT_S = 1.0
+# The server's event loop keeps time in whole milliseconds: a timer may fire that much early.
+EARLIEST_S = TIMEOUT_S - 0.01
 MAX_CONNECTIONS = 60
 SLOW_CLIENTS = 50
 
@@ -78,7 +80,7 @@ def test_clients_that_never_finish_their_headers_are_closed_and_others_served(
     assert all(answer.startswith(b"HTTP/1.1 408 ") for answer in answers)
     assert envelope(answers[0])["code"] == "header_timeout"
     assert [read_until_closed(sock) for sock in silent] == [b""] * len(silent)
-    assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 8
+    assert EARLIEST_S <= time.monotonic() - started < TIMEOUT_S + 8
     assert httpx.get(f"{server.base_url}/v1/models").status_code == 200
 
 
@@ -105,7 +107,7 @@ def test_a_stalled_body_gets_408_and_is_closed(server: ServerProcess) -> None:
     answer = read_until_closed(connect(server, head + b'{"model": "sam'))
     assert answer.startswith(b"HTTP/1.1 408 ")
     assert envelope(answer)["code"] == "body_timeout"
-    assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 8
+    assert EARLIEST_S <= time.monotonic() - started < TIMEOUT_S + 8
     assert httpx.get(f"{server.base_url}/v1/models").status_code == 200
     # The access line shows what the client got.
     assert "POST /v1/completions 408 " in server.log()
@@ -116,7 +118,7 @@ def test_an_idle_kept_alive_connection_is_closed(server: ServerProcess) -> None:
     started = time.monotonic()
     answer = read_until_closed(sock)
     assert answer.startswith(b"HTTP/1.1 200 ")
-    assert TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 8
+    assert EARLIEST_S <= time.monotonic() - started < TIMEOUT_S + 8
 
 
 def test_a_kept_alive_connection_never_waits_for_a_delayed_ack(server: ServerProcess) -> None:
