@@ -927,7 +927,7 @@ class TransformersEngine(LLMEngine):
                     live[name].copy_(tensor)
 
         await asyncio.to_thread(put_back)
-        self._weights_changed()
+        await self._weights_changed()
         self.weight_version, self._weights_source = version, source
 
     async def _update_weight_version(self, body: Body) -> Body:

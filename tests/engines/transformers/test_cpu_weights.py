@@ -205,6 +205,29 @@ async def test_int8_weights_follow_a_weight_update_and_a_deep_sleep(
         await engine.cleanup()
 
 
+async def test_int8_weights_come_back_with_a_restored_snapshot(
+    kernel: None, bf16_dir: Path, other_bf16_dir: Path
+) -> None:
+    """A fleet's rollback puts the previous weights back: the int8 copy must follow them."""
+    engine = await start_engine(bf16_dir, "--cpu-weight-dtype", "int8")
+    try:
+        before = await tokens(engine, greedy(PROMPTS[0], max_tokens=16))
+        await engine.engine_control("pause_generation", {"mode": "wait"})
+        snapshot = await engine.weights_snapshot()
+        reply = await engine.engine_update(
+            "update_weights_from_disk", {"model_path": str(other_bf16_dir)}
+        )
+        assert reply["status"] == "ok"
+        await engine.engine_control("resume_generation", {})
+        assert await tokens(engine, greedy(PROMPTS[0], max_tokens=16)) != before
+        await engine.engine_control("pause_generation", {"mode": "wait"})
+        await engine.restore_weights_snapshot(snapshot)
+        await engine.engine_control("resume_generation", {})
+        assert await tokens(engine, greedy(PROMPTS[0], max_tokens=16)) == before
+    finally:
+        await engine.cleanup()
+
+
 async def test_int8_weights_agree_with_float32_on_smollm2(kernel: None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
