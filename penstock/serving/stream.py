@@ -107,6 +107,9 @@ async def _stream(plan: ResponsePlan) -> Response:
     continuous_usage = bool(options and options.continuous_usage_stats)
     deltas = _deltas(generations)
     deadline = plan.deadline
+    # ``frames`` takes what it needs from the plan, not the plan: the request body it holds
+    # is not kept for the length of the stream.
+    uploader = plan.uploader
     # Wait for the engine's first output before committing to 200, so errors the engine
     # raises at once (bad parameters) and a deadline passing in the queue still get their
     # real status.
@@ -139,7 +142,7 @@ async def _stream(plan: ResponsePlan) -> Response:
                 # A deadline can end the loop between waits, with the engine request still
                 # open: close it now rather than whenever the generator is collected.
                 await deltas.aclose()
-            await _upload_metadata(plan)
+            await _upload_metadata(generations, uploader)
             if include_usage:
                 yield encoder.frame([], generations[-1].weight_version, usage(generations))
             yield DONE_FRAME
@@ -157,7 +160,7 @@ async def _fold(plan: ResponsePlan) -> dict[str, Any]:
     generations = plan.generations
     async for _ in _deltas(generations):
         pass
-    await _upload_metadata(plan)
+    await _upload_metadata(generations, plan.uploader)
     fmt = plan.format
     response: dict[str, Any] = {
         "id": plan.response_id,
@@ -185,6 +188,8 @@ def _deltas(generations: list[Generation]) -> AsyncGenerator[Delta, None]:
     return merge([generation.deltas() for generation in generations])
 
 
-async def _upload_metadata(plan: ResponsePlan) -> None:
-    for generation in plan.generations:
-        await generation.upload_metadata(plan.uploader)
+async def _upload_metadata(
+    generations: list[Generation], uploader: MetadataUploader | None
+) -> None:
+    for generation in generations:
+        await generation.upload_metadata(uploader)
