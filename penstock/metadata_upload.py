@@ -10,6 +10,8 @@ The gateway never lets a client pick the destination: it reads the request's ``u
 key relative to the operator's root (``--metadata-upload-url``) and builds the uploader
 with :func:`under_root`, whose :func:`upload_key` check keeps every accepted key strictly
 inside that root.
+
+msgpack and zstandard are imported with the first upload: most servers never upload.
 """
 
 from __future__ import annotations
@@ -20,9 +22,6 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import msgpack
-import zstandard
 
 from penstock.settings import local_path
 
@@ -116,6 +115,9 @@ def normalize(value: Any) -> Any:
 
 
 def encode_metadata(metadata: Mapping[str, Any]) -> bytes:
+    import msgpack
+    import zstandard
+
     packed = msgpack.packb(
         {"schema_version": SCHEMA_VERSION, "metadata": normalize(metadata)}, use_bin_type=True
     )
@@ -124,6 +126,9 @@ def encode_metadata(metadata: Mapping[str, Any]) -> bytes:
 
 def decode_metadata(blob: bytes) -> dict[str, Any]:
     """Inverse of :func:`encode_metadata` (tensors stay in their dict form)."""
+    import msgpack
+    import zstandard
+
     return msgpack.unpackb(zstandard.ZstdDecompressor().decompress(blob), raw=False)
 
 

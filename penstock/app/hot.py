@@ -75,10 +75,12 @@ class HotRoute:
         request = Request(scope, receive, send)
         try:
             check_inference_key(request, scope["path"], self.settings)
-            body = self._validate(await self._parse(request))
-            response = await self.endpoint(body, request)
+            response = await self.endpoint(self._validate(await self._parse(request)), request)
         except Exception as exc:
             response = await handle_error(request, exc)
+        # Neither the request nor its body (raw and validated) is needed while the response
+        # streams; an open stream keeps only what its response holds.
+        del request
         await response(scope, receive, send)
 
     async def _parse(self, request: Request) -> Any:

@@ -85,7 +85,7 @@ class HealthStatus:
     checked_at: float | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _RequestMarks:
     """What the host has done for one request, so ``abort`` runs at most once."""
 

@@ -4,16 +4,17 @@ Connections are pinned by wrapping httpcore's network backend: its ``connect_tcp
 the host name of the URL and connects to an address from
 :func:`~penstock.http.base.connect_addresses` instead; TLS is then started by httpcore
 with the host name, so certificates are still checked against it.
+
+httpx is imported with the first fetch, not with the server: it brings httpcore, h11, and
+(through its command line) rich and pygments, about 5 MB that most servers never use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
-
-import httpcore
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from penstock.errors import HttpConnectionError
 from penstock.http.base import (
@@ -27,9 +28,28 @@ from penstock.http.base import (
 )
 from penstock.http.urls import UrlValidationPolicy
 
+if TYPE_CHECKING:
+    import httpcore
+    import httpx
 
-class _PinnedBackend(httpcore.AsyncNetworkBackend):
+
+@functools.cache
+def _library_errors() -> BackendErrors:
+    import httpx
+
+    return BackendErrors(
+        timeout=(httpx.TimeoutException,),
+        too_many_redirects=(httpx.TooManyRedirects,),
+        invalid_url=(httpx.InvalidURL, httpx.UnsupportedProtocol),
+    )
+
+
+class _PinnedBackend:
+    """An ``httpcore.AsyncNetworkBackend`` (httpcore calls these three methods only)."""
+
     def __init__(self, fallback: UrlValidationPolicy) -> None:
+        import httpcore
+
         self._inner = httpcore.AnyIOBackend()
         self._fallback = fallback
 
@@ -41,6 +61,8 @@ class _PinnedBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
+        import httpcore
+
         addresses = await connect_addresses(host, port, self._fallback)
         last: Exception | None = None
         for address in addresses:
@@ -63,19 +85,19 @@ class _PinnedBackend(httpcore.AsyncNetworkBackend):
 class HttpxClient(HttpClient):
     """httpx-backed concrete client."""
 
-    _errors = BackendErrors(
-        timeout=(httpx.TimeoutException,),
-        too_many_redirects=(httpx.TooManyRedirects,),
-        invalid_url=(httpx.InvalidURL, httpx.UnsupportedProtocol),
-    )
-
     def __init__(self, config: HttpConfigBase | None = None) -> None:
         super().__init__(config)
         self._clients: dict[object, httpx.AsyncClient] = {}
 
+    @property  # type: ignore[override]
+    def _errors(self) -> BackendErrors:
+        return _library_errors()
+
     def _client(self, pool_key: object) -> httpx.AsyncClient:
         client = self._clients.get(pool_key)
         if client is None:
+            import httpx
+
             config = self.config
             limits = httpx.Limits(
                 max_connections=config.max_connections,
@@ -101,6 +123,8 @@ class HttpxClient(HttpClient):
         follow_redirects: bool,
         read_timeout: float | None,
     ) -> AsyncIterator[Response]:
+        import httpx
+
         timeout = httpx.Timeout(None, connect=self.config.connect_timeout, read=read_timeout)
         client = self._client(pool_key)
         request = client.build_request("GET", url, timeout=timeout)

@@ -37,6 +37,20 @@ _FLUSH_EVERY = 64
 class Generation:
     """One engine request: drives ``host.generate`` and keeps per-choice state and usage."""
 
+    __slots__ = (
+        "cached_tokens",
+        "choices",
+        "context",
+        "deadline",
+        "endpoint",
+        "gateway",
+        "model",
+        "prompt_tokens",
+        "request",
+        "streaming",
+        "weight_version",
+    )
+
     def __init__(
         self,
         gateway: Gateway,

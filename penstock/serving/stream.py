@@ -113,6 +113,9 @@ async def _stream(plan: ResponsePlan) -> Response:
     text_choice = getattr(fmt, "text_choice", None)
     deltas = _deltas(generations)
     deadline = plan.deadline
+    # ``frames`` takes what it needs from the plan, not the plan: the request body it holds
+    # is not kept for the length of the stream.
+    uploader = plan.uploader
     # Wait for the engine's first output before committing to 200, so errors the engine
     # raises at once (bad parameters) and a deadline passing in the queue still get their
     # real status.
@@ -163,7 +166,7 @@ async def _stream(plan: ResponsePlan) -> Response:
                 # A deadline can end the loop between waits, with the engine request still
                 # open: close it now rather than whenever the generator is collected.
                 await deltas.aclose()
-            await _upload_metadata(plan)
+            await _upload_metadata(generations, uploader)
             if include_usage:
                 yield encoder.frame([], generations[-1].weight_version, usage(generations))
             yield DONE_FRAME
@@ -181,7 +184,7 @@ async def _fold(plan: ResponsePlan) -> dict[str, Any]:
     generations = plan.generations
     async for _ in _deltas(generations):
         pass
-    await _upload_metadata(plan)
+    await _upload_metadata(generations, plan.uploader)
     fmt = plan.format
     response: dict[str, Any] = {
         "id": plan.response_id,
@@ -209,6 +212,8 @@ def _deltas(generations: list[Generation]) -> AsyncGenerator[Delta, None]:
     return merge([generation.deltas() for generation in generations])
 
 
-async def _upload_metadata(plan: ResponsePlan) -> None:
-    for generation in plan.generations:
-        await generation.upload_metadata(plan.uploader)
+async def _upload_metadata(
+    generations: list[Generation], uploader: MetadataUploader | None
+) -> None:
+    for generation in generations:
+        await generation.upload_metadata(uploader)
