@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from fastapi import Depends, FastAPI
@@ -14,6 +14,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.telemetry import TelemetryConfig
 from prometheus_fastapi_instrumentator.routing import get_route_name
 from starlette.requests import Request
+from starlette.types import ASGIApp
 
 from penstock import __version__
 from penstock.app.handlers import install_error_handlers
@@ -106,6 +107,27 @@ def open_media_service(gateway: Gateway) -> MediaService | None:
     return media
 
 
+class GatewayApp(FastAPI):
+    """FastAPI inside Penstock's middlewares rather than around them.
+
+    FastAPI wraps its routes in layers of its own (the server-error page, its telemetry
+    and body limit, the exception handlers); here Penstock's middlewares
+    (:attr:`middlewares`) go around all of that, so the hot inference routes, which the
+    innermost of them serves, pass none of FastAPI's layers: a coroutine frame fewer per
+    layer on every chunk, about 2 kB less per open stream. Every other route goes through
+    FastAPI's layers as before. An exception a hot route lets escape after its response
+    began ends the connection as the server ends any failed response.
+    """
+
+    middlewares: Callable[[ASGIApp], ASGIApp] | None = None
+
+    def build_middleware_stack(self) -> ASGIApp:
+        fastapi_layers = super().build_middleware_stack()
+        if self.middlewares is None:
+            return fastapi_layers
+        return self.middlewares(fastapi_layers)
+
+
 _NO_FASTAPI_TELEMETRY: TelemetryConfig = {
     "tracing": False,
     "metrics": False,
@@ -144,7 +166,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     # FastAPI's own doc pages skip the app's dependencies, so unless they are public the
     # same pages are added as ordinary routes, which the inference key guards.
     public = settings.public_docs
-    app = FastAPI(
+    app = GatewayApp(
         title="Penstock",
         version=__version__,
         lifespan=lifespan,
@@ -175,32 +197,34 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.include_router(vllm_compat.router)
     app.include_router(videos.router)
     app.include_router(images.router)
-    # Innermost: the hot inference routes skip FastAPI's routing, not the middlewares.
-    app.add_middleware(
-        HotRoutes,
-        routes=hot_routes(
-            [*chat.router.routes, *completions.router.routes, *generate.router.routes], settings
-        ),
+    hot = hot_routes(
+        [*chat.router.routes, *completions.router.routes, *generate.router.routes], settings
     )
     tracing = active_tracing()
-    if tracing is not None:
-        # Inside the gateway middleware: the request id is known when the span starts.
-        from penstock.tracing.otel import TracingMiddleware
 
-        app.add_middleware(
-            TracingMiddleware,
-            tracing=tracing,
-            skip_paths=ALWAYS_OPEN_PATHS,
-            weight_version=lambda: gateway.weight_version,
+    def middlewares(fastapi_layers: ASGIApp) -> ASGIApp:
+        # Innermost: the hot inference routes, served without any of FastAPI's layers.
+        wrapped: ASGIApp = HotRoutes(fastapi_layers, routes=hot)
+        if tracing is not None:
+            # Inside the gateway middleware: the request id is known when the span starts.
+            from penstock.tracing.otel import TracingMiddleware
+
+            wrapped = TracingMiddleware(
+                wrapped,
+                tracing=tracing,
+                skip_paths=ALWAYS_OPEN_PATHS,
+                weight_version=lambda: gateway.weight_version,
+            )
+        wrapped = GatewayMiddleware(
+            wrapped,
+            gateway=gateway,
+            always_open_paths=ALWAYS_OPEN_PATHS,
+            open_requests=app.state.open_requests,
         )
-    app.add_middleware(
-        GatewayMiddleware,
-        gateway=gateway,
-        always_open_paths=ALWAYS_OPEN_PATHS,
-        open_requests=app.state.open_requests,
-    )
-    # Outermost, so refusals of the gateway middleware (413, 503 while draining) count too.
-    app.add_middleware(HttpMetricsMiddleware, registry=gateway.metrics.registry)
+        # Outermost, so refusals of the gateway middleware (413, 503 while draining) count.
+        return HttpMetricsMiddleware(wrapped, registry=gateway.metrics.registry)
+
+    app.middlewares = middlewares
     return app
 
 
