@@ -161,6 +161,26 @@ def test_int8_kernel_matches_the_dequantized_matmul(kernel: None, rows: int) -> 
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
+# Beyond 8 rows the kernel widens 4 weight rows at a time for all rows of x, and inputs
+# wider than 640 in several passes: widths of one, two (704) and three (1536) passes, and
+# 37 outputs, so that one is left over after the groups of 4.
+@pytest.mark.parametrize("rows", [9, 16, 39, 64])
+@pytest.mark.parametrize("width", [128, 704, 1536])
+def test_int8_kernel_matches_the_dequantized_matmul_at_batch_sizes(
+    kernel: None, rows: int, width: int
+) -> None:
+    torch.manual_seed(rows * width)
+    x = torch.randn(rows, width)
+    layer = cpu_weights.Bf16WeightLinear(width, 37, bias=False)
+    layer.weight.data = (torch.randn(37, width) * width**-0.5).bfloat16()
+    cpu_weights.pack_model(torch.nn.Sequential(layer), int8=True)
+    assert isinstance(layer, cpu_weights.Int8WeightLinear)
+    expected = F.linear(x, cpu_weights.dequantize_int8(layer.int8_weight, layer.int8_scales))
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+    decode_linear = cpu_weights.row_linear(layer, max_rows=64)
+    torch.testing.assert_close(decode_linear(x), expected, atol=1e-5, rtol=1e-5)
+
+
 async def test_int8_weights_decode_the_same_alone_and_in_a_mixed_batch(
     kernel: None, bf16_dir: Path
 ) -> None:
