@@ -1,0 +1,153 @@
+"""Penstock's own CPU per request and per token, without sockets or a client.
+
+Builds the server's ASGI app around the sample engine (``--delay 0``) in this process and
+calls it with ASGI messages: what is left is Penstock's Python (middlewares, parsing,
+preprocessing, the engine host, detokenizing, chunk encoding), none of the HTTP parsing,
+socket writes or load generator that ``streaming_cost.py`` measures along with it. CPU
+time of the process, median of ``--rounds``; with ``--before`` the rounds alternate with
+a second tree, run from its own folder.
+
+    .venv/bin/python bench/asgi_cost.py
+    .venv/bin/python bench/asgi_cost.py --before /tmp/penstock-before --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+HERE = Path(__file__).resolve().parent
+# (name, streamed, concurrency, requests, tokens per request)
+SCENARIOS = [
+    ("stream 32 x 512", True, 32, 320, 512),
+    ("stream 256 x 64", True, 256, 2048, 64),
+    ("non-streaming 16 tokens", False, 1, 3000, 16),
+]
+
+
+def _scope(body: bytes) -> dict[str, Any]:
+    path = "/v1/chat/completions"
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"penstock"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+        "state": {},
+    }
+
+
+async def _request(app: Any, body: bytes) -> None:
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start" and message["status"] != 200:
+            raise RuntimeError(f"HTTP {message['status']}")
+
+    await app(_scope(body), receive, send)
+
+
+async def _measure(streamed: bool, concurrency: int, requests: int, tokens: int) -> float:
+    """CPU microseconds per request of one scenario."""
+    from penstock.app.factory import create_app
+    from penstock.app.middleware import WireSend
+    from penstock.app.server import build_gateway
+    from penstock.settings import Settings
+
+    settings = Settings(engine="sample", engine_args=["--delay", "0", "--max-tokens", "16"])
+    gateway = await build_gateway(settings)
+    app = create_app(gateway)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    body = orjson.dumps(
+        {"model": "sample-model", "messages": messages, "max_tokens": tokens, "stream": streamed}
+    )
+    try:
+        async with app.router.lifespan_context(app):
+            wired = WireSend(app)
+            for _ in range(50):
+                await _request(wired, body)
+
+            async def worker(count: int) -> None:
+                for _ in range(count):
+                    await _request(wired, body)
+
+            started = time.process_time()
+            await asyncio.gather(*(worker(requests // concurrency) for _ in range(concurrency)))
+            used = time.process_time() - started
+    finally:
+        await gateway.host.cleanup()
+    return used / (requests // concurrency * concurrency) * 1e6
+
+
+def _child(index: int) -> None:
+    import uvloop
+
+    # The access line is written as the server writes it, to a discarded stream.
+    logging.basicConfig(level=logging.INFO, stream=open(os.devnull, "w"))
+    _, streamed, concurrency, requests, tokens = SCENARIOS[index]
+    print(uvloop.run(_measure(streamed, concurrency, requests, tokens)))
+
+
+def _run(tree: Path, index: int) -> float:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    argv = [sys.executable, str(HERE / "asgi_cost.py"), "--scenario", str(index)]
+    done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repo", type=Path, default=HERE.parent, help="the Penstock to run")
+    parser.add_argument("--before", type=Path, default=None, help="a second tree, run beside")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--scenario", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.scenario is not None:
+        _child(args.scenario)
+        return
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    print(f"{time.strftime('%Y-%m-%d %H:%M')}  load avg {load}")
+    trees = [("now", args.repo)] + ([("before", args.before)] if args.before else [])
+    for index, (name, _, _, _, tokens) in enumerate(SCENARIOS):
+        results: dict[str, list[float]] = {label: [] for label, _ in trees}
+        for _ in range(args.rounds):
+            for label, tree in trees:
+                results[label].append(_run(tree, index))
+        print(f"\n{name}: CPU us per request (per token)")
+        for label, values in results.items():
+            median = statistics.median(values)
+            rounds = ", ".join(f"{value:.1f}" for value in values)
+            print(f"  {label:7s} {median:8.1f} ({median / tokens:.2f})  rounds {rounds}")
+
+
+if __name__ == "__main__":
+    main()
