@@ -1,0 +1,73 @@
+"""What a server that only streams text leaves unimported (each costs idle memory)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from tests.support.server import REPO_ROOT
+
+# Imported where a media fetch, a metadata upload, a job store, a media store or an image
+# first needs them.
+ON_FIRST_USE = ["httpx", "httpcore", "msgpack", "zstandard", "sqlalchemy", "fsspec", "PIL"]
+
+
+def test_a_text_server_imports_none_of_what_only_media_or_uploads_need() -> None:
+    code = f"""
+        import asyncio, json, sys
+        from penstock.app.cli import main as _cli
+        from penstock.app.factory import create_app
+        from penstock.app.middleware import WireSend
+        from penstock.app.server import build_gateway
+        from penstock.settings import Settings
+
+        async def chat(app) -> int:
+            body = json.dumps(
+                {{"model": "sample-model", "stream": True, "max_tokens": 4,
+                  "messages": [{{"role": "user", "content": "hi"}}]}}
+            ).encode()
+            scope = {{
+                "type": "http", "asgi": {{"version": "3.0"}}, "http_version": "1.1",
+                "method": "POST", "scheme": "http", "path": "/v1/chat/completions",
+                "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
+                "headers": [(b"content-type", b"application/json")],
+                "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {{}},
+            }}
+            messages = [{{"type": "http.request", "body": body, "more_body": False}}]
+            statuses = []
+
+            async def receive():
+                if messages:
+                    return messages.pop()
+                await asyncio.Event().wait()
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+
+            await WireSend(app)(scope, receive, send)
+            return statuses[0]
+
+        async def main() -> None:
+            gateway = await build_gateway(Settings(engine="sample"))
+            app = create_app(gateway)
+            try:
+                async with app.router.lifespan_context(app):
+                    assert await chat(app) == 200
+            finally:
+                await gateway.host.cleanup()
+
+        asyncio.run(main())
+        print(json.dumps(sorted({{m.split(".")[0] for m in sys.modules}} & set({ON_FIRST_USE!r}))))
+        """
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
