@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
-from tests.support.server import REPO_ROOT
+from tests.support.snippet import run_snippet
 
 # Imported where a media fetch, a metadata upload, a job store, a media store or an image
 # first needs them.
@@ -61,13 +57,6 @@ def test_a_text_server_imports_none_of_what_only_media_or_uploads_need() -> None
         asyncio.run(main())
         print(json.dumps(sorted({{m.split(".")[0] for m in sys.modules}} & set({ON_FIRST_USE!r}))))
         """
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
-        timeout=120,
-    )
+    result = run_snippet(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import httpx
@@ -16,7 +13,7 @@ from penstock.media.records import IN_PROGRESS, VideoJob
 from penstock.media.service import INTERRUPTED_REASON, MediaService
 from penstock.settings import Settings
 from tests.support.inprocess import LOOPBACK_CLIENT, asgi_client, start_gateway
-from tests.support.server import REPO_ROOT
+from tests.support.snippet import run_snippet
 
 
 def left_running(db_path: Path) -> str:
@@ -114,14 +111,7 @@ def test_a_server_without_media_imports_no_sqlalchemy_and_opens_no_job_database(
         asyncio.run(main())
         print(sorted(m for m in sys.modules if m.split(".")[0] == "sqlalchemy"))
         """
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
-        timeout=120,
-    )
+    result = run_snippet(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
     assert not list(tmp_path.rglob("*.sqlite3"))

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import secrets
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.server import REPO_ROOT, start_server
+from tests.support.server import start_server
+from tests.support.snippet import run_snippet
 
 trace_service_pb2 = pytest.importorskip(
     "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
@@ -229,21 +227,10 @@ def test_admin_operations_get_a_span_each_and_probes_none(traced: Traced) -> Non
     assert not [s for s in traced.spans if s.attributes.get("url.path") == "/health"]
 
 
-def _run(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
-        timeout=120,
-    )
-
-
 def test_tracing_off_imports_nothing_of_opentelemetry() -> None:
     """FastAPI itself imports the OpenTelemetry API; a request served with tracing off adds
     no OpenTelemetry module to those, nor penstock's exporter side."""
-    result = _run(
+    result = run_snippet(
         """
         import asyncio, sys
         import fastapi
@@ -269,7 +256,7 @@ def test_tracing_off_imports_nothing_of_opentelemetry() -> None:
 
 
 def test_a_missing_tracing_extra_stops_the_start_in_one_line() -> None:
-    result = _run(
+    result = run_snippet(
         """
         import sys
         sys.modules["opentelemetry.sdk"] = None  # as if opentelemetry-sdk were not installed
@@ -284,7 +271,7 @@ def test_a_missing_tracing_extra_stops_the_start_in_one_line() -> None:
 
 
 def test_a_bad_endpoint_is_refused_naming_it(tmp_path: Path) -> None:
-    result = _run(
+    result = run_snippet(
         """
         import sys
         from penstock.app.cli import main
