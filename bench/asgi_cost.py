@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import statistics
 import subprocess
@@ -111,8 +110,13 @@ async def _measure(streamed: bool, concurrency: int, requests: int, tokens: int)
 def _child(index: int) -> None:
     import uvloop
 
-    # The access line is written as the server writes it, to a discarded stream.
-    logging.basicConfig(level=logging.INFO, stream=open(os.devnull, "w"))
+    from penstock.app.logs import configure_logging
+
+    # Log lines (the access line of every request) are written as `penstock serve` writes
+    # them, to a discarded stream in place of standard error.
+    stderr, sys.stderr = sys.stderr, open(os.devnull, "w")
+    configure_logging("info", "text")
+    sys.stderr = stderr
     _, streamed, concurrency, requests, tokens = SCENARIOS[index]
     print(uvloop.run(_measure(streamed, concurrency, requests, tokens)))
 
