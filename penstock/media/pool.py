@@ -65,9 +65,6 @@ class WorkerPool:
     def running(self) -> int:
         return len(self._running)
 
-    def is_running(self, key: str) -> bool:
-        return key in self._running
-
     def withdraw(self, key: str) -> bool:
         """Take a waiting item out of the queue; False if it is not waiting."""
         return self._pending.pop(key, None) is not None
