@@ -14,7 +14,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.telemetry import TelemetryConfig
 from prometheus_fastapi_instrumentator.routing import get_route_name
 from starlette.requests import Request
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from penstock import __version__
 from penstock.app.handlers import install_error_handlers
@@ -116,7 +116,10 @@ class GatewayApp(FastAPI):
     innermost of them serves, pass none of FastAPI's layers: a coroutine frame fewer per
     layer on every chunk, about 2 kB less per open stream. Every other route goes through
     FastAPI's layers as before. An exception a hot route lets escape after its response
-    began ends the connection as the server ends any failed response.
+    began ends the connection as the server ends any failed response. An HTTP request
+    enters the stack here, without passing FastAPI's and Starlette's ``__call__`` (FastAPI's
+    own telemetry is off, so they only set what this sets): two coroutine frames fewer
+    held by every open stream.
     """
 
     middlewares: Callable[[ASGIApp], ASGIApp] | None = None
@@ -126,6 +129,16 @@ class GatewayApp(FastAPI):
         if self.middlewares is None:
             return fastapi_layers
         return self.middlewares(fastapi_layers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stack = self.middleware_stack
+        if stack is None or scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        if self.root_path:
+            scope["root_path"] = self.root_path
+        scope["app"] = self
+        await stack(scope, receive, send)
 
 
 _NO_FASTAPI_TELEMETRY: TelemetryConfig = {

@@ -100,92 +100,59 @@ class GatewayMiddleware:
         request_id = _request_id(scope)
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
-        echoed = request_id.encode("latin-1")
+        exchange = _Exchange(send, receive, request_id.encode("latin-1"), self.max_body_bytes)
         started = time.perf_counter()
-        # What the client sees when the app raises before answering: the server's 500.
-        status = 500
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                headers = [
-                    (k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER
-                ]
-                headers.append((REQUEST_ID_HEADER, echoed))
-                message = {**message, "headers": headers}
-            await send(message)
-
+        # One coroutine for the whole request (no inner one for the guarded part): an open
+        # stream keeps every frame of its middlewares for as long as it is open.
         try:
-            await self._guarded(scope, receive, send_with_id)
+            if self.gateway.draining and scope["path"] not in self.always_open_paths:
+                await _send_error(
+                    exchange.send, ServiceUnavailableError("The server is shutting down")
+                )
+                return
+            declared = _content_length(scope)
+            if declared is not None and declared > self.max_body_bytes:
+                await _send_error(exchange.send, self._too_large())
+                return
+            task = asyncio.current_task()
+            assert task is not None
+            self.gateway.http_inflight += 1
+            self.open_requests.tasks.add(task)
+            try:
+                await self.app(scope, exchange.receive, exchange.send)
+            except BodyTooLarge:
+                if not exchange.response_started:
+                    await _send_error(exchange.send, self._too_large())
+            except asyncio.CancelledError:
+                if not self.open_requests.cutting:
+                    raise
+                task.uncancel()
+                await self._end_cut(exchange)
+            finally:
+                self.open_requests.tasks.discard(task)
+                self.gateway.http_inflight -= 1
         finally:
             if self.access_log and access_logger.isEnabledFor(logging.INFO):
                 usage = state.get("usage")
                 log_access(
                     method=scope["method"],
                     route=_route_template(scope),
-                    status=state.get(ANSWERED_STATUS_KEY, status),
+                    status=state.get(ANSWERED_STATUS_KEY, exchange.status),
                     duration_ms=(time.perf_counter() - started) * 1000,
                     request_id=request_id,
                     usage=usage() if callable(usage) else None,
                 )
 
-    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.gateway.draining and scope["path"] not in self.always_open_paths:
-            await _send_error(send, ServiceUnavailableError("The server is shutting down"))
-            return
-        declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            await _send_error(send, self._too_large())
-            return
-
-        received = 0
-        response_started = False
-        event_stream = False
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:
-                    raise BodyTooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal response_started, event_stream
-            if message["type"] == "http.response.start":
-                response_started = True
-                event_stream = _is_event_stream(message)
-            await send(message)
-
-        task = asyncio.current_task()
-        assert task is not None
-        self.gateway.http_inflight += 1
-        self.open_requests.tasks.add(task)
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not response_started:
-                await _send_error(send, self._too_large())
-        except asyncio.CancelledError:
-            if not self.open_requests.cutting:
-                raise
-            task.uncancel()
-            await self._end_cut(send, response_started=response_started, stream=event_stream)
-        finally:
-            self.open_requests.tasks.discard(task)
-            self.gateway.http_inflight -= 1
-
-    async def _end_cut(self, send: Send, *, response_started: bool, stream: bool) -> None:
+    async def _end_cut(self, exchange: _Exchange) -> None:
         """The last message of a request the shutdown cut: whole frames were sent before."""
         self.open_requests.requests_cut += 1
         error = ServerShutdownError(
             "The server is shutting down: its grace period ended before this request finished"
         )
-        if not response_started:
+        send = exchange.send
+        if not exchange.response_started:
             await _send_error(send, error, close=True)
-        elif stream:
+        elif exchange.event_stream:
             self.open_requests.streams_cut += 1
             frame = error_frame(error)
             await send({"type": "http.response.body", "body": frame, "more_body": True})
@@ -194,6 +161,55 @@ class GatewayMiddleware:
     def _too_large(self) -> PayloadTooLargeError:
         limit_mb = self.max_body_bytes / (1024 * 1024)
         return PayloadTooLargeError(f"Request body exceeds the {limit_mb:g} MB limit")
+
+
+class _Exchange:
+    """One request's passage through :class:`GatewayMiddleware`: the ``send`` and
+    ``receive`` the app gets (the request id echoed, the body limit enforced while it is
+    read) and what its response began as. One small object rather than a closure with its
+    cells each: an open stream holds them for as long as it is open."""
+
+    __slots__ = (
+        "echoed",
+        "event_stream",
+        "max_body_bytes",
+        "received",
+        "response_started",
+        "server_receive",
+        "server_send",
+        "status",
+    )
+
+    def __init__(self, send: Send, receive: Receive, echoed: bytes, max_body_bytes: int) -> None:
+        self.server_send = send
+        self.server_receive = receive
+        self.echoed = echoed
+        self.max_body_bytes = max_body_bytes
+        self.received = 0
+        # What the client sees when the app raises before answering: the server's 500.
+        self.status = 500
+        self.response_started = False
+        self.event_stream = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.response_started = True
+            self.event_stream = _is_event_stream(message)
+            headers = [
+                (k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER
+            ]
+            headers.append((REQUEST_ID_HEADER, self.echoed))
+            message = {**message, "headers": headers}
+        await self.server_send(message)
+
+    async def receive(self) -> Message:
+        message = await self.server_receive()
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > self.max_body_bytes:
+                raise BodyTooLarge
+        return message
 
 
 class WireSend:

@@ -69,6 +69,8 @@ _DRAIN_AFTER_TERMINAL_S = 5.0
 # conformance kit's bound for observing a cancellation).
 _CANCEL_GRACE_S = 2.0
 _END = object()
+# The choices of a request that have ended, before the first one does.
+_NONE_ENDED: frozenset[int] = frozenset()
 
 
 class EngineState(enum.Enum):
@@ -224,18 +226,25 @@ class _Handoff:
         _wake(self._getter)
         return True
 
-    async def get(self) -> tuple[Any, BaseException | None]:
-        while not self._full:
-            self._getter = self._loop.create_future()
-            try:
-                await self._getter
-            finally:
-                self._getter = None
+    def take(self) -> tuple[Any, BaseException | None] | None:
+        """The item handed over, freeing the slot; None if there is none yet."""
+        if not self._full:
+            return None
         item = self._item
-        assert item is not None
         self._item = None
         self._full = False
         _wake(self._putter)
+        return item
+
+    def handed_over(self) -> asyncio.Future[None]:
+        """A future done once an item is handed over: awaited as is, with no coroutine
+        around it (the consumer's wait is once a chunk)."""
+        getter = self._getter = self._loop.create_future()
+        return getter
+
+    async def get(self) -> tuple[Any, BaseException | None]:
+        while (item := self.take()) is None:
+            await self.handed_over()
         return item
 
 
@@ -463,14 +472,20 @@ class EngineHost:
             top_k = None if raw else (request.get("output_options") or {}).get("logprobs")
             if not isinstance(top_k, int) or isinstance(top_k, bool):
                 top_k = None
-            finished: set[int] = set()
+            # The choices that ended: a one-choice request allocates no set (it ends with its
+            # first terminal).
+            finished = _NONE_ENDED
             agen: AsyncGenerator[dict, None] = self.engine.generate(request, context)  # type: ignore[attr-defined]
             queue = _Handoff()
-            pump = self.spawn(self._pump(agen, queue))
+            # Not one of the host's background tasks: this generator holds it, and hands
+            # it to the task that winds the request down (a done callback less a request).
+            pump = asyncio.get_running_loop().create_task(self._pump(agen, queue))
             completed = ended = False
             try:
                 while True:
-                    chunk, error = await queue.get()
+                    while (handed := queue.take()) is None:
+                        await queue.handed_over()
+                    chunk, error = handed
                     ended = chunk is _END
                     if error is not None:
                         raise error
@@ -492,7 +507,7 @@ class EngineHost:
                             _top(alts, top_k) for alts in chunk["top_logprobs"]
                         ]
                     if chunk.get("finish_reason"):
-                        finished.add(index)
+                        finished = finished | {index}
                         if len(finished) == expected:
                             completed = True
                             self._end(context)

@@ -131,23 +131,33 @@ class HttpMetricsMiddleware:
         method = scope["method"]
         inprogress = self._child("inprogress", method, handler)
         inprogress.inc()
-        status = 500
-        response_size = 0
-
-        async def send_status(message: Message) -> None:
-            nonlocal status, response_size
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                response_size = _content_length(message.get("headers", ()))
-            await send(message)
-
+        response = _ResponseStart(send)
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive, response.send)
         finally:
             duration = max(time.perf_counter() - started, 0.0)
             inprogress.dec()
-            self._child("total", method, f"{str(int(status))[0]}xx", handler).inc()
+            status_class = f"{str(int(response.status))[0]}xx"
+            self._child("total", method, status_class, handler).inc()
             self._child("in_size", handler).observe(_content_length(scope["headers"]))
-            self._child("out_size", handler).observe(response_size)
+            self._child("out_size", handler).observe(response.size)
             self.latency_highr.observe(duration)
             self._child("latency", method, handler).observe(duration)
+
+
+class _ResponseStart:
+    """The status and Content-Length a request's response began with, seen on its way to
+    ``send`` (an object, not a closure with cells: an open stream holds it)."""
+
+    __slots__ = ("server_send", "size", "status")
+
+    def __init__(self, send: Send) -> None:
+        self.server_send = send
+        self.status = 500
+        self.size = 0
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.size = _content_length(message.get("headers", ()))
+        await self.server_send(message)

@@ -32,13 +32,17 @@ class ChunkEncoder:
     fields) are serialized.
     """
 
-    __slots__ = ("_head", "_text_choices", "_version_tails")
+    __slots__ = ("_head", "_text_around", "_text_key", "_texts")
 
     def __init__(self, response_id: str, obj: str, created: int, model: str) -> None:
         head = orjson.dumps({"id": response_id, "object": obj, "created": created, "model": model})
         self._head = b"data: " + head[:-1] + b',"choices":'
-        self._version_tails: dict[str | None, bytes] = {}
-        self._text_choices: dict[tuple[int, str | None], tuple[bytes, bytes]] = {}
+        # The bytes around the text of the last choice index and weight version framed by
+        # ``text_frame``; the others' (several choices, a new weight version) in ``_texts``,
+        # made only then: a one-choice stream holds no dict of them.
+        self._text_key: tuple[int, str | None] | None = None
+        self._text_around = (b"", b"")
+        self._texts: dict[tuple[int, str | None], tuple[bytes, bytes]] | None = None
 
     def frame(
         self,
@@ -46,7 +50,7 @@ class ChunkEncoder:
         weight_version: str | None,
         usage: dict[str, Any] | None = None,
     ) -> bytes:
-        body = self._head + orjson.dumps(choices) + self._version_tail(weight_version)
+        body = self._head + orjson.dumps(choices) + _version_tail(weight_version)
         if usage is not None:
             body += b',"usage":' + orjson.dumps(usage)
         return body + b"}\n\n"
@@ -62,20 +66,29 @@ class ChunkEncoder:
         ``template(index)`` only in its text, where the template holds :data:`TEXT_SLOT`:
         the frame's other bytes are encoded once per index and weight version, the text
         alone per chunk."""
-        around = self._text_choices.get((index, weight_version))
-        if around is None:
-            before, _, after = orjson.dumps([template(index)]).partition(_ENCODED_TEXT_SLOT)
-            after += self._version_tail(weight_version) + b"}\n\n"
-            around = self._text_choices[(index, weight_version)] = (self._head + before, after)
-        before, after = around
+        key = (index, weight_version)
+        if key != self._text_key:
+            self._switch_text_choice(key, template)
+        before, after = self._text_around
         return before + orjson.dumps(text) + after
 
-    def _version_tail(self, weight_version: str | None) -> bytes:
-        tail = self._version_tails.get(weight_version)
-        if tail is None:
-            tail = b',"weight_version":' + orjson.dumps(weight_version)
-            self._version_tails[weight_version] = tail
-        return tail
+    def _switch_text_choice(
+        self, key: tuple[int, str | None], template: Callable[[int], dict[str, Any]]
+    ) -> None:
+        if self._text_key is not None:
+            if self._texts is None:
+                self._texts = {}
+            self._texts[self._text_key] = self._text_around
+        around = self._texts.get(key) if self._texts is not None else None
+        if around is None:
+            index, weight_version = key
+            before, _, after = orjson.dumps([template(index)]).partition(_ENCODED_TEXT_SLOT)
+            around = (self._head + before, after + _version_tail(weight_version) + b"}\n\n")
+        self._text_key, self._text_around = key, around
+
+
+def _version_tail(weight_version: str | None) -> bytes:
+    return b',"weight_version":' + orjson.dumps(weight_version)
 
 
 def error_frame(error: PenstockError) -> bytes:

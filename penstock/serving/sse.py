@@ -11,10 +11,11 @@ chain of ~8 wrappers per frame was a quarter of the gateway's cost per streamed 
 One task per stream, the request's own: it pulls each frame and writes it. The server's
 HTTP protocol leaves a :class:`DisconnectSignal` in the scope (:data:`DISCONNECT_KEY`)
 and fires it when the connection is lost, which cancels the writer if it is waiting for
-the next frame; keep-alive comments come from a timer that sends one (in a short task of
-its own) only after ``keepalive_s`` without a frame. ``DONE_FRAME`` goes out as the last
-message of the body (one write, not two). Without the signal (an in-process
-client), a second task blocks on ``receive`` to notice the disconnect.
+the next frame. Keep-alive comments come from one timer for all the open streams of a
+loop (:class:`_KeepAlive`), which sends one (in a short task of its own) to a stream that
+has been quiet for ``keepalive_s``. ``DONE_FRAME`` goes out as the last message of the
+body (one write, not two). Without the signal (an in-process client), a second task
+blocks on ``receive`` to notice the disconnect.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ WIRE_SEND_KEY = "penstock.wire_send"
 # Where the server's HTTP protocol leaves the request's :class:`DisconnectSignal`.
 DISCONNECT_KEY = "penstock.disconnect"
 KEEPALIVE_FRAME = b": keep-alive\n\n"
+# How often, per keep-alive interval, the open streams are checked for one.
+_CHECKS_PER_INTERVAL = 4
 
 
 def data_frame(payload: bytes) -> bytes:
@@ -102,6 +105,13 @@ class EventStreamResponse(Response):
         self.disconnected = False
         # Whether the frames ended with ``DONE_FRAME``, then sent as the body's last message.
         self.completed = False
+        # Loop time of the last frame or comment written, read by the keep-alive check.
+        self.last_sent = 0.0
+        self._send: Send | None = None
+        self._task: asyncio.Task[Any] | None = None
+        # Whether the writer waits for the next frame: only then may a disconnect cancel it.
+        self._waiting = False
+        self._ping: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_headers = [
@@ -111,11 +121,51 @@ class EventStreamResponse(Response):
         ]
         raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
-        send = scope.get(WIRE_SEND_KEY, send)
+        send = self._send = scope.get(WIRE_SEND_KEY, send)
         signal, watcher = disconnect_signal(scope, receive)
+        loop = asyncio.get_running_loop()
+        task = self._task = asyncio.current_task()
+        assert task is not None
+        next_frame = self.frames.__anext__
+        keepalive_s = self.keepalive_s
+        self.last_sent = loop.time()
+        signal.watch(self._gone)
+        self.disconnected = signal.lost
+        if keepalive_s > 0:
+            _KeepAlive.join(self, keepalive_s)
         try:
-            await self._write(send, signal)
+            while not self.disconnected:
+                self._waiting = True
+                try:
+                    frame = await next_frame()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    self._waiting = False
+                if frame is DONE_FRAME:
+                    # Sent as the body's last message, once the keep-alive is stopped.
+                    self.completed = True
+                    break
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+                self.last_sent = loop.time()
+        except asyncio.CancelledError:
+            # Ours (the client left) ends the response quietly; any other goes on.
+            if not self.disconnected or task.uncancel() > 0:
+                raise
         finally:
+            signal.watch(None)
+            if keepalive_s > 0:
+                _KeepAlive.leave(self, keepalive_s)
+            ping, self._ping = self._ping, None
+            if ping is not None:
+                ping.cancel()
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await ping
+            if self.disconnected or self.completed:
+                # Stopped before the producer's end: it must still end the engine's work.
+                aclose = getattr(self.frames, "aclose", None)
+                if aclose is not None:
+                    await aclose()
             if watcher is not None:
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -126,66 +176,65 @@ class EventStreamResponse(Response):
         with contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": last, "more_body": False})
 
-    async def _write(self, send: Send, signal: DisconnectSignal) -> None:
+    def ping(self, now: float) -> None:
+        """Send a keep-alive comment (in a short task: the check that calls this is a
+        timer) unless the previous one is still being written."""
+        self.last_sent = now
+        ping, send = self._ping, self._send
+        if send is not None and (ping is None or ping.done()):
+            message = {"type": "http.response.body", "body": KEEPALIVE_FRAME, "more_body": True}
+            self._ping = asyncio.get_running_loop().create_task(send(message))
+
+    def _gone(self) -> None:
+        self.disconnected = True
+        if self._waiting and self._task is not None:
+            self._task.cancel()
+
+
+# The keep-alive timer of each loop and interval with streams open.
+_KEEPALIVES: dict[tuple[asyncio.AbstractEventLoop, float], _KeepAlive] = {}
+
+
+class _KeepAlive:
+    """The keep-alive comments of every open stream of one loop and interval: one timer
+    for all of them, checking every stream ``_CHECKS_PER_INTERVAL`` times an interval (a
+    timer of each stream's own, with its closures and context, was ~0.9 kB a stream).
+
+    A stream quiet for ``interval`` gets a comment at its next check, so within
+    ``interval * (1 + 1 / _CHECKS_PER_INTERVAL)`` of its last frame.
+    """
+
+    __slots__ = ("interval", "loop", "streams", "timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval: float) -> None:
+        self.loop = loop
+        self.interval = interval
+        self.streams: set[EventStreamResponse] = set()
+        self.timer = loop.call_later(interval / _CHECKS_PER_INTERVAL, self._check)
+
+    @classmethod
+    def join(cls, stream: EventStreamResponse, interval: float) -> None:
         loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        next_frame = self.frames.__anext__
-        keepalive_s = self.keepalive_s
-        waiting = False
-        last_sent = loop.time()
-        timer: asyncio.TimerHandle | None = None
-        ping: asyncio.Task[None] | None = None
+        keepalive = _KEEPALIVES.get((loop, interval))
+        if keepalive is None:
+            keepalive = _KEEPALIVES[(loop, interval)] = cls(loop, interval)
+        keepalive.streams.add(stream)
 
-        def gone() -> None:
-            self.disconnected = True
-            if waiting:
-                task.cancel()
+    @staticmethod
+    def leave(stream: EventStreamResponse, interval: float) -> None:
+        key = (asyncio.get_running_loop(), interval)
+        keepalive = _KEEPALIVES.get(key)
+        if keepalive is None:
+            return
+        keepalive.streams.discard(stream)
+        if not keepalive.streams:
+            # No timer outlives the last stream: nothing keeps the loop or this entry.
+            keepalive.timer.cancel()
+            del _KEEPALIVES[key]
 
-        def keepalive() -> None:
-            nonlocal last_sent, timer, ping
-            now = loop.time()
-            if now - last_sent >= keepalive_s:
-                last_sent = now
-                if ping is None or ping.done():
-                    message = {"type": "http.response.body", "body": KEEPALIVE_FRAME}
-                    message["more_body"] = True
-                    ping = loop.create_task(send(message))
-            timer = loop.call_at(last_sent + keepalive_s, keepalive)
-
-        signal.watch(gone)
-        self.disconnected = signal.lost
-        if keepalive_s > 0:
-            timer = loop.call_at(last_sent + keepalive_s, keepalive)
-        try:
-            while not self.disconnected:
-                waiting = True
-                try:
-                    frame = await next_frame()
-                except StopAsyncIteration:
-                    return
-                finally:
-                    waiting = False
-                if frame is DONE_FRAME:
-                    # Sent as the body's last message, once the keep-alive is stopped.
-                    self.completed = True
-                    return
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
-                last_sent = loop.time()
-        except asyncio.CancelledError:
-            # Ours (the client left) ends the response quietly; any other goes on.
-            if not self.disconnected or task.uncancel() > 0:
-                raise
-        finally:
-            signal.watch(None)
-            if timer is not None:
-                timer.cancel()
-            if ping is not None:
-                ping.cancel()
-                with contextlib.suppress(asyncio.CancelledError, OSError):
-                    await ping
-            if self.disconnected or self.completed:
-                # Stopped before the producer's end: it must still end the engine's work.
-                aclose = getattr(self.frames, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+    def _check(self) -> None:
+        now = self.loop.time()
+        for stream in self.streams:
+            if now - stream.last_sent >= self.interval:
+                stream.ping(now)
+        self.timer = self.loop.call_later(self.interval / _CHECKS_PER_INTERVAL, self._check)

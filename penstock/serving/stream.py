@@ -95,27 +95,52 @@ async def respond(request: Request, plan: ResponsePlan) -> Response:
         deadline.close()
 
 
+class _Framing:
+    """How one stream's deltas become frames: the encoder and what the format says."""
+
+    __slots__ = ("continuous_usage", "encoder", "format", "generations", "text_choice", "text_only")
+
+    def __init__(self, plan: ResponsePlan, continuous_usage: bool) -> None:
+        fmt = plan.format
+        custom_encoder = getattr(fmt, "encoder", None)
+        self.encoder: Any = (
+            custom_encoder(plan)
+            if custom_encoder is not None
+            else ChunkEncoder(plan.response_id, fmt.chunk_object, plan.created, plan.body.model)
+        )
+        self.format = fmt
+        self.generations = plan.generations
+        self.continuous_usage = continuous_usage
+        self.text_only = getattr(fmt, "text_only", None)
+        if custom_encoder is not None or continuous_usage:
+            self.text_only = None
+        self.text_choice = getattr(fmt, "text_choice", None)
+
+    def encode(self, delta: Delta) -> bytes:
+        text_only = self.text_only
+        if text_only is not None and text_only(delta):
+            index, version = delta.choice.index, delta.weight_version
+            return self.encoder.text_frame(self.text_choice, index, delta.text, version)
+        item = self.format.chunk_choice(delta)
+        if item is None:
+            return b""
+        running = usage(self.generations) if self.continuous_usage else None
+        return self.encoder.frame([item], delta.weight_version, running)
+
+    def opening(self, first: Delta | None) -> bytes:
+        """The prelude's chunks and the first delta's, to leave in one write."""
+        version = self.generations[-1].weight_version
+        prelude = self.format.prelude(self.generations)
+        opening = b"".join(self.encoder.frame([item], version) for item in prelude)
+        return opening + self.encode(first) if first is not None else opening
+
+
 async def _stream(plan: ResponsePlan) -> Response:
-    fmt = plan.format
     generations = plan.generations
-    custom_encoder = getattr(fmt, "encoder", None)
-    encoder = (
-        custom_encoder(plan)
-        if custom_encoder is not None
-        else ChunkEncoder(plan.response_id, fmt.chunk_object, plan.created, plan.body.model)
-    )
     options = plan.body.stream_options
-    include_usage = bool(options and options.include_usage)
-    continuous_usage = bool(options and options.continuous_usage_stats)
-    text_only = getattr(fmt, "text_only", None)
-    if custom_encoder is not None or continuous_usage:
-        text_only = None
-    text_choice = getattr(fmt, "text_choice", None)
+    framing = _Framing(plan, bool(options and options.continuous_usage_stats))
     deltas = _deltas(generations)
     deadline = plan.deadline
-    # ``frames`` takes what it needs from the plan, not the plan: the request body it holds
-    # is not kept for the length of the stream.
-    uploader = plan.uploader
     # Wait for the engine's first output before committing to 200, so errors the engine
     # raises at once (bad parameters) and a deadline passing in the queue still get their
     # real status.
@@ -123,61 +148,67 @@ async def _stream(plan: ResponsePlan) -> Response:
         first = await anext(deltas, None)
     else:
         first = await deadline.within(anext(deltas, None))
+    frames = _frames(
+        framing,
+        first,
+        deltas,
+        deadline,
+        plan.uploader,
+        include_usage=bool(options and options.include_usage),
+    )
+    return EventStreamResponse(frames, keepalive_s=generations[0].gateway.settings.sse_keepalive_s)
 
-    def encode(delta: Delta) -> bytes:
-        if text_only is not None and text_only(delta):
-            index, version = delta.choice.index, delta.weight_version
-            return encoder.text_frame(text_choice, index, delta.text, version)
-        item = fmt.chunk_choice(delta)
-        if item is None:
-            return b""
-        running = usage(generations) if continuous_usage else None
-        return encoder.frame([item], delta.weight_version, running)
 
-    # One generator between the engine's chunks and the wire: each layer of async
-    # generators costs every chunk a resumption. Errors after the first byte end the
-    # stream here, as ``with_error_frame`` would.
-    async def frames() -> AsyncIterator[bytes]:
+async def _frames(
+    framing: _Framing,
+    first: Delta | None,
+    deltas: AsyncGenerator[Delta, None],
+    deadline: Deadline | None,
+    uploader: MetadataUploader | None,
+    *,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """The one generator between the engine's chunks and the wire (each layer of async
+    generators costs every chunk a resumption). Its arguments are what it needs of the
+    plan, not the plan: the request body the plan holds is not kept while it streams.
+    Errors after the first byte end the stream here, as ``with_error_frame`` would."""
+    generations = framing.generations
+    try:
         try:
-            version = generations[-1].weight_version
-            opening = [encoder.frame([item], version) for item in fmt.prelude(generations)]
+            # The first delta is at hand: it leaves in the prelude's write.
+            frame = framing.opening(first)
+            more = first is not None
+            # Held no longer than it takes to send: an open stream keeps no sent delta.
+            del first
+            if frame:
+                yield frame
+            encode = framing.encode
             # ``__anext__`` rather than ``anext(deltas, None)``: no wrapper per chunk.
             next_delta = deltas.__anext__
-            try:
-                # The first delta is at hand: it leaves in the prelude's write.
-                frame = b"".join(opening) + (encode(first) if first is not None else b"")
-                more = first is not None
-                while True:
-                    if frame:
-                        yield frame
-                    if not more:
-                        break
-                    try:
-                        if deadline is None:
-                            delta = await next_delta()
-                        else:
-                            delta = await deadline.within(next_delta())
-                    except StopAsyncIteration:
-                        break
-                    frame = encode(delta)
-            finally:
-                if deadline is not None:
-                    deadline.close()
-                # A deadline can end the loop between waits, with the engine request still
-                # open: close it now rather than whenever the generator is collected.
-                await deltas.aclose()
-            await _upload_metadata(generations, uploader)
-            if include_usage:
-                yield encoder.frame([], generations[-1].weight_version, usage(generations))
-            yield DONE_FRAME
-        except Exception as exc:
-            for frame in final_frames(exc):
-                yield frame
-
-    return EventStreamResponse(
-        frames(),
-        keepalive_s=generations[0].gateway.settings.sse_keepalive_s,
-    )
+            while more:
+                try:
+                    if deadline is None:
+                        delta = await next_delta()
+                    else:
+                        delta = await deadline.within(next_delta())
+                except StopAsyncIteration:
+                    break
+                frame = encode(delta)
+                if frame:
+                    yield frame
+        finally:
+            if deadline is not None:
+                deadline.close()
+            # A deadline can end the loop between waits, with the engine request still
+            # open: close it now rather than whenever the generator is collected.
+            await deltas.aclose()
+        await _upload_metadata(generations, uploader)
+        if include_usage:
+            yield framing.encoder.frame([], generations[-1].weight_version, usage(generations))
+        yield DONE_FRAME
+    except Exception as exc:
+        for frame in final_frames(exc):
+            yield frame
 
 
 async def _fold(plan: ResponsePlan) -> dict[str, Any]:

@@ -64,6 +64,33 @@ def test_a_text_only_chat_delta_is_framed_as_its_whole_choice_would_be(
 
 
 @given(
+    deltas=st.lists(
+        st.tuples(
+            st.text(min_size=1),
+            st.integers(min_value=0, max_value=2),
+            st.sampled_from([None, "v1", "v2"]),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_interleaved_choices_and_weight_versions_are_each_framed_as_a_whole_choice(
+    deltas: list[tuple[str, int, str | None]],
+) -> None:
+    """One stream's encoder: several choices, and a weight version changing midway."""
+    chat = ChatFormat(None, return_token_ids=False)  # type: ignore[arg-type]
+    fast, whole = encoder(), encoder()
+    for text, index, version in deltas:
+        choice = ChoiceState(
+            index, None, None, prompt_token_ids=[], keep_text=False, want_logprobs=False
+        )
+        item = chat.chunk_choice(Delta(choice, text, [7], None, None, version, ()))
+        assert item is not None
+        framed = fast.text_frame(chat.text_choice, index, text, version)
+        assert framed == whole.frame([item], version)
+
+
+@given(
     texts=st.lists(st.text(min_size=1), min_size=1, max_size=4),
     index=st.integers(min_value=0, max_value=20),
 )

@@ -122,3 +122,35 @@ async def test_idle_streams_get_keepalive_comments_between_frames() -> None:
     assert bodies[:2] == [None, b"data: 1\n\n"]
     assert bodies[-1] == DONE_FRAME
     assert KEEPALIVE_FRAME in bodies[2:-1]
+
+
+async def test_each_idle_stream_gets_its_keepalive_after_another_one_ends() -> None:
+    """The open streams share one keep-alive timer: one ending leaves the others' on."""
+
+    async def idle_for(seconds: float) -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        await asyncio.sleep(seconds)
+        yield DONE_FRAME
+
+    def recorder() -> tuple[list[bytes], Any]:
+        bodies: list[bytes] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                bodies.append(message["body"])
+
+        return bodies, send
+
+    short_bodies, short_send = recorder()
+    long_bodies, long_send = recorder()
+    short = EventStreamResponse(idle_for(0.01), keepalive_s=0.1)
+    long = EventStreamResponse(idle_for(0.45), keepalive_s=0.1)
+    await asyncio.gather(
+        short({"type": "http", DISCONNECT_KEY: DisconnectSignal()}, never_disconnects, short_send),
+        long({"type": "http", DISCONNECT_KEY: DisconnectSignal()}, never_disconnects, long_send),
+    )
+    assert short_bodies == [b"data: 1\n\n", DONE_FRAME]
+    assert long_bodies[0] == b"data: 1\n\n"
+    assert long_bodies[-1] == DONE_FRAME
+    # Quiet for 0.45 s with a 0.1 s interval: a comment every 0.1-0.125 s.
+    assert long_bodies[1:-1].count(KEEPALIVE_FRAME) >= 3
