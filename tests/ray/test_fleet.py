@@ -77,23 +77,35 @@ def fleet(server: ServerProcess) -> dict[str, dict[str, int]]:
     return httpx.get(f"{server.base_url}/health", timeout=10).json()["fleet"]["replicas"]
 
 
-def stream_lines(server: ServerProcess, max_tokens: int, out: list[list[str]]) -> None:
+def stream_lines(
+    server: ServerProcess, max_tokens: int, out: list[list[str]], streaming: threading.Semaphore
+) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": max_tokens, "stream": True}
     with httpx.stream(
         "POST", f"{server.base_url}/v1/completions", json=body, timeout=60
     ) as response:
-        out.append([line for line in response.iter_lines() if line])
+        lines = []
+        for line in response.iter_lines():
+            if line:
+                if not lines:
+                    streaming.release()
+                lines.append(line)
+        out.append(lines)
 
 
 def run_streams(server: ServerProcess, count: int, max_tokens: int) -> list[threading.Thread]:
+    """``count`` streams in threads; the first's ``results`` collects every stream's lines
+    and its ``streaming`` is released once per stream whose first line has arrived."""
     results: list[list[str]] = []
+    streaming = threading.Semaphore(0)
     threads = [
-        threading.Thread(target=stream_lines, args=(server, max_tokens, results))
+        threading.Thread(target=stream_lines, args=(server, max_tokens, results, streaming))
         for _ in range(count)
     ]
     for thread in threads:
         thread.start()
     threads[0].results = results  # type: ignore[attr-defined]
+    threads[0].streaming = streaming  # type: ignore[attr-defined]
     return threads
 
 
@@ -150,6 +162,10 @@ def test_a_killed_replica_fails_only_its_own_requests_and_is_replaced(
     server: ServerProcess,
 ) -> None:
     threads = run_streams(server, 4, 150)
+    # Every response under way (its first line read): a replica lost before a request's
+    # first token answers that request with an error status instead, not an error frame.
+    streaming = threads[0].streaming  # type: ignore[attr-defined]
+    assert all(streaming.acquire(timeout=30) for _ in threads)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         running = {name: load["running"] for name, load in fleet(server).items()}
