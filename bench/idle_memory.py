@@ -53,7 +53,7 @@ async def _server_steps(steps: list[tuple[str, float]]) -> None:
     try:
         async with app.router.lifespan_context(app):
             steps.append(("lifespan started", rss_mb()))
-            uvicorn.Config(app, loop="uvloop", http="httptools", lifespan="on").load()
+            uvicorn.Config(app, loop="uvloop", http="httptools", ws="none", lifespan="on").load()
             steps.append(("uvicorn configured", rss_mb()))
     finally:
         await gateway.host.cleanup()

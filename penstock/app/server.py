@@ -352,6 +352,8 @@ async def _serve(settings: Settings) -> int:
             config = uvicorn.Config(
                 WireSend(app),
                 http=guarded_protocol(limits),
+                # No route is a WebSocket: the websockets library stays unloaded.
+                ws="none",
                 log_level=settings.log_level,
                 # uvicorn's own lines go through the root handler, in the chosen format.
                 log_config=None,
