@@ -3,6 +3,8 @@
 A zero-delay engine yields ``--tokens`` chunks per request; the script times
 ``EngineHost.generate`` over ``--requests`` sequential requests and prints µs per chunk,
 so two builds of ``penstock/engines/host.py`` can be compared (run it from each tree).
+With ``--cancel-safe`` the engine advertises ``CANCEL_SAFE_RUNTIME_KEY`` and the host
+drives it from the consumer's task.
 """
 
 from __future__ import annotations
@@ -14,20 +16,28 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from penstock.engines.context import Context
-from penstock.engines.contract import EngineConfig, LLMEngine, WorkerConfig
+from penstock.engines.contract import (
+    CANCEL_SAFE_RUNTIME_KEY,
+    EngineConfig,
+    LLMEngine,
+    WorkerConfig,
+)
 from penstock.engines.host import EngineHost
 
 
 class _Instant(LLMEngine):
-    def __init__(self, tokens: int) -> None:
+    def __init__(self, tokens: int, cancel_safe: bool = False) -> None:
         self.tokens = tokens
+        self.cancel_safe = cancel_safe
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[_Instant, WorkerConfig]:
         return cls(64), WorkerConfig(namespace="bench")
 
     async def start(self, worker_id: int) -> EngineConfig:
-        return EngineConfig(model="instant")
+        return EngineConfig(
+            model="instant", runtime_data={CANCEL_SAFE_RUNTIME_KEY: self.cancel_safe}
+        )
 
     async def cleanup(self) -> None:
         pass
@@ -40,8 +50,8 @@ class _Instant(LLMEngine):
         yield {"token_ids": [0], "index": 0, "finish_reason": "length"}
 
 
-async def _run(tokens: int, requests: int) -> float:
-    host = EngineHost(_Instant(tokens), WorkerConfig(namespace="bench"))
+async def _run(tokens: int, requests: int, cancel_safe: bool) -> float:
+    host = EngineHost(_Instant(tokens, cancel_safe), WorkerConfig(namespace="bench"))
     await host.start()
     started = time.perf_counter()
     for _ in range(requests):
@@ -56,8 +66,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--cancel-safe", action="store_true")
     args = parser.parse_args()
-    print(f"{asyncio.run(_run(args.tokens, args.requests)):.2f} µs/chunk")
+    print(f"{asyncio.run(_run(args.tokens, args.requests, args.cancel_safe)):.2f} µs/chunk")
 
 
 if __name__ == "__main__":

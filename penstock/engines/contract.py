@@ -24,6 +24,13 @@ written against an older ``dynamo.common.backend``) the documented default.
 ``EngineConfig.runtime_data[MULTI_CHOICE_RUNTIME_KEY] = True``; the host fans any other
 engine's ``n`` out into n single-choice requests.
 
+Cancellation: the host runs each ``generate`` in a task of its own, so a consumer going away
+never reaches the engine as ``CancelledError``; the engine sees the context's mark and ends
+the stream itself. An engine whose ``generate`` may be cancelled at any ``await`` and closed
+at any ``yield`` (its ``finally`` releasing what the request held) advertises
+``runtime_data[CANCEL_SAFE_RUNTIME_KEY] = True``: the host then drives it from the
+consumer's task, which saves a task and a hand-off per chunk.
+
 Media input: an engine that takes images (audio) in chat requests advertises
 ``runtime_data[SUPPORTS_IMAGE_INPUT] = True`` (``SUPPORTS_AUDIO_INPUT``); the gateway refuses
 media parts for any other engine. It fetches and decodes the media itself and hands them
@@ -47,6 +54,7 @@ from penstock.engines.health import parse_health_check_payload_cli
 from penstock.errors import EngineLoadError
 
 MULTI_CHOICE_RUNTIME_KEY = "multi_choice"
+CANCEL_SAFE_RUNTIME_KEY = "cancel_safe"
 SUPPORTS_IMAGE_INPUT = "supports_image_input"
 SUPPORTS_AUDIO_INPUT = "supports_audio_input"
 

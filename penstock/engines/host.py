@@ -12,6 +12,11 @@
   between yields and ends with ``finish_reason="cancelled"`` (within
   ``_CANCEL_GRACE_S``, else its stream is closed); then ``abort(context)`` runs once. A
   natural completion never looks cancelled and never aborts;
+* an engine that advertises ``CANCEL_SAFE_RUNTIME_KEY`` gives up its own task: its
+  ``generate`` runs in the consumer's task, with no hand-off per chunk. A consumer going
+  away reaches it at once, as ``CancelledError`` at the ``await`` it is in or as the
+  stream being closed at its ``yield``; its stream is closed after its last terminal. A
+  cancel (a stop mark) and the single ``abort`` are as for any engine;
 * decode role (``disaggregation_mode`` decode): ``abort`` waits for the request's first
   token and is skipped when the request ends before one;
 * ``n`` > 1 on an engine that does not advertise ``MULTI_CHOICE_RUNTIME_KEY`` runs as n
@@ -45,6 +50,7 @@ from penstock.engines.admission import AdmissionGate
 from penstock.engines.constants import ModelInput
 from penstock.engines.context import Context
 from penstock.engines.contract import (
+    CANCEL_SAFE_RUNTIME_KEY,
     MULTI_CHOICE_RUNTIME_KEY,
     BaseEngine,
     EngineConfig,
@@ -290,6 +296,8 @@ class EngineHost:
         mode = getattr(worker_config, "disaggregation_mode", None)
         # Compared by value: a Dynamo WorkerConfig carries Dynamo's own enum.
         self.defers_abort = getattr(mode, "value", mode) == "decode"
+        # Read from the engine's config once it has started.
+        self.cancel_safe = False
 
     @property
     def multi_choice(self) -> bool:
@@ -329,6 +337,7 @@ class EngineHost:
                 await self._cleanup_locked()
                 raise TypeError("start() must return an EngineConfig")
             self.engine_config = config
+            self.cancel_safe = (config.runtime_data or {}).get(CANCEL_SAFE_RUNTIME_KEY) is True
             self.state = EngineState.RUNNING
         await self._resolve_health_check_payload()
         return config
@@ -462,8 +471,9 @@ class EngineHost:
         self, request: dict[str, Any], context: Context, expected: int, *, admit: bool = False
     ) -> AsyncGenerator[dict, None]:
         """One engine request, its generator run by its own task (see the module
-        docstring: a consumer going away must not reach the engine as ``CancelledError``).
-        With ``admit``, it also holds the request's admission slot until it ends."""
+        docstring: a consumer going away must not reach the engine as ``CancelledError``),
+        or by the caller's for a cancel-safe engine. With ``admit``, it also holds the
+        request's admission slot until it ends."""
         gate = await self._admit(request, context) if admit else None
         try:
             marks = self._marks_of(context)
@@ -476,21 +486,33 @@ class EngineHost:
             # first terminal).
             finished = _NONE_ENDED
             agen: AsyncGenerator[dict, None] = self.engine.generate(request, context)  # type: ignore[attr-defined]
-            queue = _Handoff()
-            # Not one of the host's background tasks: this generator holds it, and hands
-            # it to the task that winds the request down (a done callback less a request).
-            pump = asyncio.get_running_loop().create_task(self._pump(agen, queue))
+            inline = self.cancel_safe
+            if inline:
+                next_chunk = agen.__anext__
+            else:
+                queue = _Handoff()
+                # Not one of the host's background tasks: this generator holds it, and
+                # hands it to the task that winds the request down (a done callback less a
+                # request).
+                pump = asyncio.get_running_loop().create_task(self._pump(agen, queue))
             completed = ended = False
             try:
                 while True:
-                    while (handed := queue.take()) is None:
-                        await queue.handed_over()
-                    chunk, error = handed
-                    ended = chunk is _END
-                    if error is not None:
-                        raise error
-                    if ended:
-                        break
+                    if inline:
+                        try:
+                            chunk = await next_chunk()
+                        except StopAsyncIteration:
+                            ended = True
+                            break
+                    else:
+                        while (handed := queue.take()) is None:
+                            await queue.handed_over()
+                        chunk, error = handed
+                        ended = chunk is _END
+                        if error is not None:
+                            raise error
+                        if ended:
+                            break
                     if raw:
                         yield chunk
                         continue
@@ -511,7 +533,8 @@ class EngineHost:
                         if len(finished) == expected:
                             completed = True
                             self._end(context)
-                            self.spawn(self._drain_after_terminal(pump, queue, context))
+                            if not inline:
+                                self.spawn(self._drain_after_terminal(pump, queue, context))
                             yield chunk
                             return
                     yield chunk
@@ -528,7 +551,15 @@ class EngineHost:
                 raise engine_exception_to_error(exc, overload) from exc
             finally:
                 marks.active = False
-                if not completed:
+                if inline:
+                    if not completed:
+                        context.kill()
+                    # Its ``finally`` runs now, in this task; a no-op once it has ended.
+                    with contextlib.suppress(Exception):
+                        await agen.aclose()
+                    if not completed:
+                        self._schedule_abort(context)
+                elif not completed:
                     # The consumer went away or the stream failed: mark it first, then let
                     # the engine wind down before it is aborted.
                     context.kill()

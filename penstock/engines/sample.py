@@ -57,6 +57,7 @@ from tokenizers import Tokenizer
 
 from penstock.engines.context import Context
 from penstock.engines.contract import (
+    CANCEL_SAFE_RUNTIME_KEY,
     MULTI_CHOICE_RUNTIME_KEY,
     SUPPORTS_AUDIO_INPUT,
     SUPPORTS_IMAGE_INPUT,
@@ -321,6 +322,8 @@ class SampleLLMEngine(LLMEngine):
             served_model_name=self.model,
             runtime_data={
                 MULTI_CHOICE_RUNTIME_KEY: True,
+                # generate ends cleanly when cancelled at an await or closed at a yield.
+                CANCEL_SAFE_RUNTIME_KEY: True,
                 SUPPORTS_IMAGE_INPUT: self.image_input,
                 SUPPORTS_AUDIO_INPUT: self.audio_input,
                 **(

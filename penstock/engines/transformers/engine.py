@@ -32,6 +32,7 @@ from transformers import AutoConfig
 
 from penstock.engines.context import Context
 from penstock.engines.contract import (
+    CANCEL_SAFE_RUNTIME_KEY,
     MULTI_CHOICE_RUNTIME_KEY,
     SUPPORTS_IMAGE_INPUT,
     EngineConfig,
@@ -306,6 +307,8 @@ class TransformersEngine(LLMEngine):
             served_model_name=self.served_model_name,
             runtime_data={
                 MULTI_CHOICE_RUNTIME_KEY: True,
+                # generate ends cleanly when cancelled at an await or closed at a yield.
+                CANCEL_SAFE_RUNTIME_KEY: True,
                 SUPPORTS_IMAGE_INPUT: self.vision is not None,
             },
             llm=LlmRegistration(
