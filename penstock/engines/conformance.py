@@ -8,21 +8,27 @@ first failed check. Checks (as the contract states them):
 * concurrent ``generate`` calls interleave and all complete;
 * a mid-stream cancel (``context.stop_generating()``) ends the stream within 2 s, with
   ``finish_reason == "cancelled"`` for token engines;
+* an engine that advertises ``CANCEL_SAFE_RUNTIME_KEY``: a stream cancelled at an ``await``
+  and one closed at a ``yield`` end at once (with ``abort`` after each), and the engine
+  then completes a new request;
 * ``cleanup`` twice is safe, and ``cleanup`` without ``start`` is safe.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from penstock.engines.constants import ModelInput
 from penstock.engines.context import Context
-from penstock.engines.contract import model_input_of
+from penstock.engines.contract import CANCEL_SAFE_RUNTIME_KEY, model_input_of
 
 CANCEL_DEADLINE_S = 2.0
+# How long a check waits for a stream it expects to end before calling it stuck.
+STUCK_AFTER_S = CANCEL_DEADLINE_S + 30
 
 
 class ConformanceError(AssertionError):
@@ -70,7 +76,7 @@ async def _check_cancel(engine: Any, request: dict[str, Any], raw: bool) -> None
     started = time.monotonic()
     terminal: dict[str, Any] | None = None
     try:
-        async with asyncio.timeout(CANCEL_DEADLINE_S + 30):
+        async with asyncio.timeout(STUCK_AFTER_S):
             first = await anext(stream)
             context.stop_generating()
             started = time.monotonic()
@@ -88,6 +94,39 @@ async def _check_cancel(engine: Any, request: dict[str, Any], raw: bool) -> None
     if not raw and (terminal is None or terminal.get("finish_reason") != "cancelled"):
         reason = terminal.get("finish_reason") if terminal else None
         raise ConformanceError(f"CancellationIgnored: terminal finish_reason was {reason!r}")
+
+
+async def _check_cancel_safe(
+    engine: Any, request: dict[str, Any], short: dict[str, Any], raw: bool
+) -> None:
+    try:
+        async with asyncio.timeout(STUCK_AFTER_S):
+            cancelled = Context("conformance-cancelled-at-await")
+            stream = engine.generate(dict(request), cancelled)
+            await anext(stream)
+            waiting = asyncio.ensure_future(anext(stream))
+            # One loop turn: the next chunk is being waited for inside the engine.
+            await asyncio.sleep(0)
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await waiting
+            await stream.aclose()
+            await engine.abort(cancelled)
+
+            closed = Context("conformance-closed-at-yield")
+            stream = engine.generate(dict(request), closed)
+            await anext(stream)
+            await stream.aclose()
+            await engine.abort(closed)
+
+            after = Context("conformance-after-cancels")
+            await _collect(engine.generate(dict(short), after), raw)
+    except ConformanceError:
+        raise
+    except TimeoutError as exc:
+        raise ConformanceError("CancelSafeEngineStuck: no new request completed") from exc
+    except Exception as exc:
+        raise ConformanceError(f"CancelSafeCancelFailed: {exc!r}") from exc
 
 
 async def run_conformance(
@@ -128,6 +167,8 @@ async def run_conformance(
         if long_request is None:
             long_request = default_request(raw, _longest_allowed(config))
         await _check_cancel(engine, dict(long_request), raw)
+        if (config.runtime_data or {}).get(CANCEL_SAFE_RUNTIME_KEY) is True:
+            await _check_cancel_safe(engine, long_request, short, raw)
     finally:
         try:
             await engine.cleanup()

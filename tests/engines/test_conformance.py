@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncGenerator
+
 import pytest
 
 from penstock.engines.conformance import ConformanceError, run_conformance
+from penstock.engines.context import Context
+from penstock.engines.contract import (
+    CANCEL_SAFE_RUNTIME_KEY,
+    EngineConfig,
+    GenerateChunk,
+    GenerateRequest,
+)
 from penstock.engines.loading import load_engine_class
 from penstock.engines.sample import SampleLLMEngine
 from tests.support.doubles import ScriptedEngine
@@ -24,6 +34,36 @@ async def test_the_kit_catches_an_ignored_cancel() -> None:
     long_request = {"token_ids": [1], "extra_args": {"mode": "ok"}}
     with pytest.raises(ConformanceError, match="CancellationIgnored"):
         await run_conformance(ScriptedEngine, request={"token_ids": [1]}, long_request=long_request)
+
+
+class _ClaimsCancelSafety(ScriptedEngine):
+    """Advertises cancel safety, but a request cancelled mid-stream keeps its lock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = asyncio.Lock()
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        config = await super().start(worker_id)
+        config.runtime_data = {CANCEL_SAFE_RUNTIME_KEY: True}
+        return config
+
+    async def generate(
+        self, request: GenerateRequest, context: Context
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        await self.lock.acquire()
+        async for chunk in super().generate(request, context):
+            yield chunk
+        self.lock.release()
+
+
+async def test_the_kit_catches_an_engine_that_is_not_cancel_safe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("penstock.engines.conformance.STUCK_AFTER_S", 1.0)
+    slow = {"token_ids": [1], "extra_args": {"mode": "slow"}}
+    with pytest.raises(ConformanceError, match="CancelSafeEngineStuck"):
+        await run_conformance(_ClaimsCancelSafety, request={"token_ids": [1]}, long_request=slow)
 
 
 def test_builtin_engines_resolve() -> None:
