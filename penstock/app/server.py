@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import ipaddress
 import logging
 import os
@@ -177,6 +178,20 @@ async def _bridge_engine_metrics(gateway: Gateway, engine: Any, model: str) -> N
     )
 
 
+def freeze_imported_heap() -> None:
+    """Leave every object that exists now (the modules imported so far, Penstock's, its
+    libraries' and the engine's) out of the garbage collector's passes.
+
+    They live as long as the process, yet each full pass walked all of them on the event
+    loop: with the sample engine ~80,000 objects, a ~20 ms stall of every open stream every
+    few thousand requests (``bench/gc_pauses.py``). Called before the engine starts, so its
+    weights and everything built while serving stay collectable: a model dropped in a
+    reference cycle (a level-2 sleep) is still freed by ``gc.collect()``.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 class _DrainingServer(uvicorn.Server):
     """uvicorn with Penstock's shutdown: the first signal drains, a second exits at once.
 
@@ -337,6 +352,10 @@ async def _serve(settings: Settings) -> int:
     sock = bind_socket(settings.host, settings.port)
     try:
         warn_if_exposed(settings)
+        if not settings.ray:
+            # Imported before the freeze: the engine's modules are frozen with the rest.
+            load_engine_class(settings.engine)
+        freeze_imported_heap()
         gateway = await build_gateway(settings)
         try:
             # The default store is named after the served model, known only now; a server
