@@ -220,3 +220,42 @@ async def test_host_turns_a_bad_request_into_a_400(engine: TransformersEngine) -
             pass
     assert caught.value.status_code == 400
     assert "guided_decoding" in caught.value.message
+
+
+async def test_a_consumer_cancelled_through_the_host_frees_the_sequence_at_once(
+    tiny_model_dir: Path,
+) -> None:
+    engine, worker_config = await TransformersEngine.from_args(["--model", str(tiny_model_dir)])
+    host = EngineHost(engine, worker_config)
+    await host.start()
+    try:
+        # Cancel-safe: the host drives the engine from the consumer's task.
+        assert host.cancel_safe
+
+        decoding = asyncio.Event()
+
+        async def consume(stream) -> None:
+            chunks = 0
+            async for _ in stream:
+                chunks += 1
+                if chunks == 2:  # a decoded token: the sequence holds KV in the batch
+                    decoding.set()
+
+        task = asyncio.create_task(consume(host.generate(greedy(max_tokens=400), Context("gone"))))
+        async with asyncio.timeout(5.0):
+            await decoding.wait()
+        assert engine.scheduler.usage().used_blocks > 0
+        cancelled_at = engine.latest_forward_pass_metrics.counter_id
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The scheduler's thread lets the sequence go at its next step; nothing signals it.
+        async with asyncio.timeout(5.0):
+            while engine.scheduler.usage().running or engine.scheduler.usage().used_blocks:  # noqa: ASYNC110
+                await asyncio.sleep(0.005)
+        # Freed within a few forward passes, not after the ~400 of running to its end.
+        assert engine.latest_forward_pass_metrics.counter_id - cancelled_at < 20
+        after = [c async for c in host.generate(greedy(max_tokens=4), Context("after"))]
+        assert after[-1]["finish_reason"] == "length"
+    finally:
+        await host.cleanup()
