@@ -9,15 +9,10 @@ import pytest
 
 from penstock.engines.conformance import ConformanceError, run_conformance
 from penstock.engines.context import Context
-from penstock.engines.contract import (
-    CANCEL_SAFE_RUNTIME_KEY,
-    EngineConfig,
-    GenerateChunk,
-    GenerateRequest,
-)
+from penstock.engines.contract import GenerateChunk, GenerateRequest
 from penstock.engines.loading import load_engine_class
 from penstock.engines.sample import SampleLLMEngine
-from tests.support.doubles import ScriptedEngine
+from tests.support.doubles import CancelSafeScriptedEngine, ScriptedEngine
 
 
 async def test_sample_engine_conforms() -> None:
@@ -36,17 +31,12 @@ async def test_the_kit_catches_an_ignored_cancel() -> None:
         await run_conformance(ScriptedEngine, request={"token_ids": [1]}, long_request=long_request)
 
 
-class _ClaimsCancelSafety(ScriptedEngine):
+class _ClaimsCancelSafety(CancelSafeScriptedEngine):
     """Advertises cancel safety, but a request cancelled mid-stream keeps its lock."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lock = asyncio.Lock()
-
-    async def start(self, worker_id: int) -> EngineConfig:
-        config = await super().start(worker_id)
-        config.runtime_data = {CANCEL_SAFE_RUNTIME_KEY: True}
-        return config
 
     async def generate(
         self, request: GenerateRequest, context: Context

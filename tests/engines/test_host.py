@@ -13,11 +13,18 @@ from penstock.engines.contract import MULTI_CHOICE_RUNTIME_KEY, EngineConfig, Wo
 from penstock.engines.health import HEALTH_CHECK_KEY, EngineHealthMonitorConfig
 from penstock.engines.host import EngineHost, EngineState
 from penstock.errors import EngineError, InvalidRequestError
-from tests.support.doubles import ScriptedEngine
+from tests.support.doubles import CancelSafeScriptedEngine, ScriptedEngine
 
 
 def make_host(engine: ScriptedEngine | None = None, **kwargs: Any) -> EngineHost:
     return EngineHost(engine or ScriptedEngine(), WorkerConfig(namespace="test"), **kwargs)
+
+
+# The guarantees that hold whether the engine runs in a task of its own or, cancel-safe,
+# in its consumer's (see test_host_cancel_safe.py for what differs).
+EITHER_KIND = pytest.mark.parametrize(
+    "kind", [ScriptedEngine, CancelSafeScriptedEngine], ids=["own task", "cancel-safe"]
+)
 
 
 def request(mode: str = "ok") -> dict[str, Any]:
@@ -77,8 +84,9 @@ async def test_cleanup_waits_for_a_start_in_progress() -> None:
     assert [c.split(":")[0] for c in engine.calls] == ["start", "cleanup"]
 
 
-async def test_natural_completion_never_aborts() -> None:
-    host = make_host()
+@EITHER_KIND
+async def test_natural_completion_never_aborts(kind: type[ScriptedEngine]) -> None:
+    host = make_host(kind())
     await host.start()
     chunks = await drain(host)
     await asyncio.sleep(0.05)
@@ -86,8 +94,9 @@ async def test_natural_completion_never_aborts() -> None:
     assert host.engine.aborted == []
 
 
-async def test_consumer_going_away_aborts_exactly_once() -> None:
-    host = make_host()
+@EITHER_KIND
+async def test_consumer_going_away_aborts_exactly_once(kind: type[ScriptedEngine]) -> None:
+    host = make_host(kind())
     await host.start()
     context = Context("gone")
     stream = host.generate(request("slow"), context)
@@ -99,8 +108,9 @@ async def test_consumer_going_away_aborts_exactly_once() -> None:
     assert context.is_killed()
 
 
-async def test_cancel_stops_the_request_and_aborts_once() -> None:
-    host = make_host()
+@EITHER_KIND
+async def test_cancel_stops_the_request_and_aborts_once(kind: type[ScriptedEngine]) -> None:
+    host = make_host(kind())
     await host.start()
     context = Context("cancelled")
     chunks = []
@@ -114,10 +124,8 @@ async def test_cancel_stops_the_request_and_aborts_once() -> None:
     assert host.engine.aborted == ["cancelled"]
 
 
-async def test_cancelled_task_aborts_within_100ms() -> None:
-    host = make_host()
-    await host.start()
-    context = Context("task")
+async def cancel_a_consuming_task(host: EngineHost, context: Context) -> None:
+    """Start a task reading a slow stream, and cancel it mid-way."""
 
     async def consume() -> None:
         async for _ in host.generate(request("slow"), context):
@@ -126,12 +134,25 @@ async def test_cancelled_task_aborts_within_100ms() -> None:
     task = asyncio.create_task(consume())
     await asyncio.sleep(0.05)
     task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@EITHER_KIND
+async def test_cancelled_task_aborts_within_100ms(kind: type[ScriptedEngine]) -> None:
+    host = make_host(kind())
+    await host.start()
+    context = Context("task")
+    await cancel_a_consuming_task(host, context)
     await asyncio.sleep(0.1)
     assert host.engine.aborted == ["task"]
 
 
-async def test_an_exception_in_generate_is_one_error_and_others_keep_running() -> None:
-    host = make_host()
+@EITHER_KIND
+async def test_an_exception_in_generate_is_one_error_and_others_keep_running(
+    kind: type[ScriptedEngine],
+) -> None:
+    host = make_host(kind())
     await host.start()
     failing = drain(host, "raise_late")
     healthy = [drain(host) for _ in range(3)]
@@ -141,8 +162,11 @@ async def test_an_exception_in_generate_is_one_error_and_others_keep_running() -
     assert all(r[-1]["finish_reason"] == "length" for r in results[1:])
 
 
-async def test_value_errors_keep_their_message_as_a_client_error() -> None:
-    host = make_host()
+@EITHER_KIND
+async def test_value_errors_keep_their_message_as_a_client_error(
+    kind: type[ScriptedEngine],
+) -> None:
+    host = make_host(kind())
     await host.start()
     with pytest.raises(InvalidRequestError, match="temperature must be positive"):
         await drain(host, "raise_value")
@@ -160,8 +184,9 @@ async def test_a_chunk_after_the_terminal_is_dropped_and_logged(
     assert caplog.text.count("contract violation") == 1
 
 
-async def test_a_stream_without_terminal_becomes_an_error() -> None:
-    host = make_host()
+@EITHER_KIND
+async def test_a_stream_without_terminal_becomes_an_error(kind: type[ScriptedEngine]) -> None:
+    host = make_host(kind())
     await host.start()
     with pytest.raises(EngineError, match="without a terminal"):
         await drain(host, "no_terminal")

@@ -11,6 +11,7 @@ from typing import Any
 
 from penstock.engines.context import Context
 from penstock.engines.contract import (
+    CANCEL_SAFE_RUNTIME_KEY,
     EngineConfig,
     GenerateChunk,
     GenerateRequest,
@@ -122,6 +123,16 @@ class ScriptedEngine(LLMEngine):
         yield {"token_ids": [7], "index": 0, "finish_reason": "length"}
         if mode == "after_terminal":
             yield {"token_ids": [8], "index": 0}
+
+
+class CancelSafeScriptedEngine(ScriptedEngine):
+    """A :class:`ScriptedEngine` that advertises ``CANCEL_SAFE_RUNTIME_KEY``: the host
+    drives it from its consumer's task."""
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        config = await super().start(worker_id)
+        config.runtime_data = {CANCEL_SAFE_RUNTIME_KEY: True}
+        return config
 
 
 class FailingStartEngine(MarkedSampleEngine):
