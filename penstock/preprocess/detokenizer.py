@@ -83,8 +83,15 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._plain = plain_texts
-        priming = None if plain_texts is not None else _priming_ids(tokenizer, prompt_token_ids)
-        self._stream = DecodeStream(priming, skip_special_tokens=skip_special_tokens)
+        # With the table, the stream is made at the first token it has no text for: most
+        # completions never need one.
+        self._stream: DecodeStream | None = (
+            None
+            if plain_texts is not None
+            else DecodeStream(
+                _priming_ids(tokenizer, prompt_token_ids), skip_special_tokens=skip_special_tokens
+            )
+        )
         self._pending_ids: list[int] = []
 
     def step(self, token_id: int) -> str:
@@ -92,8 +99,11 @@ class IncrementalDetokenizer:
             text = self._plain.get(token_id)
             if text:
                 return text
+        stream = self._stream
+        if stream is None:
+            stream = self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
         try:
-            text = self._stream.step(self._tokenizer, token_id)
+            text = stream.step(self._tokenizer, token_id)
         except (OverflowError, TypeError):
             # The Rust side refuses ids that are not u32 (negative, huge); they have no text.
             return ""
