@@ -183,10 +183,11 @@ def freeze_imported_heap() -> None:
     libraries' and the engine's) out of the garbage collector's passes.
 
     They live as long as the process, yet each full pass walked all of them on the event
-    loop: with the sample engine ~80,000 objects, a ~20 ms stall of every open stream every
-    few thousand requests (``bench/gc_pauses.py``). Called before the engine starts, so its
-    weights and everything built while serving stay collectable: a model dropped in a
-    reference cycle (a level-2 sleep) is still freed by ``gc.collect()``.
+    loop, stalling every open stream: ~77,000 objects and 20-30 ms with the sample engine,
+    every few thousand requests; ~250,000 and ~50 ms once torch and transformers are
+    imported (``bench/gc_pauses.py``). Called before the engine starts, so its weights and
+    everything built while serving stay collectable: a model dropped in a reference cycle
+    (a level-2 sleep) is still freed by ``gc.collect()``.
     """
     gc.collect()
     gc.freeze()
