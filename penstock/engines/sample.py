@@ -259,7 +259,7 @@ class SampleLLMEngine(LLMEngine):
         self.started = False
         self.aborted: list[str] = []
         self.weights = SampleWeights()
-        self.weight_version: str | None = None
+        self._engine_data: dict[str, Any] = {"weight_version": None}
         self.adapters: dict[str, SampleWeights] = {}
         self.prefix_cache: set[int] = set()
         self._holds: dict[str, _Hold] = {}
@@ -359,9 +359,15 @@ class SampleLLMEngine(LLMEngine):
         ids: list[int] = self.tokenizer.encode(" ".join(words), add_special_tokens=False).ids
         return ids
 
-    def _shift_for(self, request: GenerateRequest) -> int:
-        adapter = self.adapters.get(request.get("model") or "")
-        return self.weights.token_shift + (adapter.token_shift if adapter else 0)
+    @property
+    def weight_version(self) -> str | None:
+        return self._engine_data["weight_version"]
+
+    @weight_version.setter
+    def weight_version(self, version: str | None) -> None:
+        # One dict per version, shared by every chunk stamped with it (chunks are read, not
+        # changed, downstream): a chunk costs no dict of its own.
+        self._engine_data = {"weight_version": version}
 
     async def generate(
         self, request: GenerateRequest, context: Context
@@ -392,6 +398,11 @@ class SampleLLMEngine(LLMEngine):
             if held:
                 await self._hold_while_blocked(flight)
             flight.admitted = True
+            token_at = self.token_at
+            # An adapter is the request's for its whole run; the base weights may change
+            # under it (a weight update between two tokens shows from the next one).
+            adapter = self.adapters.get(request.get("model") or "")
+            adapter_shift = adapter.token_shift if adapter else 0
             for step in range(max_new):
                 if self.delay:
                     await asyncio.sleep(self.delay)
@@ -400,19 +411,19 @@ class SampleLLMEngine(LLMEngine):
                 # Checked here first: a call per token costs more than the test.
                 if held and self._holds:
                     await self._hold_while_blocked(flight)
-                reason = flight.abort_reason or ("cancelled" if context.is_stopped() else None)
-                if reason is not None:
+                if flight.abort_reason is not None or context.is_stopped():
+                    reason = flight.abort_reason or "cancelled"
                     for choice in range(n):
                         yield self._terminal(choice, [], reason, prompt_len, step)
                     return
                 flight.generated += 1
-                shift = self._shift_for(request)
+                shift = self.weights.token_shift + adapter_shift
                 for choice in range(n):
-                    token = lead[step] if step < len(lead) else self.token_at(step, choice, shift)
+                    token = lead[step] if step < len(lead) else token_at(step, choice, shift)
                     chunk: GenerateChunk = {
                         "token_ids": [token],
                         "index": choice,
-                        "engine_data": {"weight_version": self.weight_version},
+                        "engine_data": self._engine_data,
                     }
                     if top_k is not None:
                         self._add_logprobs(chunk, token, top_k)
