@@ -15,6 +15,10 @@ them:
 * disconnects: each request's scope holds a
   :class:`~penstock.serving.sse.DisconnectSignal`, fired when its connection is lost
   before the response ended, so responses notice without a task blocked on ``receive``;
+* frames: each request's scope holds a :class:`ChunkedFrameWriter`
+  (:class:`~penstock.serving.sse.FrameWriter`), which writes an event stream's frames as
+  HTTP chunks straight to the transport, byte for byte what uvicorn's ``send`` writes for
+  them, without its checks and message handling for each frame;
 * connection limit: a request that arrives while more than ``max_connections``
   connections are open gets a 503 envelope (``too_many_connections``) and its connection
   is closed, so clients see why; the header timeout bounds how long the surplus stays.
@@ -33,11 +37,11 @@ from typing import Any, ClassVar
 
 import orjson
 from starlette.types import Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from penstock.app.middleware import ANSWERED_STATUS_KEY
 from penstock.errors import PenstockError, ServiceUnavailableError, SlowClientError
-from penstock.serving.sse import DISCONNECT_KEY, DisconnectSignal
+from penstock.serving.sse import DISCONNECT_KEY, FRAME_WRITER_KEY, DisconnectSignal
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +90,29 @@ def _too_many_connections(limit: int) -> Any:
         await send({"type": "http.response.body", "body": body})
 
     return refuse
+
+
+class ChunkedFrameWriter:
+    """One request's :class:`~penstock.serving.sse.FrameWriter` over uvicorn's cycle."""
+
+    __slots__ = ("cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self.cycle = cycle
+
+    def write(self, frame: bytes) -> bool:
+        cycle = self.cycle
+        # uvicorn's ``send`` waits for the drain first, writes nothing once disconnected,
+        # and frames a body in chunks only when the response chose chunked encoding.
+        if (
+            cycle.flow.write_paused
+            or cycle.disconnected
+            or cycle.response_complete
+            or not cycle.chunked_encoding
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(frame), frame))
+        return True
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -162,6 +189,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self.app = app
         else:
             super().on_headers_complete()
+        cycle = self.cycle
+        # No cycle of its own for a request uvicorn hands to its websocket upgrade.
+        if cycle is not None and cycle.scope is self.scope:
+            self.scope[FRAME_WRITER_KEY] = ChunkedFrameWriter(cycle)  # type: ignore[typeddict-unknown-key]
 
     def on_message_complete(self) -> None:
         self._in_body = False

@@ -7,6 +7,9 @@ The response start goes through every middleware; the body frames go straight to
 server's own ``send`` when the outermost app left it in the scope under
 :data:`WIRE_SEND_KEY` (every middleware of the stack acts on the start only, and a
 chain of ~8 wrappers per frame was a quarter of the gateway's cost per streamed token).
+Where the server's HTTP protocol offers a :class:`FrameWriter` (:data:`FRAME_WRITER_KEY`),
+a frame the connection can take at once is written by it, with no ASGI message at all;
+the others (flow control paused, the connection gone) take the ``send`` path.
 
 One task per stream, the request's own: it pulls each frame and writes it. The server's
 HTTP protocol leaves a :class:`DisconnectSignal` in the scope (:data:`DISCONNECT_KEY`)
@@ -23,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -33,6 +36,8 @@ DONE_FRAME = b"data: [DONE]\n\n"
 WIRE_SEND_KEY = "penstock.wire_send"
 # Where the server's HTTP protocol leaves the request's :class:`DisconnectSignal`.
 DISCONNECT_KEY = "penstock.disconnect"
+# Where the server's HTTP protocol leaves the request's :class:`FrameWriter`.
+FRAME_WRITER_KEY = "penstock.frame_writer"
 KEEPALIVE_FRAME = b": keep-alive\n\n"
 # How often, per keep-alive interval, the open streams are checked for one.
 _CHECKS_PER_INTERVAL = 4
@@ -40,6 +45,17 @@ _CHECKS_PER_INTERVAL = 4
 
 def data_frame(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
+
+
+class FrameWriter(Protocol):
+    """Writes body frames of a started response straight to its connection."""
+
+    def write(self, frame: bytes) -> bool:
+        """Write ``frame`` (not empty, not the body's last) now and return True, or write
+        nothing and return False when it must go as an ``http.response.body`` message:
+        the connection asked the writer to wait, is gone, or the response is not one this
+        writer frames."""
+        ...
 
 
 class DisconnectSignal:
@@ -122,6 +138,8 @@ class EventStreamResponse(Response):
         raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
         send = self._send = scope.get(WIRE_SEND_KEY, send)
+        writer: FrameWriter | None = scope.get(FRAME_WRITER_KEY)
+        write = writer.write if writer is not None else None
         signal, watcher = disconnect_signal(scope, receive)
         loop = asyncio.get_running_loop()
         task = self._task = asyncio.current_task()
@@ -146,7 +164,8 @@ class EventStreamResponse(Response):
                     # Sent as the body's last message, once the keep-alive is stopped.
                     self.completed = True
                     break
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
+                if write is None or not write(frame):
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
                 self.last_sent = loop.time()
         except asyncio.CancelledError:
             # Ours (the client left) ends the response quietly; any other goes on.

@@ -10,6 +10,7 @@ from penstock.app.middleware import WireSend
 from penstock.serving.sse import (
     DISCONNECT_KEY,
     DONE_FRAME,
+    FRAME_WRITER_KEY,
     KEEPALIVE_FRAME,
     WIRE_SEND_KEY,
     DisconnectSignal,
@@ -154,3 +155,57 @@ async def test_each_idle_stream_gets_its_keepalive_after_another_one_ends() -> N
     assert long_bodies[-1] == DONE_FRAME
     # Quiet for 0.45 s with a 0.1 s interval: a comment every 0.1-0.125 s.
     assert long_bodies[1:-1].count(KEEPALIVE_FRAME) >= 3
+
+
+class Writer:
+    """A frame writer that takes every frame but those in ``refused``, writing to
+    ``wire`` as the server's ``send`` below does."""
+
+    def __init__(self, wire: list[bytes], refused: frozenset[bytes] = frozenset()) -> None:
+        self.wire = wire
+        self.refused = refused
+        self.written: list[bytes] = []
+
+    def write(self, frame: bytes) -> bool:
+        if frame in self.refused:
+            return False
+        self.written.append(frame)
+        self.wire.append(frame)
+        return True
+
+
+async def many_frames() -> AsyncIterator[bytes]:
+    for i in range(3):
+        yield b"data: %d\n\n" % i
+    yield DONE_FRAME
+
+
+async def stream_through(writer: Writer, wire: list[bytes]) -> list[dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body":
+            wire.append(message["body"])
+
+    scope = {"type": "http", FRAME_WRITER_KEY: writer}
+    await EventStreamResponse(many_frames(), keepalive_s=0)(scope, never_disconnects, send)
+    return sent
+
+
+async def test_the_connections_writer_takes_the_frames_it_can_write_at_once() -> None:
+    wire: list[bytes] = []
+    writer = Writer(wire)
+    sent = await stream_through(writer, wire)
+    assert writer.written == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n"]
+    # The start and the body's last message are ASGI messages still.
+    assert [m.get("body") for m in sent] == [None, DONE_FRAME]
+    assert sent[-1]["more_body"] is False
+
+
+async def test_a_frame_the_writer_refuses_is_sent_in_its_place() -> None:
+    wire: list[bytes] = []
+    writer = Writer(wire, refused=frozenset({b"data: 1\n\n"}))
+    await stream_through(writer, wire)
+    assert wire == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", DONE_FRAME]
+    assert writer.written == [b"data: 0\n\n", b"data: 2\n\n"]

@@ -1,0 +1,135 @@
+"""The connection's frame writer: uvicorn's bytes for a chunked body frame, or nothing
+when uvicorn's ``send`` would wait or write nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import uvicorn
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from penstock.app.connections import ChunkedFrameWriter, ConnectionLimits, guarded_protocol
+from penstock.serving.sse import DONE_FRAME, FRAME_WRITER_KEY, EventStreamResponse
+
+FRAME = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+
+
+class RecordingTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        return None
+
+    def resume_reading(self) -> None:
+        return None
+
+
+def cycle(method: str = "POST") -> tuple[RequestResponseCycle, RecordingTransport]:
+    transport = RecordingTransport()
+    scope = {"type": "http", "method": method, "http_version": "1.1", "path": "/"}
+    made = RequestResponseCycle(
+        scope=scope,  # type: ignore[arg-type]
+        transport=transport,
+        flow=FlowControl(transport),
+        logger=logging.getLogger("test"),
+        access_logger=logging.getLogger("test.access"),
+        access_log=False,
+        default_headers=[],
+        message_event=asyncio.Event(),
+        expect_100_continue=False,
+        keep_alive=True,
+        on_response=lambda: None,
+    )
+    return made, transport
+
+
+async def started(method: str = "POST") -> tuple[RequestResponseCycle, RecordingTransport]:
+    made, transport = cycle(method)
+    headers = [(b"content-type", b"text/event-stream")]
+    await made.send({"type": "http.response.start", "status": 200, "headers": headers})
+    transport.written.clear()
+    return made, transport
+
+
+async def test_a_frame_is_written_as_uvicorns_send_writes_it() -> None:
+    by_send, send_transport = await started()
+    await by_send.send({"type": "http.response.body", "body": FRAME, "more_body": True})
+    by_writer, writer_transport = await started()
+    assert ChunkedFrameWriter(by_writer).write(FRAME) is True
+    assert writer_transport.written == send_transport.written
+    assert writer_transport.written == [b"%x\r\n" % len(FRAME) + FRAME + b"\r\n"]
+
+
+async def test_it_writes_nothing_where_send_would_wait_or_drop_the_frame() -> None:
+    paused, paused_transport = await started()
+    paused.flow.pause_writing()
+    gone, gone_transport = await started()
+    gone.disconnected = True
+    head, head_transport = await started("HEAD")
+    not_started, not_started_transport = cycle()
+    for refused, transport in [
+        (paused, paused_transport),
+        (gone, gone_transport),
+        (head, head_transport),
+        (not_started, not_started_transport),
+    ]:
+        assert ChunkedFrameWriter(refused).write(FRAME) is False
+        assert transport.written == []
+
+
+async def test_it_writes_nothing_after_the_body_ended() -> None:
+    made, transport = await started()
+    await made.send({"type": "http.response.body", "body": b"", "more_body": False})
+    transport.written.clear()
+    assert ChunkedFrameWriter(made).write(FRAME) is False
+    assert transport.written == []
+
+
+async def test_the_server_gives_each_request_a_writer_over_its_own_connection() -> None:
+    """Through a real server: the stream's frames leave by the writer, whole and in order."""
+    scopes: list[dict[str, Any]] = []
+
+    async def frames() -> AsyncIterator[bytes]:
+        for i in range(3):
+            yield b"data: %d\n\n" % i
+        yield DONE_FRAME
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        scopes.append(scope)
+        await EventStreamResponse(frames(), keepalive_s=0)(scope, receive, send)
+
+    limits = ConnectionLimits(header_timeout_s=5, body_timeout_s=5, max_connections=0)
+    config = uvicorn.Config(app, http=guarded_protocol(limits), lifespan="off")
+    server = uvicorn.Server(config)
+    listening = socket.create_server(("127.0.0.1", 0))
+    port = listening.getsockname()[1]
+    # The client's connections wait in the socket's backlog until the server accepts them.
+    serving = asyncio.create_task(server.serve(sockets=[listening]))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            bodies = [(await client.get("/")).content for _ in range(2)]
+    finally:
+        server.should_exit = True
+        await serving
+    assert bodies == [b"data: 0\n\ndata: 1\n\ndata: 2\n\n" + DONE_FRAME] * 2
+    writers = [scope[FRAME_WRITER_KEY] for scope in scopes]
+    assert isinstance(writers[0], ChunkedFrameWriter)
+    # One per request, each over the cycle that answers it (a kept-alive connection).
+    assert writers[0] is not writers[1]
+    assert [writer.cycle.scope for writer in writers] == scopes
