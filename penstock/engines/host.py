@@ -496,6 +496,7 @@ class EngineHost:
                 # request).
                 pump = asyncio.get_running_loop().create_task(self._pump(agen, queue))
             completed = ended = False
+            first_token_seen = context.first_token_seen
             try:
                 while True:
                     if inline:
@@ -522,7 +523,8 @@ class EngineHost:
                     if index in finished or not isinstance(index, int) or index >= expected:
                         self._contract_violation(context, f"chunk for choice {index!r} dropped")
                         continue
-                    if chunk.get("token_ids") and not context.first_token_seen:
+                    if not first_token_seen and chunk.get("token_ids"):
+                        first_token_seen = True
                         context.notify_first_token()
                     if top_k is not None and chunk.get("top_logprobs"):
                         chunk["top_logprobs"] = [

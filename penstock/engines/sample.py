@@ -48,7 +48,8 @@ import base64
 import contextlib
 import hashlib
 import math
-from collections.abc import AsyncGenerator, Callable, Iterable
+import types
+from collections.abc import AsyncGenerator, Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -159,6 +160,13 @@ def load_sample_weights(path: Path, file_name: str = WEIGHTS_FILE) -> SampleWeig
     except Exception as exc:
         raise ValueError(f"{file} is not a readable safetensors file: {exc}") from exc
     return SampleWeights(_check_tensors(tensors, str(file)), str(file))
+
+
+@types.coroutine
+def _next_loop_turn() -> Generator[None, None, None]:
+    """Give the event loop one turn, as ``asyncio.sleep(0)`` does, without a coroutine of
+    its own: a token at ``--delay 0`` costs one call fewer."""
+    yield
 
 
 @dataclass(eq=False)
@@ -407,7 +415,7 @@ class SampleLLMEngine(LLMEngine):
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 else:
-                    await asyncio.sleep(0)
+                    await _next_loop_turn()
                 # Checked here first: a call per token costs more than the test.
                 if held and self._holds:
                     await self._hold_while_blocked(flight)
