@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -239,7 +239,17 @@ def _request_id(scope: Scope) -> str:
             if text and len(text) <= _MAX_REQUEST_ID_LEN and text.isprintable():
                 return text
             break
-    return str(uuid.uuid4())
+    return _new_request_id()
+
+
+def _new_request_id() -> str:
+    """A random (version 4) UUID's text, as ``str(uuid.uuid4())`` writes it, at about a
+    third of its cost: one for every request that brings no id of its own."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = raw[6] & 0x0F | 0x40
+    raw[8] = raw[8] & 0x3F | 0x80
+    text = raw.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -61,6 +61,11 @@ class Delta(NamedTuple):
     tool_calls: tuple[ParsedToolCall, ...]
 
 
+# ``Delta(...)`` goes through a generated Python ``__new__``; one delta a token makes the
+# tuple's own constructor worth calling directly (same object, ~0.2 µs less a token).
+_new_delta = tuple.__new__
+
+
 class ChoiceState:
     """Everything one choice has produced so far."""
 
@@ -150,7 +155,8 @@ class ChoiceState:
             self.finish_reason = FINISH_REASONS.get(reason, reason)
         if self.keep_text and text:
             self.text_parts.append(text)
-        return Delta(self, text, token_ids, entries, self.finish_reason, version, tool_calls)
+        fields = (self, text, token_ids, entries, self.finish_reason, version, tool_calls)
+        return _new_delta(Delta, fields)
 
 
 def _logprob_entries(token_ids: list[int], chunk: dict[str, Any]) -> list[LogprobEntry]:

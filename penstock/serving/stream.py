@@ -8,8 +8,8 @@ a response choice, the object names and what precedes the first delta.
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -77,7 +77,8 @@ class ResponsePlan:
     response_id: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.response_id = self.format.id_prefix + uuid.uuid4().hex
+        # As random as ``uuid4().hex``, without building a UUID.
+        self.response_id = self.format.id_prefix + os.urandom(16).hex()
 
 
 async def respond(request: Request, plan: ResponsePlan) -> Response:

@@ -117,7 +117,19 @@ async def test_a_missing_or_unusable_request_id_is_replaced(
     response = await call(middleware, headers=headers)
     (echoed,) = response.header(b"x-request-id")
     assert echoed.decode() == app.request_id
-    uuid.UUID(echoed.decode())
+    # A random UUID, written as str(uuid.uuid4()) writes one.
+    made = uuid.UUID(echoed.decode())
+    assert (made.version, made.variant) == (4, uuid.RFC_4122)
+    assert str(made) == echoed.decode()
+
+
+async def test_made_request_ids_differ(gateway: Gateway) -> None:
+    middleware, app = wrap(gateway)
+    made = set()
+    for _ in range(200):
+        await call(middleware)
+        made.add(app.request_id)
+    assert len(made) == 200
 
 
 async def test_a_declared_body_over_the_limit_is_refused_unread(gateway: Gateway) -> None:
