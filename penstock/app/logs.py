@@ -9,6 +9,7 @@ logged with an exception adds ``exception``.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,6 +39,25 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(line).decode()
 
 
+class TextFormatter(logging.Formatter):
+    """:data:`TEXT_FORMAT`, its time's text made once a second rather than once a line
+    (``time.strftime`` is most of a line's formatting, and there is a line per request)."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+        self._second = -1
+        self._second_text = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        if second != self._second:
+            self._second = second
+            self._second_text = time.strftime(self.default_time_format, self.converter(second))
+        return self.default_msec_format % (self._second_text, record.msecs)
+
+
 def configure_logging(level: str, log_format: str) -> None:
     """Route every logger (uvicorn's and Python warnings included) through one root handler
     in ``log_format``, so a JSON log holds nothing but JSON lines."""
@@ -50,7 +70,7 @@ def configure_logging(level: str, log_format: str) -> None:
     logging.logMultiprocessing = False
     logging._srcfile = None
     handler = logging.StreamHandler()
-    formatter = JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    formatter = JsonFormatter() if log_format == "json" else TextFormatter()
     handler.setFormatter(formatter)
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
