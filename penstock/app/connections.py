@@ -32,6 +32,7 @@ import asyncio
 import logging
 import resource
 import time
+import weakref
 from http import HTTPStatus
 from typing import Any, ClassVar
 
@@ -93,19 +94,28 @@ def _too_many_connections(limit: int) -> Any:
 
 
 class ChunkedFrameWriter:
-    """One request's :class:`~penstock.serving.sse.FrameWriter` over uvicorn's cycle."""
+    """One request's :class:`~penstock.serving.sse.FrameWriter` over uvicorn's cycle.
 
-    __slots__ = ("cycle",)
+    It holds the cycle weakly: the cycle holds the scope that holds this writer, and a
+    strong reference would leave every request's cycle and scope to the garbage
+    collector instead of freeing them when the request ends."""
+
+    __slots__ = ("_cycle",)
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
-        self.cycle = cycle
+        self._cycle = weakref.ref(cycle)
+
+    @property
+    def cycle(self) -> RequestResponseCycle | None:
+        return self._cycle()
 
     def write(self, frame: bytes) -> bool:
-        cycle = self.cycle
+        cycle = self._cycle()
         # uvicorn's ``send`` waits for the drain first, writes nothing once disconnected,
         # and frames a body in chunks only when the response chose chunked encoding.
         if (
-            cycle.flow.write_paused
+            cycle is None
+            or cycle.flow.write_paused
             or cycle.disconnected
             or cycle.response_complete
             or not cycle.chunked_encoding

@@ -4,6 +4,7 @@ when uvicorn's ``send`` would wait or write nothing."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 from collections.abc import AsyncIterator
@@ -99,9 +100,11 @@ async def test_it_writes_nothing_after_the_body_ended() -> None:
     assert transport.written == []
 
 
-async def test_the_server_gives_each_request_a_writer_over_its_own_connection() -> None:
-    """Through a real server: the stream's frames leave by the writer, whole and in order."""
-    scopes: list[dict[str, Any]] = []
+async def test_the_server_gives_each_request_a_writer_over_its_own_cycle() -> None:
+    """Through a real server: the stream's frames leave by the writer, whole and in order,
+    and each request's cycle is freed once it ends, with no garbage collection."""
+    writers: list[ChunkedFrameWriter] = []
+    answered_by: list[bool] = []
 
     async def frames() -> AsyncIterator[bytes]:
         for i in range(3):
@@ -111,7 +114,11 @@ async def test_the_server_gives_each_request_a_writer_over_its_own_connection() 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        scopes.append(scope)
+        writer = scope[FRAME_WRITER_KEY]
+        writers.append(writer)
+        cycle = writer.cycle
+        answered_by.append(cycle is not None and cycle.scope is scope)
+        del cycle
         await EventStreamResponse(frames(), keepalive_s=0)(scope, receive, send)
 
     limits = ConnectionLimits(header_timeout_s=5, body_timeout_s=5, max_connections=0)
@@ -121,15 +128,18 @@ async def test_the_server_gives_each_request_a_writer_over_its_own_connection() 
     port = listening.getsockname()[1]
     # The client's connections wait in the socket's backlog until the server accepts them.
     serving = asyncio.create_task(server.serve(sockets=[listening]))
+    gc.disable()
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             bodies = [(await client.get("/")).content for _ in range(2)]
+        server.should_exit = True
+        await serving
+        # One per request, each over the cycle that answered it (a kept-alive connection).
+        assert answered_by == [True, True]
+        assert writers[0] is not writers[1]
+        assert [writer.cycle for writer in writers] == [None, None]
     finally:
+        gc.enable()
         server.should_exit = True
         await serving
     assert bodies == [b"data: 0\n\ndata: 1\n\ndata: 2\n\n" + DONE_FRAME] * 2
-    writers = [scope[FRAME_WRITER_KEY] for scope in scopes]
-    assert isinstance(writers[0], ChunkedFrameWriter)
-    # One per request, each over the cycle that answers it (a kept-alive connection).
-    assert writers[0] is not writers[1]
-    assert [writer.cycle.scope for writer in writers] == scopes
