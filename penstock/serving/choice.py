@@ -121,17 +121,22 @@ class ChoiceState:
     def consume(self, chunk: dict[str, Any], version: str | None) -> Delta:
         """Fold one engine chunk in; return what it added."""
         token_ids: list[int] = chunk.get("token_ids") or []
-        if not self.versions or self.versions[-1].weight_version != version:
-            self.versions.append(WeightVersionSegment(version, len(self.token_ids)))
+        versions = self.versions
+        if not versions or versions[-1].weight_version != version:
+            versions.append(WeightVersionSegment(version, len(self.token_ids)))
         self.token_ids.extend(token_ids)
         text = ""
-        if self.detokenizer is not None:
-            step = self.detokenizer.step
-            for token in token_ids:
-                text += step(token)
+        detokenizer = self.detokenizer
+        if detokenizer is not None:
+            # Most chunks carry one token.
+            if len(token_ids) == 1:
+                text = detokenizer.step(token_ids[0])
+            else:
+                for token in token_ids:
+                    text += detokenizer.step(token)
         reason = chunk.get("finish_reason")
-        if reason and self.detokenizer is not None:
-            text += self.detokenizer.flush()
+        if reason and detokenizer is not None:
+            text += detokenizer.flush()
         if self.stop is not None:
             text, matched = self.stop.feed(text)
             if matched:
