@@ -16,6 +16,7 @@ from penstock.preprocess.chat_template import (
     select_template_name,
 )
 from penstock.preprocess.detokenizer import IncrementalDetokenizer, PlainTokenTexts
+from penstock.preprocess.segments import segmented_encoder
 from penstock.preprocess.token_bytes import is_byte_level, token_bytes_reader
 from penstock.preprocess.tokenizer_files import (
     TokenizerFiles,
@@ -35,6 +36,7 @@ class Preprocessor:
         self.folder: Path = files.folder
         self._tokenizer = files.tokenizer
         self._special_tokens = files.special_tokens
+        self._segments = segmented_encoder(self._tokenizer, batch_above=RELEASE_GIL_SIZE)
         self._templates = _compile_templates(files)
         self._content_parts = {
             name: iterates_content(source) for name, source in files.chat_templates.items()
@@ -75,6 +77,8 @@ class Preprocessor:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in the text are parsed as special,
         none are added."""
+        if self._segments is not None:
+            return self._segments.encode(text)
         if len(text) > RELEASE_GIL_SIZE:
             return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tokenizer.encode(text, add_special_tokens=False).ids
