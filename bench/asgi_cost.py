@@ -85,19 +85,28 @@ async def _measure(streamed: bool, concurrency: int, requests: int, tokens: int)
     settings = Settings(engine="sample", engine_args=["--delay", "0", "--max-tokens", "16"])
     gateway = await build_gateway(settings)
     app = create_app(gateway)
-    messages = [{"role": "user", "content": "Tell me a story."}]
-    body = orjson.dumps(
-        {"model": "sample-model", "messages": messages, "max_tokens": tokens, "stream": streamed}
-    )
+    # A new number in each user message: no tokenizer cache serves a whole prompt.
+    bodies = [
+        orjson.dumps(
+            {
+                "model": "sample-model",
+                "messages": [{"role": "user", "content": f"Tell me story number {number}."}],
+                "max_tokens": tokens,
+                "stream": streamed,
+            }
+        )
+        for number in range(requests + 50)
+    ]
+    next_body = iter(bodies).__next__
     try:
         async with app.router.lifespan_context(app):
             wired = WireSend(app)
             for _ in range(50):
-                await _request(wired, body)
+                await _request(wired, next_body())
 
             async def worker(count: int) -> None:
                 for _ in range(count):
-                    await _request(wired, body)
+                    await _request(wired, next_body())
 
             started = time.process_time()
             await asyncio.gather(*(worker(requests // concurrency) for _ in range(concurrency)))

@@ -22,7 +22,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.streaming_cost import HEADERS, chat_body, free_port, session, stream_once
+from bench.streaming_cost import HEADERS, chat_bodies, free_port, session, stream_once
 from penstock.app.server import serve
 from penstock.settings import Settings
 
@@ -51,13 +51,13 @@ async def open_streams(streams: int, top: int) -> None:
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.2)
-    body = chat_body(1000, True)
+    body = chat_bodies(1000, True)
     async with session(streams + 10) as client:
-        await stream_once(client, url + "/v1/chat/completions", chat_body(2, True))
+        await stream_once(client, url + "/v1/chat/completions", chat_bodies(2, True)())
         opened: list[aiohttp.ClientResponse] = []
 
         async def open_one() -> None:
-            response = await client.post(url + "/v1/chat/completions", data=body, headers=HEADERS)
+            response = await client.post(url + "/v1/chat/completions", data=body(), headers=HEADERS)
             seen = 0
             # The first token's frame: the whole request state exists on the server.
             while seen < 2:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import resource
 import signal
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,6 @@ HERE = Path(__file__).resolve().parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MODEL = "sample-model"
-PROMPT = [{"role": "user", "content": "Tell me a story."}]
 
 
 def free_port() -> int:
@@ -136,10 +136,19 @@ def servers(args: argparse.Namespace, *, delay: float, extra: list[str]) -> Iter
             stop(server)
 
 
-def chat_body(max_tokens: int, stream: bool) -> bytes:
-    return orjson.dumps(
-        {"model": MODEL, "messages": PROMPT, "max_tokens": max_tokens, "stream": stream}
-    )
+def chat_bodies(max_tokens: int, stream: bool) -> Callable[[], bytes]:
+    """Request bodies whose user message carries a new number each time: the template's
+    system prompt and role headers recur, as in real traffic, but no tokenizer cache can
+    serve a whole prompt."""
+    numbers = itertools.count()
+
+    def body() -> bytes:
+        messages = [{"role": "user", "content": f"Tell me story number {next(numbers)}."}]
+        return orjson.dumps(
+            {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": stream}
+        )
+
+    return body
 
 
 HEADERS = {"content-type": "application/json"}
@@ -163,12 +172,12 @@ def session(limit: int) -> aiohttp.ClientSession:
 
 async def cpu_per_chunk(server: Server, concurrency: int, tokens: int, rounds: int) -> float:
     url = server.url + "/v1/chat/completions"
-    body = chat_body(tokens, True)
+    body = chat_bodies(tokens, True)
     async with session(concurrency) as client:
-        await asyncio.gather(*(stream_once(client, url, body) for _ in range(concurrency)))
+        await asyncio.gather(*(stream_once(client, url, body()) for _ in range(concurrency)))
 
         async def worker() -> int:
-            return sum([await stream_once(client, url, body) for _ in range(rounds)])
+            return sum([await stream_once(client, url, body()) for _ in range(rounds)])
 
         before = cpu_seconds(server.pid)
         frames = sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
@@ -181,12 +190,13 @@ async def cpu_per_chunk(server: Server, concurrency: int, tokens: int, rounds: i
 
 async def ttft_p50(server: Server, requests: int) -> float:
     url = server.url + "/v1/chat/completions"
-    body = chat_body(8, True)
+    body = chat_bodies(8, True)
     samples = []
     async with session(1) as client:
         for i in range(requests + 10):
+            data = body()
             started = time.perf_counter()
-            async with client.post(url, data=body, headers=HEADERS) as response:
+            async with client.post(url, data=data, headers=HEADERS) as response:
                 seen = 0
                 first = None
                 async for data in response.content.iter_any():
@@ -200,11 +210,11 @@ async def ttft_p50(server: Server, requests: int) -> float:
 
 async def non_streaming(server: Server, concurrency: int, rounds: int) -> tuple[float, float]:
     url = server.url + "/v1/chat/completions"
-    body = chat_body(16, False)
+    body = chat_bodies(16, False)
 
     async def worker(client: aiohttp.ClientSession, count: int) -> None:
         for _ in range(count):
-            async with client.post(url, data=body, headers=HEADERS) as response:
+            async with client.post(url, data=body(), headers=HEADERS) as response:
                 payload = await response.read()
                 if response.status != 200 or b'"choices"' not in payload:
                     raise RuntimeError(f"{server.name}: HTTP {response.status}")
@@ -222,15 +232,15 @@ async def non_streaming(server: Server, concurrency: int, rounds: int) -> tuple[
 async def open_streams(server: Server, counts: list[int]) -> dict[int, float]:
     """RSS growth (MB per 1,000 streams) with each count of streams open at once."""
     url = server.url + "/v1/chat/completions"
-    body = chat_body(1000, True)
+    body = chat_bodies(1000, True)
     async with session(max(counts) + 10) as client:
-        await stream_once(client, url, chat_body(4, True))
+        await stream_once(client, url, chat_bodies(4, True)())
         await asyncio.sleep(1)
         idle = rss_mb(server.pid)
         responses: list[aiohttp.ClientResponse] = []
 
         async def open_one() -> None:
-            response = await client.post(url, data=body, headers=HEADERS)
+            response = await client.post(url, data=body(), headers=HEADERS)
             if response.status != 200:
                 raise RuntimeError(f"{server.name}: HTTP {response.status}")
             # The first token's frame: the whole request state exists on the server.
