@@ -6,7 +6,8 @@ input at every added token before anything else, and then tokenizes each piece o
 own; for the tokenizers :func:`segmented_encoder` accepts, the ids of a text are
 therefore the ids of its parts, joined. :class:`SegmentedEncoder` keeps the ids of long
 pieces it has seen, so a long system prompt or conversation history is not tokenized
-again with every request.
+again with every request; for a GPT-2 style byte-level tokenizer, the rest of an ASCII
+text goes word by word (:mod:`penstock.preprocess.byte_level_words`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
+
+from penstock.preprocess.byte_level_words import ByteLevelWords, byte_level_words
 
 # Pre-tokenizers that cut each piece alone, whatever comes before or after it.
 # ``Metaspace`` is missing on purpose: with ``prepend_scheme="first"`` it marks only the
@@ -50,7 +54,8 @@ _ENTRY_BYTES = 200
 
 class SegmentedEncoder:
     """Token ids of a text, its long pieces between the tokenizer's added tokens taken from
-    those kept (least recently used dropped first), the rest tokenized in runs.
+    those kept (least recently used dropped first), the rest tokenized in runs, or by
+    ``words`` when the text is ASCII.
 
     Safe to call from several threads at once: the preprocessing pool's workers tokenize
     long prompts while the event loop tokenizes short ones.
@@ -61,6 +66,7 @@ class SegmentedEncoder:
         tokenizer: Tokenizer,
         *,
         batch_above: int,
+        words: ByteLevelWords | None = None,
         min_piece_chars: int = DEFAULT_MIN_PIECE_CHARS,
         capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
     ) -> None:
@@ -72,6 +78,7 @@ class SegmentedEncoder:
         alternatives = sorted(added, key=len, reverse=True)
         self._splitter = re.compile("|".join(map(re.escape, alternatives)))
         self._min_piece_chars = min_piece_chars
+        self._words = words
         self._capacity_bytes = capacity_bytes
         self._batch_above = batch_above
         self._pieces: OrderedDict[str, array[int]] = OrderedDict()
@@ -79,6 +86,8 @@ class SegmentedEncoder:
         self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
+        if self._words is not None and text.isascii():
+            return self._encode_ascii(text)
         if len(text) < self._min_piece_chars:
             return self._tokenize(text)
         ids: list[int] = []
@@ -97,6 +106,24 @@ class SegmentedEncoder:
         else:
             ids += self._run(text[run_start:])
         return ids
+
+    def _encode_ascii(self, text: str) -> list[int]:
+        ids: list[int] = []
+        start = 0
+        for token in self._splitter.finditer(text):
+            if token.start() > start:
+                ids += self._ascii_piece(text[start : token.start()])
+            ids.append(self._added_ids[token.group()])
+            start = token.end()
+        if start < len(text):
+            ids += self._ascii_piece(text[start:])
+        return ids
+
+    def _ascii_piece(self, piece: str) -> Sequence[int]:
+        if len(piece) >= self._min_piece_chars:
+            return self._piece(piece)
+        assert self._words is not None
+        return self._words.ids(piece)
 
     def _run(self, text: str) -> list[int]:
         added = self._added_ids.get(text)
@@ -160,7 +187,7 @@ def segmented_encoder(tokenizer: Tokenizer, *, batch_above: int) -> SegmentedEnc
     pre_tokenizer = tokenizer.pre_tokenizer
     if pre_tokenizer is not None and not _is_piecewise(json.loads(pre_tokenizer.__getstate__())):
         return None
-    return SegmentedEncoder(tokenizer, batch_above=batch_above)
+    return SegmentedEncoder(tokenizer, batch_above=batch_above, words=byte_level_words(tokenizer))
 
 
 def _added_tokens(tokenizer: Tokenizer) -> list[tuple[int, Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
 
 from penstock.preprocess import Preprocessor
+from penstock.preprocess.byte_level_words import ByteLevelWords, byte_level_words
 from penstock.preprocess.segments import SegmentedEncoder, _entry_bytes, segmented_encoder
 from tests.preprocess.conftest import SAMPLE_TOKENIZER
 
@@ -43,27 +45,42 @@ PIECEWISE_TOKENIZERS = {
     ),
 }
 
-# Text made of what a chat prompt has: words, spaces, newlines, digits, non-ASCII, the
-# added tokens, and pieces of them that are not tokens.
+# Text made of what a chat prompt has: words, spaces, newlines, digits, contractions,
+# ASCII control characters, non-ASCII, the added tokens, and pieces of them that are not.
 fragments = st.sampled_from(
-    [*ADDED, "<|im_", "im_end|>", "<", "|>", " ", "  ", "\n", "\n\n", "user", "system"]
+    [
+        *ADDED,
+        *("<|im_", "im_end|>", "<", "|>", " ", "  ", "\n", "\n\n", "user", "system"),
+        *("'s", "'S", "'ll", "don't", "\t", "\r\n", "\x0b", "\x0c", "\x1c", "\x7f", " \n "),
+    ]
 )
-prompts = st.lists(
-    st.one_of(fragments, st.text(max_size=12), st.from_regex(r"[0-9]{1,7}", fullmatch=True)),
+ascii_text = st.text(alphabet=st.characters(max_codepoint=127), max_size=12)
+ascii_prompts = st.lists(
+    st.one_of(fragments, ascii_text, st.from_regex(r"[0-9]{1,7}", fullmatch=True)),
     max_size=14,
 ).map("".join)
+prompts = st.one_of(
+    ascii_prompts,
+    st.lists(st.one_of(fragments, ascii_text, st.text(max_size=12)), max_size=14).map("".join),
+)
 
 
-@pytest.mark.parametrize("min_piece_chars", [1, 6])
+@pytest.mark.parametrize("with_words", [False, True])
+@pytest.mark.parametrize("min_piece_chars", [1, 6, 128])
 @pytest.mark.parametrize("name", PIECEWISE_TOKENIZERS)
 @settings(max_examples=150, deadline=None)
 @given(text=prompts)
 def test_the_ids_are_the_tokenizers_own_first_time_and_remembered(
-    name: str, min_piece_chars: int, text: str
+    name: str, min_piece_chars: int, with_words: bool, text: str
 ) -> None:
     tokenizer = PIECEWISE_TOKENIZERS[name]
     assert segmented_encoder(tokenizer, batch_above=4096) is not None
-    encoder = SegmentedEncoder(tokenizer, batch_above=4096, min_piece_chars=min_piece_chars)
+    encoder = SegmentedEncoder(
+        tokenizer,
+        batch_above=4096,
+        min_piece_chars=min_piece_chars,
+        words=byte_level_words(tokenizer) if with_words else None,
+    )
     expected = tokenizer.encode(text, add_special_tokens=False).ids
     assert encoder.encode(text) == expected
     assert encoder.encode(text) == expected
@@ -194,3 +211,58 @@ def test_metaspace_first_would_give_other_ids_piece_by_piece(
         *tokenizer.encode("hi there", add_special_tokens=False).tokens,
     ]
     assert whole != pieces
+
+
+BYTE_LEVEL_TOKENIZERS = [
+    name for name in PIECEWISE_TOKENIZERS if name != "split digits, then byte-level"
+]
+
+
+@pytest.mark.parametrize("name", BYTE_LEVEL_TOKENIZERS)
+@settings(max_examples=300, deadline=None)
+@given(text=st.lists(st.one_of(fragments, ascii_text), max_size=20).map("".join))
+def test_ascii_words_get_the_tokenizers_ids(name: str, text: str) -> None:
+    tokenizer = PIECEWISE_TOKENIZERS[name]
+    words = byte_level_words(tokenizer)
+    assert words is not None
+    text = "".join(part for part in re.split("|".join(map(re.escape, ADDED)), text))
+    expected = tokenizer.encode(text, add_special_tokens=False).ids
+    assert words.ids(text) == expected
+    assert words.ids(text) == expected
+
+
+def test_known_words_need_no_tokenizer_call_and_the_memory_starts_again_when_full() -> None:
+    tokenizer = _sample_tokenizer()
+    words = ByteLevelWords(tokenizer, add_prefix_space=False, capacity_words=4)
+    text = "Tell me a story"
+    assert words.ids(text) == tokenizer.encode(text).ids
+    assert set(words._words) == {"Tell", " me", " a", " story"}
+    assert words.ids(" again") == tokenizer.encode(" again").ids
+    assert set(words._words) == {" again"}
+
+
+def test_the_sample_tokenizer_encodes_ascii_by_words_and_the_rest_whole(
+    preprocessor: Preprocessor,
+) -> None:
+    encoder = preprocessor._segments
+    assert encoder is not None and encoder._words is not None
+    for content in ("Tell me a story.", "Raconte-moi une histoire, s\u2019il te pla\u00eet."):
+        text = preprocessor.render_chat(
+            [{"role": "user", "content": content}], add_generation_prompt=True
+        )
+        assert preprocessor.encode(text) == _sample_tokenizer().encode(text).ids
+
+
+@pytest.mark.parametrize(
+    "pre_tokenizer",
+    [
+        pre_tokenizers.ByteLevel(use_regex=False),
+        pre_tokenizers.Whitespace(),
+        pre_tokenizers.Sequence([pre_tokenizers.ByteLevel()]),
+    ],
+)
+def test_words_are_taken_only_behind_gpt2s_byte_level_split(
+    pre_tokenizer: pre_tokenizers.PreTokenizer,
+) -> None:
+    assert byte_level_words(_with_pre_tokenizer(pre_tokenizer)) is None
+    assert byte_level_words(_normalized()) is None
