@@ -15,7 +15,9 @@ import json
 import re
 from typing import Any
 
-from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers import Tokenizer
+
+from penstock.preprocess.token_bytes import byte_level_alphabet
 
 # GPT-2's split (``'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+``)
 # for ASCII: ``\p{L}`` is A-Z and a-z, ``\p{N}`` 0-9, and ``\s`` Unicode's White_Space, of
@@ -44,10 +46,13 @@ class ByteLevelWords:
     ) -> None:
         self._model = tokenizer.model
         self._add_prefix_space = add_prefix_space
-        # Each ASCII character's printable stand-in, as the tokenizer maps it.
-        mapper = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        # Each ASCII character's printable stand-in in the tokenizer's vocabulary.
         self._printable = str.maketrans(
-            {chr(byte): mapper.pre_tokenize_str(chr(byte))[0][0] for byte in range(128)}
+            {
+                chr(byte): character
+                for character, byte in byte_level_alphabet().items()
+                if byte < 128
+            }
         )
         self._capacity_words = capacity_words
         self._words: dict[str, tuple[int, ...]] = {}

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 _BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _byte_level_alphabet() -> dict[str, int]:
+def byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
     printable = [
         *range(ord("!"), ord("~") + 1),
@@ -34,7 +34,7 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {chr(character): byte for byte, character in zip(printable, characters, strict=True)}
 
 
-_BYTE_OF_CHARACTER = _byte_level_alphabet()
+_BYTE_OF_CHARACTER = byte_level_alphabet()
 
 
 def token_bytes_reader(tokenizer: Tokenizer) -> Callable[[str], bytes]:
