@@ -8,9 +8,7 @@ version as a label: only the :data:`MAX_WEIGHT_VERSIONS` most recent keep their 
 from __future__ import annotations
 
 import threading
-from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +19,9 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
 )
+
+from penstock.metrics.plain import PlainCounter, PlainFamilies, PlainGauge, PlainHistogram
 
 PREFIX = "penstock_frontend_"
 MAX_WEIGHT_VERSIONS = 8
@@ -40,36 +39,19 @@ def log_buckets(low: float, high: float, count: int) -> list[float]:
     return bounds
 
 
-def observe_many(histogram: Any, amounts: Iterable[float]) -> None:
-    """``histogram.observe`` for each of ``amounts``, with one increment per bucket and
-    one of the sum: the same counts, for the per-token families a stream flushes in
-    batches (``histogram`` is a labelled child or an unlabelled histogram)."""
-    bounds = histogram._upper_bounds
-    hits = [0] * len(bounds)
-    total = 0.0
-    for amount in amounts:
-        total += amount
-        hits[bisect_left(bounds, amount)] += 1
-    if not any(hits):
-        return
-    histogram._sum.inc(total)
-    for bucket, count in zip(histogram._buckets, hits, strict=True):
-        if count:
-            bucket.inc(count)
-
-
 @dataclass(frozen=True)
 class ModelMetrics:
-    """The children of every per-model family, resolved once (``labels()`` is not free)."""
+    """The children of every per-model family, resolved once (``labels()`` is not free):
+    plain children (:mod:`penstock.metrics.plain`), updated from the event loop only."""
 
-    active: Any
-    queued: Any
-    duration: Any
-    ttft: Any
-    itl: Any
-    input_tokens: Any
-    output_tokens: Any
-    output_tokens_total: Any
+    active: PlainGauge
+    queued: PlainGauge
+    duration: PlainHistogram
+    ttft: PlainHistogram
+    itl: PlainHistogram
+    input_tokens: PlainHistogram
+    output_tokens: PlainHistogram
+    output_tokens_total: PlainCounter
 
 
 class FrontendMetrics:
@@ -78,56 +60,52 @@ class FrontendMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
+        # The families every request updates have plain children; the rest are
+        # prometheus_client's own.
+        hot = PlainFamilies()
+        self.requests = hot.counter(
             f"{PREFIX}requests",
             "Finished requests",
             ["model", "endpoint", "request_type", "status", "error_type"],
-            registry=r,
         )
-        self.active = Gauge(
-            f"{PREFIX}active_requests", "Requests being served", ["model"], registry=r
+        self.active = hot.gauge(f"{PREFIX}active_requests", "Requests being served", ["model"])
+        self.queued = hot.gauge(
+            f"{PREFIX}queued_requests", "Requests waiting for a first token", ["model"]
         )
-        self.queued = Gauge(
-            f"{PREFIX}queued_requests", "Requests waiting for a first token", ["model"], registry=r
-        )
-        self.duration = Histogram(
+        self.duration = hot.histogram(
             f"{PREFIX}request_duration_seconds",
             "Request duration",
             ["model"],
             buckets=log_buckets(1.0, 512, 10),
-            registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = hot.histogram(
             f"{PREFIX}time_to_first_token_seconds",
             "Time to first token",
             ["model"],
             buckets=log_buckets(0.001, 480, 18),
-            registry=r,
         )
-        self.itl = Histogram(
+        self.itl = hot.histogram(
             f"{PREFIX}inter_token_latency_seconds",
             "Latency between tokens",
             ["model"],
             buckets=log_buckets(0.001, 2.0, 13),
-            registry=r,
         )
-        self.input_tokens = Histogram(
+        self.input_tokens = hot.histogram(
             f"{PREFIX}input_sequence_tokens",
             "Prompt tokens per request",
             ["model"],
             buckets=log_buckets(50, 128000, 12),
-            registry=r,
         )
-        self.output_tokens = Histogram(
+        self.output_tokens = hot.histogram(
             f"{PREFIX}output_sequence_tokens",
             "Completion tokens per request",
             ["model"],
             buckets=log_buckets(50, 32000, 10),
-            registry=r,
         )
-        self.output_tokens_total = Counter(
-            f"{PREFIX}output_tokens", "Completion tokens streamed", ["model"], registry=r
+        self.output_tokens_total = hot.counter(
+            f"{PREFIX}output_tokens", "Completion tokens streamed", ["model"]
         )
+        r.register(hot)
         self.context_length = Gauge(
             f"{PREFIX}model_context_length",
             "Token limit prompts are checked against (TokenBudget or context length)",

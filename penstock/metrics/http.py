@@ -11,8 +11,9 @@ itself is not counted. The families, their labels and buckets are the instrument
 
 The upstream middleware builds a request, a response and an info object per request and
 looks up every labelled child each time, about a tenth of a short request's CPU; this one
-keeps the children it used, by label values, and takes the route lookup from the
-instrumentator once per method and path.
+keeps the children it used, by label values, takes the route lookup from the
+instrumentator once per method and path, and updates plain children
+(:mod:`penstock.metrics.plain`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
+from prometheus_client import CollectorRegistry
 from prometheus_fastapi_instrumentator.routing import get_route_name
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from penstock.metrics.plain import PlainFamilies
 
 EXCLUDED_HANDLERS = frozenset({"/metrics"})
 INPROGRESS_NAME = "http_requests_inprogress"
@@ -52,49 +55,44 @@ class HttpMetricsMiddleware:
 
     def __init__(self, app: ASGIApp, *, registry: CollectorRegistry) -> None:
         self.app = app
-        self.total = Counter(
+        families = PlainFamilies()
+        self.total = families.counter(
             "http_requests_total",
             "Total number of requests by method, status and handler.",
             ["method", "status", "handler"],
-            registry=registry,
         )
-        self.in_size = Summary(
+        self.in_size = families.summary(
             "http_request_size_bytes",
             "Content length of incoming requests by handler. Only value of header is "
             "respected. Otherwise ignored. No percentile calculated. ",
             ["handler"],
-            registry=registry,
         )
-        self.out_size = Summary(
+        self.out_size = families.summary(
             "http_response_size_bytes",
             "Content length of outgoing responses by handler. Only value of header is "
             "respected. Otherwise ignored. No percentile calculated. ",
             ["handler"],
-            registry=registry,
         )
-        self.latency_highr = Histogram(
+        self.latency_highr = families.histogram(
             "http_request_duration_highr_seconds",
             "Latency with many buckets but no API specific labels. Made for more accurate "
             "percentile calculations. ",
             buckets=LATENCY_HIGHR_BUCKETS,
-            registry=registry,
-        )
-        self.latency = Histogram(
+        ).labels()
+        self.latency = families.histogram(
             "http_request_duration_seconds",
             "Latency with only few buckets by handler. Made to be only used if aggregation "
             "by handler is important. ",
             ["method", "handler"],
             buckets=LATENCY_LOWR_BUCKETS,
-            registry=registry,
         )
-        self.inprogress = Gauge(
+        self.inprogress = families.gauge(
             INPROGRESS_NAME,
             "Number of HTTP requests in progress.",
             ["method", "handler"],
-            registry=registry,
         )
+        registry.register(families)
         self._handlers: dict[tuple[str, str], str | None] = {}
-        self._children: dict[tuple[str, ...], Any] = {}
 
     def _handler(self, scope: Scope) -> str | None:
         """The route template (``none`` when no route matches), None for excluded paths."""
@@ -110,15 +108,6 @@ class HttpMetricsMiddleware:
         self._handlers[key] = handler
         return handler
 
-    def _child(self, *key: str) -> Any:
-        """The labelled child of family ``key[0]`` for the label values ``key[1:]``."""
-        child = self._children.get(key)
-        if child is None:
-            family = getattr(self, key[0])
-            child = family.labels(*key[1:])
-            self._children[key] = child
-        return child
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -129,7 +118,7 @@ class HttpMetricsMiddleware:
             return
         started = time.perf_counter()
         method = scope["method"]
-        inprogress = self._child("inprogress", method, handler)
+        inprogress = self.inprogress.labels(method, handler)
         inprogress.inc()
         response = _ResponseStart(send)
         try:
@@ -138,11 +127,11 @@ class HttpMetricsMiddleware:
             duration = max(time.perf_counter() - started, 0.0)
             inprogress.dec()
             status_class = f"{str(int(response.status))[0]}xx"
-            self._child("total", method, status_class, handler).inc()
-            self._child("in_size", handler).observe(_content_length(scope["headers"]))
-            self._child("out_size", handler).observe(response.size)
+            self.total.labels(method, status_class, handler).inc()
+            self.in_size.labels(handler).observe(_content_length(scope["headers"]))
+            self.out_size.labels(handler).observe(response.size)
             self.latency_highr.observe(duration)
-            self._child("latency", method, handler).observe(duration)
+            self.latency.labels(method, handler).observe(duration)
 
 
 class _ResponseStart:

@@ -17,7 +17,6 @@ from penstock.engines.context import Context
 from penstock.engines.contract import GenerateRequest
 from penstock.errors import EngineError, MetadataUploadError, OverloadedError, PenstockError
 from penstock.metadata_upload import MetadataUploader
-from penstock.metrics.frontend import observe_many
 from penstock.serving.choice import ChoiceState, Delta
 from penstock.serving.deadline import Deadline
 from penstock.tracing import active as active_tracing
@@ -141,7 +140,7 @@ class Generation:
                     else:
                         itl.append((now - last) / len(token_ids))
                         if len(itl) >= _FLUSH_EVERY:
-                            observe_many(metrics.itl, itl)
+                            metrics.itl.observe_many(itl)
                             itl.clear()
                     last = now
                     unflushed_tokens += len(token_ids)
@@ -167,7 +166,7 @@ class Generation:
             error_type = "validation" if exc.status_code < 500 else "internal"
             raise
         finally:
-            observe_many(metrics.itl, itl)
+            metrics.itl.observe_many(itl)
             if unflushed_tokens:
                 metrics.output_tokens_total.inc(unflushed_tokens)
             if first_token:
