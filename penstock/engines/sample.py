@@ -30,8 +30,11 @@ It also implements the RL admin controls in a simulated but observable way:
 * **metrics**: while requests run it publishes one simulated forward pass (and a KV
   snapshot: 16-token blocks out of 1000) every ``max(--delay, 10 ms)``: the requests that
   got their first token are the prefills, those that advanced the decodes, those held by a
-  pause the queued ones; then one idle heartbeat. ``--token-budget N`` advertises a
-  ``TokenBudget`` of ``N`` tokens that the gateway enforces.
+  pause the queued ones; then one idle heartbeat. Each new prompt is a cached prefix
+  (a KV stored event); prefixes fill at most those 1000 blocks, the least recently used
+  leaving with a removed event, and a weight update, flush or KV sleep clears them.
+  ``--token-budget N`` advertises a ``TokenBudget`` of ``N`` tokens that the gateway
+  enforces.
 * **LoRA**: an adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``
   holding ``token_shift``) adds its shift for requests whose ``model`` names it.
 * **media input**: ``--image-input`` / ``--audio-input`` advertise ``supports_image_input``
@@ -49,6 +52,7 @@ import contextlib
 import hashlib
 import math
 import types
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +112,51 @@ ADMIN_ABORT_REASON = "abort"
 KV_BLOCK_SIZE = 16
 TOTAL_KV_BLOCKS = 1000
 MIN_PASS_INTERVAL_S = 0.01
+
+
+class PrefixCache:
+    """The prompts whose blocks the engine holds, by the prompt's hash: the least recently
+    used leave once they would fill more than ``total_blocks`` (as a real engine's KV
+    cache is bounded, and so that distinct prompts don't grow the process)."""
+
+    __slots__ = ("_blocks", "_held", "total_blocks")
+
+    def __init__(self, total_blocks: int) -> None:
+        self.total_blocks = total_blocks
+        self._blocks: OrderedDict[int, int] = OrderedDict()
+        self._held = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._blocks
+
+    @property
+    def held_blocks(self) -> int:
+        return self._held
+
+    def touch(self, key: int) -> bool:
+        """Whether ``key`` is cached (a hit makes it the most recently used)."""
+        if key not in self._blocks:
+            return False
+        self._blocks.move_to_end(key)
+        return True
+
+    def add(self, key: int, blocks: int) -> list[tuple[int, int]]:
+        """Cache ``key``'s ``blocks``; returns the (key, blocks) that left for room."""
+        evicted: list[tuple[int, int]] = []
+        while self._blocks and self._held + blocks > self.total_blocks:
+            old = self._blocks.popitem(last=False)
+            self._held -= old[1]
+            evicted.append(old)
+        self._blocks[key] = blocks
+        self._held += blocks
+        return evicted
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._held = 0
 
 
 @dataclass(frozen=True)
@@ -269,7 +318,7 @@ class SampleLLMEngine(LLMEngine):
         self.weights = SampleWeights()
         self._engine_data: dict[str, Any] = {"weight_version": None}
         self.adapters: dict[str, SampleWeights] = {}
-        self.prefix_cache: set[int] = set()
+        self.prefix_cache = PrefixCache(TOTAL_KV_BLOCKS)
         self._holds: dict[str, _Hold] = {}
         self._flights: set[_Flight] = set()
         self._changed = asyncio.Event()
@@ -398,10 +447,13 @@ class SampleLLMEngine(LLMEngine):
             self._active.set()
             key = hash(tuple(prompt))
             self._prefix_queries += 1
-            self._prefix_hits += key in self.prefix_cache
-            if key not in self.prefix_cache:
-                self._publish_stored(key, prompt_len)
-            self.prefix_cache.add(key)
+            if self.prefix_cache.touch(key):
+                self._prefix_hits += 1
+            else:
+                blocks = max(1, prompt_len // KV_BLOCK_SIZE)
+                self._publish_stored(key, blocks)
+                for old_key, old_blocks in self.prefix_cache.add(key, blocks):
+                    self._publish_removed(old_key, old_blocks)
         try:
             if held:
                 await self._hold_while_blocked(flight)
@@ -458,16 +510,20 @@ class SampleLLMEngine(LLMEngine):
     def _kv_ready(self, publisher: Any) -> None:
         self._kv_events = publisher
 
-    def _publish_stored(self, key: int, prompt_len: int) -> None:
+    def _publish_stored(self, key: int, blocks: int) -> None:
         """A new prompt prefix is cached: one stored event for its whole blocks."""
         if self._kv_events is None:
             return
-        blocks = max(1, prompt_len // KV_BLOCK_SIZE)
         self._kv_events.publish_stored(
             token_ids=[],
             num_block_tokens=[KV_BLOCK_SIZE] * blocks,
             block_hashes=[hash((key, i)) for i in range(blocks)],
         )
+
+    def _publish_removed(self, key: int, blocks: int) -> None:
+        """A prompt prefix left the cache: one removed event for its blocks."""
+        if self._kv_events is not None:
+            self._kv_events.publish_removed([hash((key, i)) for i in range(blocks)])
 
     def _publish_cleared(self) -> None:
         if self._kv_events is not None:
@@ -721,6 +777,7 @@ class SampleLLMEngine(LLMEngine):
             self.weight_version = version
         # Cached prefixes were computed by the old weights.
         self.prefix_cache.clear()
+        self._publish_cleared()
 
     async def _update_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
         self._require_held_for_update()
