@@ -43,7 +43,8 @@ _PIECEWISE_PRE_TOKENIZERS = frozenset(
 
 # Pieces (and texts) shorter than this are tokenized with what is around them and never
 # kept: cutting a piece out costs a tokenizer call of its own, a few µs, which a short
-# piece's tokens would not repay (bench/README.md, "Long prompts tokenized by pieces").
+# piece's tokens would not repay (bench/README.md, "Prompts tokenized by pieces and by
+# words").
 DEFAULT_MIN_PIECE_CHARS = 128
 
 # What the remembered pieces may take, in bytes: a piece's text, its ids as 32-bit integers
