@@ -18,6 +18,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -46,6 +47,10 @@ _PIECEWISE_PRE_TOKENIZERS = frozenset(
 # piece's tokens would not repay (bench/README.md, "Prompts tokenized by pieces and by
 # words").
 DEFAULT_MIN_PIECE_CHARS = 128
+
+# A long text with more added tokens than this is tokenized whole (see
+# ``SegmentedEncoder._many_added_tokens``).
+MAX_CUTS = 64
 
 # What the remembered pieces may take, in bytes: a piece's text, its ids as 32-bit integers
 # and what each entry costs on top (``_ENTRY_BYTES``: the string, array and dict entries).
@@ -87,6 +92,8 @@ class SegmentedEncoder:
         self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
+        if len(text) > self._batch_above and self._many_added_tokens(text):
+            return self._tokenize(text)
         if self._words is not None and text.isascii():
             return self._encode_ascii(text)
         if len(text) < self._min_piece_chars:
@@ -107,6 +114,13 @@ class SegmentedEncoder:
         else:
             ids += self._run(text[run_start:])
         return ids
+
+    def _many_added_tokens(self, text: str) -> bool:
+        """Whether ``text`` holds more than ``MAX_CUTS`` added tokens. A long text is
+        tokenized on a worker thread, and the tokenizer's batch call lets the event loop
+        run meanwhile; cut at every added token, the Python around each piece would hold
+        the GIL for as long as there are pieces."""
+        return next(islice(self._splitter.finditer(text), MAX_CUTS, None), None) is not None
 
     def _encode_ascii(self, text: str) -> list[int]:
         ids: list[int] = []

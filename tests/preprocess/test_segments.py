@@ -14,7 +14,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
 
 from penstock.preprocess import Preprocessor
 from penstock.preprocess.byte_level_words import ByteLevelWords, byte_level_words
-from penstock.preprocess.segments import SegmentedEncoder, _entry_bytes, segmented_encoder
+from penstock.preprocess.segments import (
+    MAX_CUTS,
+    SegmentedEncoder,
+    _entry_bytes,
+    segmented_encoder,
+)
 from tests.preprocess.conftest import SAMPLE_TOKENIZER
 
 ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
@@ -266,3 +271,30 @@ def test_words_are_taken_only_behind_gpt2s_byte_level_split(
 ) -> None:
     assert byte_level_words(_with_pre_tokenizer(pre_tokenizer)) is None
     assert byte_level_words(_normalized()) is None
+
+
+def test_a_long_text_with_many_added_tokens_goes_to_the_tokenizer_whole() -> None:
+    tokenizer = _sample_tokenizer()
+    calls: list[str] = []
+
+    class CountingTokenizer:
+        def __getattr__(self, name: str) -> object:
+            return getattr(tokenizer, name)
+
+        def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> object:
+            calls.extend(texts)
+            return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    encoder = SegmentedEncoder(
+        CountingTokenizer(),  # type: ignore[arg-type]
+        batch_above=4096,
+        words=byte_level_words(tokenizer),
+    )
+    turn = "<|im_start|>user\nhi<|im_end|>\n"
+    dense = turn * (MAX_CUTS // 2 + 1) + "x" * 4096
+    assert encoder.encode(dense) == tokenizer.encode(dense, add_special_tokens=False).ids
+    assert calls == [dense]
+    calls.clear()
+    sparse = turn * (MAX_CUTS // 2) + "x" * 4096
+    assert encoder.encode(sparse) == tokenizer.encode(sparse, add_special_tokens=False).ids
+    assert dense not in calls and sparse not in calls
