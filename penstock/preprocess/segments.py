@@ -49,8 +49,9 @@ _PIECEWISE_PRE_TOKENIZERS = frozenset(
 DEFAULT_MIN_PIECE_CHARS = 128
 
 # A long text with more added tokens than this is tokenized whole (see
-# ``SegmentedEncoder._many_added_tokens``).
-MAX_CUTS = 64
+# ``SegmentedEncoder._many_added_tokens``): 128 turns of a conversation, whose pieces
+# hold the GIL ~1 ms in all at most.
+MAX_CUTS = 256
 
 # What the remembered pieces may take, in bytes: a piece's text, its ids as 32-bit integers
 # and what each entry costs on top (``_ENTRY_BYTES``: the string, array and dict entries).
@@ -92,77 +93,77 @@ class SegmentedEncoder:
         self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
-        if len(text) > self._batch_above and self._many_added_tokens(text):
-            return self._tokenize(text)
+        # A long text is tokenized on a worker thread: its tokenizer calls are the batch
+        # ones, which release the GIL while they work, so the event loop runs meanwhile.
+        # The single call holds it, and is quicker on the short texts the loop tokenizes.
+        release = len(text) > self._batch_above
+        if release and self._many_added_tokens(text):
+            return self._tokenize(text, release)
         if self._words is not None and text.isascii():
-            return self._encode_ascii(text)
+            return self._encode_ascii(text, release)
         if len(text) < self._min_piece_chars:
-            return self._tokenize(text)
+            return self._tokenize(text, release)
         ids: list[int] = []
         # The text from ``run_start`` on is not tokenized yet; ``piece_start`` is where the
         # piece after the last added token begins.
         run_start = piece_start = 0
         for token in self._splitter.finditer(text):
             if token.start() - piece_start >= self._min_piece_chars:
-                ids += self._run(text[run_start:piece_start])
-                ids += self._piece(text[piece_start : token.start()])
+                ids += self._run(text[run_start:piece_start], release)
+                ids += self._piece(text[piece_start : token.start()], release)
                 run_start = token.start()
             piece_start = token.end()
         if len(text) - piece_start >= self._min_piece_chars:
-            ids += self._run(text[run_start:piece_start])
-            ids += self._piece(text[piece_start:])
+            ids += self._run(text[run_start:piece_start], release)
+            ids += self._piece(text[piece_start:], release)
         else:
-            ids += self._run(text[run_start:])
+            ids += self._run(text[run_start:], release)
         return ids
 
     def _many_added_tokens(self, text: str) -> bool:
-        """Whether ``text`` holds more than ``MAX_CUTS`` added tokens. A long text is
-        tokenized on a worker thread, and the tokenizer's batch call lets the event loop
-        run meanwhile; cut at every added token, the Python around each piece would hold
-        the GIL for as long as there are pieces."""
+        """Whether ``text`` holds more than ``MAX_CUTS`` added tokens: cut at every one,
+        the Python around each piece would hold the GIL for as long as there are pieces."""
         return next(islice(self._splitter.finditer(text), MAX_CUTS, None), None) is not None
 
-    def _encode_ascii(self, text: str) -> list[int]:
+    def _encode_ascii(self, text: str, release: bool) -> list[int]:
         ids: list[int] = []
         start = 0
         for token in self._splitter.finditer(text):
             if token.start() > start:
-                ids += self._ascii_piece(text[start : token.start()])
+                ids += self._ascii_piece(text[start : token.start()], release)
             ids.append(self._added_ids[token.group()])
             start = token.end()
         if start < len(text):
-            ids += self._ascii_piece(text[start:])
+            ids += self._ascii_piece(text[start:], release)
         return ids
 
-    def _ascii_piece(self, piece: str) -> Sequence[int]:
+    def _ascii_piece(self, piece: str, release: bool) -> Sequence[int]:
         if len(piece) >= self._min_piece_chars:
-            return self._piece(piece)
+            return self._piece(piece, release)
         assert self._words is not None
         return self._words.ids(piece)
 
-    def _run(self, text: str) -> list[int]:
+    def _run(self, text: str, release: bool) -> list[int]:
         added = self._added_ids.get(text)
         if added is not None:
             return [added]
-        return self._tokenize(text) if text else []
+        return self._tokenize(text, release) if text else []
 
-    def _piece(self, piece: str) -> array[int]:
+    def _piece(self, piece: str, release: bool) -> array[int]:
         with self._lock:
             known = self._pieces.get(piece)
             if known is not None:
                 self._pieces.move_to_end(piece)
                 return known
-        ids = array("I", self._tokenize(piece))
+        ids = array("I", self._tokenize(piece, release))
         if _entry_bytes(piece, ids) <= self._capacity_bytes:
             self._remember(piece, ids)
         return ids
 
-    def _tokenize(self, piece: str) -> list[int]:
-        # The batch call releases the GIL while it works; the single call is quicker on
-        # short input.
-        if len(piece) > self._batch_above:
-            return self._tokenizer.encode_batch([piece], add_special_tokens=False)[0].ids
-        return self._tokenizer.encode(piece, add_special_tokens=False).ids
+    def _tokenize(self, text: str, release: bool) -> list[int]:
+        if release:
+            return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def _remember(self, piece: str, ids: array[int]) -> None:
         with self._lock:

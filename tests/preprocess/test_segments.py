@@ -273,28 +273,37 @@ def test_words_are_taken_only_behind_gpt2s_byte_level_split(
     assert byte_level_words(_normalized()) is None
 
 
-def test_a_long_text_with_many_added_tokens_goes_to_the_tokenizer_whole() -> None:
+def test_a_long_text_takes_only_the_gil_releasing_calls_and_whole_past_max_cuts() -> None:
     tokenizer = _sample_tokenizer()
-    calls: list[str] = []
+    batch: list[str] = []
+    single: list[str] = []
 
     class CountingTokenizer:
         def __getattr__(self, name: str) -> object:
             return getattr(tokenizer, name)
 
         def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> object:
-            calls.extend(texts)
+            batch.extend(texts)
             return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> object:
+            single.append(text)
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     encoder = SegmentedEncoder(
         CountingTokenizer(),  # type: ignore[arg-type]
         batch_above=4096,
         words=byte_level_words(tokenizer),
     )
-    turn = "<|im_start|>user\nhi<|im_end|>\n"
-    dense = turn * (MAX_CUTS // 2 + 1) + "x" * 4096
+    turn = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" + "long answer " * 20
+    dense = "<|im_end|>" * (MAX_CUTS + 1) + "x" * 4096
     assert encoder.encode(dense) == tokenizer.encode(dense, add_special_tokens=False).ids
-    assert calls == [dense]
-    calls.clear()
-    sparse = turn * (MAX_CUTS // 2) + "x" * 4096
+    assert batch == [dense] and single == []
+    batch.clear()
+    sparse = turn * (MAX_CUTS // 4) + "\u00e9" + "x" * 4096
     assert encoder.encode(sparse) == tokenizer.encode(sparse, add_special_tokens=False).ids
-    assert dense not in calls and sparse not in calls
+    assert sparse not in batch and single == []
+    batch.clear()
+    ascii_sparse = turn * (MAX_CUTS // 4) + "x" * 4096
+    assert encoder.encode(ascii_sparse) == tokenizer.encode(ascii_sparse).ids
+    assert ascii_sparse not in batch and batch and single == []
