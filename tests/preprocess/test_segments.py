@@ -25,6 +25,26 @@ from tests.preprocess.conftest import SAMPLE_TOKENIZER
 ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 
 
+class CountingTokenizer:
+    """A tokenizer that records the texts of its single and batch calls."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.single: list[str] = []
+        self.batch: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.tokenizer, name)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> object:
+        self.single.append(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> object:
+        self.batch.extend(texts)
+        return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+
 def _sample_tokenizer() -> Tokenizer:
     return Tokenizer.from_file(str(SAMPLE_TOKENIZER / "tokenizer.json"))
 
@@ -93,18 +113,10 @@ def test_the_ids_are_the_tokenizers_own_first_time_and_remembered(
 
 def test_a_long_system_prompt_is_tokenized_once_and_the_rest_in_one_call() -> None:
     tokenizer = _sample_tokenizer()
-    calls: list[str] = []
-
-    class CountingTokenizer:
-        def __getattr__(self, name: str) -> object:
-            return getattr(tokenizer, name)
-
-        def encode(self, text: str, add_special_tokens: bool = True) -> object:
-            calls.append(text)
-            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
+    counting = CountingTokenizer(tokenizer)
+    calls = counting.single
     encoder = SegmentedEncoder(
-        CountingTokenizer(),  # type: ignore[arg-type]
+        counting,  # type: ignore[arg-type]
         batch_above=4096,
         min_piece_chars=30,
     )
@@ -275,23 +287,10 @@ def test_words_are_taken_only_behind_gpt2s_byte_level_split(
 
 def test_a_long_text_takes_only_the_gil_releasing_calls_and_whole_past_max_cuts() -> None:
     tokenizer = _sample_tokenizer()
-    batch: list[str] = []
-    single: list[str] = []
-
-    class CountingTokenizer:
-        def __getattr__(self, name: str) -> object:
-            return getattr(tokenizer, name)
-
-        def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> object:
-            batch.extend(texts)
-            return tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
-
-        def encode(self, text: str, add_special_tokens: bool = True) -> object:
-            single.append(text)
-            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
+    counting = CountingTokenizer(tokenizer)
+    batch, single = counting.batch, counting.single
     encoder = SegmentedEncoder(
-        CountingTokenizer(),  # type: ignore[arg-type]
+        counting,  # type: ignore[arg-type]
         batch_above=4096,
         words=byte_level_words(tokenizer),
     )
