@@ -181,17 +181,18 @@ def _entry_bytes(piece: str, ids: array[int]) -> int:
 
 
 def segmented_encoder(tokenizer: Tokenizer, *, batch_above: int) -> SegmentedEncoder | None:
-    """A :class:`SegmentedEncoder` of ``tokenizer`` (pieces over ``batch_above`` characters
-    go through the GIL-releasing batch call), or None when the tokenizer's ids of a text may
+    """A :class:`SegmentedEncoder` of ``tokenizer`` (texts over ``batch_above`` characters
+    make only GIL-releasing batch calls), or None when the tokenizer's ids of a text may
     differ from the joined ids of the text's pieces.
 
-    They are the same when nothing reads across the added tokens' cuts: no normalizer
-    (added tokens are found in the raw text), added tokens matched exactly (no ``lstrip``,
-    ``rstrip``, ``single_word`` or ``normalized``, no two with one text), special tokens
-    split out, a pre-tokenizer from the piecewise set, and no truncation or padding.
+    They are the same when nothing reads across the added tokens' cuts: added tokens
+    matched exactly in the raw text (no ``lstrip``, ``rstrip``, ``single_word`` or
+    ``normalized``, no two with one text), special tokens split out, a pre-tokenizer from
+    the piecewise set, and no truncation or padding. A normalizer is no obstacle: the
+    tokenizer normalizes each piece alone too, after cutting out the added tokens.
     """
     added = _added_tokens(tokenizer)
-    if not added or tokenizer.normalizer is not None or tokenizer.encode_special_tokens:
+    if not added or tokenizer.encode_special_tokens:
         return None
     if tokenizer.truncation is not None or tokenizer.padding is not None:
         return None

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
 
 from penstock.preprocess import Preprocessor
-from penstock.preprocess.byte_level_words import ByteLevelWords, byte_level_words
+from penstock.preprocess.byte_level_words import _GPT2_SPLIT, ByteLevelWords, byte_level_words
 from penstock.preprocess.segments import (
     MAX_CUTS,
     SegmentedEncoder,
@@ -55,8 +55,38 @@ def _with_pre_tokenizer(pre_tokenizer: pre_tokenizers.PreTokenizer) -> Tokenizer
     return tokenizer
 
 
+def _split_then_bytes(pattern: str, *, prefix_space: bool = False) -> pre_tokenizers.Sequence:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(pattern=Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=prefix_space, use_regex=False),
+        ]
+    )
+
+
+def _with_normalizer(
+    pre_tokenizer: pre_tokenizers.PreTokenizer, normalizer: normalizers.Normalizer
+) -> Tokenizer:
+    tokenizer = _with_pre_tokenizer(pre_tokenizer)
+    tokenizer.normalizer = normalizer
+    return tokenizer
+
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
 PIECEWISE_TOKENIZERS = {
     "sample": _sample_tokenizer(),
+    "Llama 3's split, then byte-level": _with_pre_tokenizer(_split_then_bytes(LLAMA3_SPLIT)),
+    "Qwen2's split, then byte-level, NFC": _with_normalizer(
+        _split_then_bytes(QWEN2_SPLIT), normalizers.NFC()
+    ),
+    "byte-level, lowercased": _with_normalizer(
+        pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.Lowercase()
+    ),
     "byte-level with a prefix space": _with_pre_tokenizer(
         pre_tokenizers.ByteLevel(add_prefix_space=True)
     ),
@@ -76,7 +106,22 @@ fragments = st.sampled_from(
     [
         *ADDED,
         *("<|im_", "im_end|>", "<", "|>", " ", "  ", "\n", "\n\n", "user", "system"),
-        *("'s", "'S", "'ll", "don't", "\t", "\r\n", "\x0b", "\x0c", "\x1c", "\x7f", " \n "),
+        *(
+            "'s",
+            "'S",
+            "'ll",
+            "'LL",
+            "don't",
+            "12345",
+            "7",
+            "\t",
+            "\r\n",
+            "\x0b",
+            "\x0c",
+            "\x1c",
+            "\x7f",
+            " \n ",
+        ),
     ]
 )
 ascii_text = st.text(alphabet=st.characters(max_codepoint=127), max_size=12)
@@ -208,7 +253,7 @@ def _special_tokens_as_text() -> Tokenizer:
 
 @pytest.mark.parametrize(
     "make",
-    [_metaspace_first, _normalized, _stripping_token, _no_added_tokens, _special_tokens_as_text],
+    [_metaspace_first, _stripping_token, _no_added_tokens, _special_tokens_as_text],
 )
 def test_a_tokenizer_that_reads_across_the_cuts_is_tokenized_whole(
     make: Callable[[], Tokenizer],
@@ -231,7 +276,9 @@ def test_metaspace_first_would_give_other_ids_piece_by_piece(
 
 
 BYTE_LEVEL_TOKENIZERS = [
-    name for name in PIECEWISE_TOKENIZERS if name != "split digits, then byte-level"
+    name
+    for name in PIECEWISE_TOKENIZERS
+    if name not in ("split digits, then byte-level", "byte-level, lowercased")
 ]
 
 
@@ -250,7 +297,7 @@ def test_ascii_words_get_the_tokenizers_ids(name: str, text: str) -> None:
 
 def test_known_words_need_no_tokenizer_call_and_the_memory_starts_again_when_full() -> None:
     tokenizer = _sample_tokenizer()
-    words = ByteLevelWords(tokenizer, add_prefix_space=False, capacity_words=4)
+    words = ByteLevelWords(tokenizer, split=_GPT2_SPLIT, add_prefix_space=False, capacity_words=4)
     text = "Tell me a story"
     assert words.ids(text) == tokenizer.encode(text).ids
     assert set(words._words) == {"Tell", " me", " a", " story"}
@@ -276,13 +323,23 @@ def test_the_sample_tokenizer_encodes_ascii_by_words_and_the_rest_whole(
         pre_tokenizers.ByteLevel(use_regex=False),
         pre_tokenizers.Whitespace(),
         pre_tokenizers.Sequence([pre_tokenizers.ByteLevel()]),
+        _split_then_bytes(r"\d{1,3}"),
+        _split_then_bytes(LLAMA3_SPLIT, prefix_space=True),
+        pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(pattern=Regex(LLAMA3_SPLIT), behavior="removed"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        ),
     ],
 )
-def test_words_are_taken_only_behind_gpt2s_byte_level_split(
+def test_words_are_taken_only_behind_a_known_split(
     pre_tokenizer: pre_tokenizers.PreTokenizer,
 ) -> None:
     assert byte_level_words(_with_pre_tokenizer(pre_tokenizer)) is None
     assert byte_level_words(_normalized()) is None
+    lowercased_llama = _with_normalizer(_split_then_bytes(LLAMA3_SPLIT), normalizers.Lowercase())
+    assert byte_level_words(lowercased_llama) is None
 
 
 def test_a_long_text_takes_only_the_gil_releasing_calls_and_whole_past_max_cuts() -> None:
