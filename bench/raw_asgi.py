@@ -23,16 +23,21 @@ import orjson
 import uvicorn
 
 DEFAULT_TOKENS = 16
-DELAY_S = 0.0
 
-_JSON_HEADERS = [(b"content-type", b"application/json")]
-_SSE_HEADERS = [
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
 ]
 
 
-async def _read_body(receive: Any) -> bytes:
+class Pace:
+    """Seconds before each token (``--delay``), shared with ``work_floor.py``."""
+
+    delay_s = 0.0
+
+
+async def read_body(receive: Any) -> bytes:
     body = b""
     while True:
         message = await receive()
@@ -41,27 +46,32 @@ async def _read_body(receive: Any) -> bytes:
             return body
 
 
-def _chunk(head: dict[str, Any], choice: dict[str, Any], usage: Any = None) -> bytes:
+def chunk(head: dict[str, Any], choice: dict[str, Any], usage: Any = None) -> bytes:
     payload = {**head, "choices": [choice] if choice else [], "weight_version": None}
     if usage is not None:
         payload["usage"] = usage
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+async def lifespan(receive: Any, send: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] == "lifespan":
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        await lifespan(receive, send)
+        return
     if scope["path"] == "/live":
-        await send({"type": "http.response.start", "status": 200, "headers": _JSON_HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": b'{"status":"ok"}'})
         return
-    body = orjson.loads(await _read_body(receive))
+    body = orjson.loads(await read_body(receive))
     count = int(body.get("max_tokens") or DEFAULT_TOKENS)
     head = {
         "id": "chatcmpl-" + uuid.uuid4().hex,
@@ -73,40 +83,40 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if not body.get("stream"):
         text = ""
         for i in range(count):
-            await asyncio.sleep(DELAY_S)
+            await asyncio.sleep(Pace.delay_s)
             text += f"t{i} "
         message = {"role": "assistant", "content": text, "refusal": None}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}
         payload = {**head, "choices": [choice], "usage": usage, "weight_version": None}
-        await send({"type": "http.response.start", "status": 200, "headers": _JSON_HEADERS})
+        await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": orjson.dumps(payload)})
         return
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
     role = {"role": "assistant", "content": ""}
     first = {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
-    await send({"type": "http.response.body", "body": _chunk(head, first), "more_body": True})
+    await send({"type": "http.response.body", "body": chunk(head, first), "more_body": True})
     for i in range(count):
-        await asyncio.sleep(DELAY_S)
+        await asyncio.sleep(Pace.delay_s)
         finish = "length" if i == count - 1 else None
         choice = {"index": 0, "delta": {"content": f"t{i} "}, "logprobs": None}
         choice["finish_reason"] = finish
-        frame = _chunk(head, choice)
+        frame = chunk(head, choice)
         await send({"type": "http.response.body", "body": frame, "more_body": True})
     options = body.get("stream_options") or {}
     if options.get("include_usage"):
-        frame = _chunk(head, {}, usage)
+        frame = chunk(head, {}, usage)
         await send({"type": "http.response.body", "body": frame, "more_body": True})
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
-def main() -> None:
-    global DELAY_S
+def serve(app: Any, default_port: int) -> None:
+    """Serve ``app`` with the command line's ``--port``, ``--delay`` and ``--loop``."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--port", type=int, default=default_port)
     parser.add_argument("--delay", type=float, default=0.0, help="seconds before each token")
     parser.add_argument("--loop", default="auto", help="uvicorn's --loop: auto, asyncio, uvloop")
     args = parser.parse_args()
-    DELAY_S = args.delay
+    Pace.delay_s = args.delay
     uvicorn.run(
         app,
         host="127.0.0.1",
@@ -121,4 +131,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    serve(app, 8100)

@@ -11,6 +11,10 @@ Starts both servers on loopback and reports, for each, alternating between them:
 * RSS per 1,000 open streams at 1,000 and 5,000 open streams (fresh servers whose tokens
   come a few seconds apart, so every stream stays open), and Penstock's idle RSS.
 
+With ``--floor``, ``bench/work_floor.py`` runs beside them: the raw app doing the work every
+request needs (validation, chat template, tokenizing, detokenizing), which splits
+Penstock's cost above the raw app into that work and the rest.
+
 Penstock runs as ``penstock serve --engine sample -- --delay 0`` with its defaults: the
 real tokenizer, incremental detokenizer, stop matching, usage, metrics and access log (to
 a file). The client is aiohttp, one session per scenario, keep-alive connections.
@@ -115,10 +119,12 @@ def stop(server: Server) -> None:
 
 @contextlib.contextmanager
 def servers(args: argparse.Namespace, *, delay: float, extra: list[str]) -> Iterator[list[Server]]:
-    """The raw app, then Penstock (``--repo``), then the ``--before`` tree if given."""
+    """The raw app, the work floor with ``--floor``, then Penstock (``--repo``), then the
+    ``--before`` tree if given."""
     logs = Path(tempfile.mkdtemp(prefix="penstock-bench-"))
-    raw_argv = [sys.executable, str(HERE / "raw_asgi.py"), "--port", "{port}"]
-    raw_argv += ["--delay", str(delay), "--loop", args.raw_loop]
+    pace = ["--port", "{port}", "--delay", str(delay), "--loop", args.raw_loop]
+    raw_argv = [sys.executable, str(HERE / "raw_asgi.py"), *pace]
+    floor_argv = [sys.executable, str(HERE / "work_floor.py"), *pace]
     penstock_argv = [sys.executable, "-m", "penstock", "serve", "--port", "{port}", *extra]
     penstock_argv += ["--engine", "sample", "--", "--delay", str(delay), "--max-tokens", "16"]
     trees = [("penstock", args.repo)] + ([("before", args.before)] if args.before else [])
@@ -126,6 +132,9 @@ def servers(args: argparse.Namespace, *, delay: float, extra: list[str]) -> Iter
     try:
         env = {**os.environ, "PYTHONPATH": str(args.repo)}
         started.append(start("raw", raw_argv, env, logs / "raw.log", args.pin, args.repo))
+        if args.floor:
+            log = logs / "floor.log"
+            started.append(start("floor", floor_argv, env, log, args.pin, args.repo))
         for name, tree in trees:
             env = {**os.environ, "PYTHONPATH": str(tree)}
             log = logs / f"{name}.log"
@@ -341,6 +350,9 @@ def main() -> None:
     parser.add_argument("--hold-delay", type=float, default=5.0)
     parser.add_argument("--raw-loop", default="auto", help="uvicorn --loop of the raw app")
     parser.add_argument("--pin", default=None, help="taskset CPU list for the servers")
+    parser.add_argument(
+        "--floor", action="store_true", help="also run work_floor.py: the raw app doing the work"
+    )
     parser.add_argument("--only", nargs="+", default=["all"], choices=["all", "cpu", "ttft", "rss"])
     parser.add_argument("--serve-arg", action="append", default=[], help="extra serve flag")
     args = parser.parse_args()
