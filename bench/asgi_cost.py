@@ -7,19 +7,29 @@ socket writes or load generator that ``streaming_cost.py`` measures along with i
 time of the process, median of ``--rounds``; with ``--before`` the rounds alternate with
 a second tree, run from its own folder.
 
+With ``--floor`` the same requests also go to ``work_floor.py``'s app (the work every
+request needs, nothing else); with ``--calls`` each figure is the number of Python
+function calls per request (``cProfile``'s count, C functions included) instead of CPU
+time: no noise, and the same in every run.
+
     .venv/bin/python bench/asgi_cost.py
     .venv/bin/python bench/asgi_cost.py --before /tmp/penstock-before --rounds 5
+    .venv/bin/python bench/asgi_cost.py --floor --calls
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import cProfile
 import os
+import pstats
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +85,8 @@ async def _request(app: Any, body: bytes) -> None:
     await app(_scope(body), receive, send)
 
 
-async def _measure(streamed: bool, concurrency: int, requests: int, tokens: int) -> float:
-    """CPU microseconds per request of one scenario."""
+@contextlib.asynccontextmanager
+async def _penstock_app() -> AsyncIterator[Any]:
     from penstock.app.factory import create_app
     from penstock.app.middleware import WireSend
     from penstock.app.server import build_gateway
@@ -85,6 +95,25 @@ async def _measure(streamed: bool, concurrency: int, requests: int, tokens: int)
     settings = Settings(engine="sample", engine_args=["--delay", "0", "--max-tokens", "16"])
     gateway = await build_gateway(settings)
     app = create_app(gateway)
+    try:
+        async with app.router.lifespan_context(app):
+            yield WireSend(app)
+    finally:
+        await gateway.host.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def _floor_app() -> AsyncIterator[Any]:
+    import work_floor
+
+    yield work_floor.app
+
+
+async def _measure(
+    floor: bool, calls: bool, streamed: bool, concurrency: int, requests: int, tokens: int
+) -> float:
+    """CPU microseconds (or with ``calls``, Python function calls) per request of one
+    scenario, served by Penstock or (``floor``) by ``work_floor.py``'s app."""
     # A new number in each user message: no tokenizer cache serves a whole prompt.
     bodies = [
         orjson.dumps(
@@ -98,25 +127,27 @@ async def _measure(streamed: bool, concurrency: int, requests: int, tokens: int)
         for number in range(requests + 50)
     ]
     next_body = iter(bodies).__next__
-    try:
-        async with app.router.lifespan_context(app):
-            wired = WireSend(app)
-            for _ in range(50):
-                await _request(wired, next_body())
+    async with _floor_app() if floor else _penstock_app() as app:
+        for _ in range(50):
+            await _request(app, next_body())
 
-            async def worker(count: int) -> None:
-                for _ in range(count):
-                    await _request(wired, next_body())
+        async def worker(count: int) -> None:
+            for _ in range(count):
+                await _request(app, next_body())
 
-            started = time.process_time()
+        done = requests // concurrency * concurrency
+        if calls:
+            profile = cProfile.Profile()
+            profile.enable()
             await asyncio.gather(*(worker(requests // concurrency) for _ in range(concurrency)))
-            used = time.process_time() - started
-    finally:
-        await gateway.host.cleanup()
-    return used / (requests // concurrency * concurrency) * 1e6
+            profile.disable()
+            return pstats.Stats(profile).total_calls / done
+        started = time.process_time()
+        await asyncio.gather(*(worker(requests // concurrency) for _ in range(concurrency)))
+        return (time.process_time() - started) / done * 1e6
 
 
-def _child(index: int) -> None:
+def _child(floor: bool, calls: bool, index: int) -> None:
     import uvloop
 
     from penstock.app.logs import configure_logging
@@ -127,12 +158,15 @@ def _child(index: int) -> None:
     configure_logging("info", "text")
     sys.stderr = stderr
     _, streamed, concurrency, requests, tokens = SCENARIOS[index]
-    print(uvloop.run(_measure(streamed, concurrency, requests, tokens)))
+    if calls:
+        requests = min(requests, 8 * concurrency)
+    print(uvloop.run(_measure(floor, calls, streamed, concurrency, requests, tokens)))
 
 
-def _run(tree: Path, index: int) -> float:
+def _run(tree: Path, index: int, floor: bool, calls: bool) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     argv = [sys.executable, str(HERE / "asgi_cost.py"), "--scenario", str(index)]
+    argv += ["--floor"] * floor + ["--calls"] * calls
     done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=True)
     return float(done.stdout.strip().splitlines()[-1])
 
@@ -142,24 +176,31 @@ def main() -> None:
     parser.add_argument("--repo", type=Path, default=HERE.parent, help="the Penstock to run")
     parser.add_argument("--before", type=Path, default=None, help="a second tree, run beside")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--floor", action="store_true", help="also run work_floor.py's app")
+    parser.add_argument("--calls", action="store_true", help="count Python calls, not CPU")
     parser.add_argument("--scenario", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.scenario is not None:
-        _child(args.scenario)
+        _child(args.floor, args.calls, args.scenario)
         return
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     print(f"{time.strftime('%Y-%m-%d %H:%M')}  load avg {load}")
-    trees = [("now", args.repo)] + ([("before", args.before)] if args.before else [])
+    # (label, tree, floor)
+    runs = [("now", args.repo, False)]
+    runs += [("before", args.before, False)] if args.before else []
+    runs += [("floor", args.repo, True)] if args.floor else []
+    rounds = 1 if args.calls else args.rounds
+    unit = "Python calls" if args.calls else "CPU us"
     for index, (name, _, _, _, tokens) in enumerate(SCENARIOS):
-        results: dict[str, list[float]] = {label: [] for label, _ in trees}
-        for _ in range(args.rounds):
-            for label, tree in trees:
-                results[label].append(_run(tree, index))
-        print(f"\n{name}: CPU us per request (per token)")
+        results: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+        for _ in range(rounds):
+            for label, tree, floor in runs:
+                results[label].append(_run(tree, index, floor, args.calls))
+        print(f"\n{name}: {unit} per request (per token)")
         for label, values in results.items():
             median = statistics.median(values)
-            rounds = ", ".join(f"{value:.1f}" for value in values)
-            print(f"  {label:7s} {median:8.1f} ({median / tokens:.2f})  rounds {rounds}")
+            rounds_text = ", ".join(f"{value:.1f}" for value in values)
+            print(f"  {label:7s} {median:8.1f} ({median / tokens:.2f})  rounds {rounds_text}")
 
 
 if __name__ == "__main__":
