@@ -6,7 +6,7 @@ Starts both servers on loopback and reports, for each, alternating between them:
   divided by the tokens streamed) at 32 streams x 512 tokens and 256 streams x 64 tokens:
   robust where the cores are shared, unlike req/s;
 * TTFT p50 at concurrency 1 over one keep-alive connection (request sent to the first
-  token's frame);
+  token's frame), and the server's CPU per request meanwhile;
 * non-streaming req/s at concurrency 32 (and the server's CPU per request);
 * RSS per 1,000 open streams at 1,000 and 5,000 open streams (fresh servers whose tokens
   come a few seconds apart, so every stream stays open), and Penstock's idle RSS.
@@ -197,24 +197,29 @@ async def cpu_per_chunk(server: Server, concurrency: int, tokens: int, rounds: i
     return used / (concurrency * rounds * tokens) * 1e6
 
 
-async def ttft_p50(server: Server, requests: int) -> float:
+async def ttft_p50(server: Server, requests: int) -> tuple[float, float]:
+    """TTFT p50 in ms at concurrency 1, and the server's CPU µs a request meanwhile."""
     url = server.url + "/v1/chat/completions"
     body = chat_bodies(8, True)
-    samples = []
     async with session(1) as client:
-        for i in range(requests + 10):
-            data = body()
+
+        async def first_frame() -> float:
             started = time.perf_counter()
-            async with client.post(url, data=data, headers=HEADERS) as response:
+            first = 0.0
+            async with client.post(url, data=body(), headers=HEADERS) as response:
                 seen = 0
-                first = None
                 async for data in response.content.iter_any():
                     seen += data.count(b"data: ")
-                    if first is None and seen >= 2:
+                    if not first and seen >= 2:
                         first = time.perf_counter() - started
-            if i >= 10:
-                samples.append(first)
-    return statistics.median(samples) * 1e3
+            return first
+
+        for _ in range(10):
+            await first_frame()
+        before_cpu = cpu_seconds(server.pid)
+        samples = [await first_frame() for _ in range(requests)]
+        used = cpu_seconds(server.pid) - before_cpu
+    return statistics.median(samples) * 1e3, used / requests * 1e6
 
 
 async def non_streaming(server: Server, concurrency: int, rounds: int) -> tuple[float, float]:
@@ -305,12 +310,18 @@ async def run_cpu(args: argparse.Namespace) -> None:
                 print(f"  {name:9s} {fmt(values)}{ratio_to_raw(results, name)}")
         if {"all", "ttft"} & set(args.only):
             ttft: dict[str, list[float]] = {s.name: [] for s in started}
+            ttft_cpu: dict[str, list[float]] = {s.name: [] for s in started}
             for _ in range(args.repeats):
                 for server in started:
-                    ttft[server.name].append(await ttft_p50(server, args.ttft_requests))
+                    latency, cost = await ttft_p50(server, args.ttft_requests)
+                    ttft[server.name].append(latency)
+                    ttft_cpu[server.name].append(cost)
             print(f"\nTTFT p50 ms, concurrency 1, keep-alive (load avg {loadavg()}):")
             for name, values in ttft.items():
-                print(f"  {name:9s} {fmt(values, 3)}{ratio_to_raw(ttft, name)}")
+                print(
+                    f"  {name:9s} {fmt(values, 3)}{ratio_to_raw(ttft, name)}; "
+                    f"CPU us/request {fmt(ttft_cpu[name], 0)}"
+                )
             rates: dict[str, list[float]] = {s.name: [] for s in started}
             costs: dict[str, list[float]] = {s.name: [] for s in started}
             for _ in range(args.repeats):
