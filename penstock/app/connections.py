@@ -18,7 +18,8 @@ them:
 * frames: each request's scope holds a :class:`ChunkedFrameWriter`
   (:class:`~penstock.serving.sse.FrameWriter`), which writes an event stream's frames as
   HTTP chunks straight to the transport, byte for byte what uvicorn's ``send`` writes for
-  them, without its checks and message handling for each frame;
+  them, without its checks and message handling for each frame, and can hold a response
+  start for the bytes that follow it (one write where uvicorn makes two);
 * connection limit: a request that arrives while more than ``max_connections``
   connections are open gets a 503 envelope (``too_many_connections``) and its connection
   is closed, so clients see why; the header timeout bounds how long the surplus stays.
@@ -93,6 +94,41 @@ def _too_many_connections(limit: int) -> Any:
     return refuse
 
 
+class _StartHeld:
+    """Stands in for a cycle's transport from a response start to the next write: the
+    start's bytes (the status line and headers, which uvicorn writes at once) leave with
+    the body's first bytes, in one write. It gives the cycle its transport back then."""
+
+    __slots__ = ("_cycle", "start", "transport")
+
+    def __init__(self, cycle: RequestResponseCycle, transport: asyncio.Transport) -> None:
+        # Weak, as the cycle holds this in its place until the next write.
+        self._cycle = weakref.ref(cycle)
+        self.transport = transport
+        self.start: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self.start is None:
+            self.start = data
+            return
+        self._release()
+        self.transport.write(self.start + data)
+
+    def close(self) -> None:
+        self._release()
+        if self.start is not None:
+            self.transport.write(self.start)
+        self.transport.close()
+
+    def _release(self) -> None:
+        cycle = self._cycle()
+        if cycle is not None:
+            cycle.transport = self.transport
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
 class ChunkedFrameWriter:
     """One request's :class:`~penstock.serving.sse.FrameWriter` over uvicorn's cycle.
 
@@ -108,6 +144,13 @@ class ChunkedFrameWriter:
     @property
     def cycle(self) -> RequestResponseCycle | None:
         return self._cycle()
+
+    def hold_start(self) -> None:
+        cycle = self._cycle()
+        # A HEAD response writes no body: nothing would carry its start.
+        if cycle is None or cycle.response_started or cycle.scope["method"] == "HEAD":
+            return
+        cycle.transport = _StartHeld(cycle, cycle.transport)  # type: ignore[assignment]
 
     def write(self, frame: bytes) -> bool:
         cycle = self._cycle()

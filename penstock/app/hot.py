@@ -18,6 +18,9 @@ FastAPI gave it:
 * the endpoint called with the body and the request, its response sent;
 * an error raised before the response begins answered by the app's handlers
   (:func:`~penstock.app.handlers.handle_error`): the same envelopes and statuses.
+
+A whole JSON response leaves in one write, its start held for its body by the
+connection's :class:`~penstock.serving.sse.FrameWriter`.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from penstock.app.handlers import handle_error
 from penstock.routers.json_body import parse_json
 from penstock.routers.security import check_inference_key
+from penstock.serving.sse import FRAME_WRITER_KEY
 from penstock.settings import Settings
 
 # The (method, path) of the operations served here; each endpoint is ``(body, request)``.
@@ -48,6 +53,8 @@ HOT_OPERATIONS = frozenset(
 )
 
 _NO_BODY = object()
+# Responses that send their whole body right after their start, with nothing between.
+_WHOLE_BODY_RESPONSES = (Response, JSONResponse)
 
 
 def _is_json(content_type: str) -> bool:
@@ -81,6 +88,9 @@ class HotRoute:
         # Neither the request nor its body (raw and validated) is needed while the response
         # streams; an open stream keeps only what its response holds.
         del request
+        writer = scope.get(FRAME_WRITER_KEY)
+        if writer is not None and type(response) in _WHOLE_BODY_RESPONSES:
+            writer.hold_start()
         await response(scope, receive, send)
 
     async def _parse(self, request: Request) -> Any:

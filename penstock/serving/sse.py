@@ -9,7 +9,9 @@ server's own ``send`` when the outermost app left it in the scope under
 chain of ~8 wrappers per frame was a quarter of the gateway's cost per streamed token).
 Where the server's HTTP protocol offers a :class:`FrameWriter` (:data:`FRAME_WRITER_KEY`),
 a frame the connection can take at once is written by it, with no ASGI message at all;
-the others (flow control paused, the connection gone) take the ``send`` path.
+the others (flow control paused, the connection gone) take the ``send`` path. The
+opening frames (at hand when the response is made) leave with the response start, held
+by the writer for them: one write to the connection, not two, before the first token.
 
 One task per stream, the request's own: it pulls each frame and writes it. The server's
 HTTP protocol leaves a :class:`DisconnectSignal` in the scope (:data:`DISCONNECT_KEY`)
@@ -49,6 +51,11 @@ def data_frame(payload: bytes) -> bytes:
 
 class FrameWriter(Protocol):
     """Writes body frames of a started response straight to its connection."""
+
+    def hold_start(self) -> None:
+        """Keep the response start, about to be sent, until the body's next bytes, to
+        write them together: for a response whose body follows its start at once."""
+        ...
 
     def write(self, frame: bytes) -> bool:
         """Write ``frame`` (not empty, not the body's last) now and return True, or write
@@ -110,10 +117,13 @@ class EventStreamResponse(Response):
         self,
         frames: AsyncIterator[bytes],
         *,
+        opening: bytes = b"",
         keepalive_s: float = 15.0,
         headers: Mapping[str, str] | None = None,
     ) -> None:
         self.frames = frames
+        # The body's first frames, at hand already: they leave with the response start.
+        self.opening = opening
         self.keepalive_s = keepalive_s
         self.extra_headers = dict(headers or {})
         self.status_code = 200
@@ -136,10 +146,15 @@ class EventStreamResponse(Response):
             (b"x-accel-buffering", b"no"),
         ]
         raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
+        writer: FrameWriter | None = scope.get(FRAME_WRITER_KEY)
+        opening, self.opening = self.opening, b""
+        if opening and writer is not None:
+            writer.hold_start()
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
         send = self._send = scope.get(WIRE_SEND_KEY, send)
-        writer: FrameWriter | None = scope.get(FRAME_WRITER_KEY)
         write = writer.write if writer is not None else None
+        if opening and (write is None or not write(opening)):
+            await send({"type": "http.response.body", "body": opening, "more_body": True})
         signal, watcher = disconnect_signal(scope, receive)
         loop = asyncio.get_running_loop()
         task = self._task = asyncio.current_task()

@@ -149,20 +149,33 @@ async def _stream(plan: ResponsePlan) -> Response:
         first = await anext(deltas, None)
     else:
         first = await deadline.within(anext(deltas, None))
+    try:
+        # The prelude's chunks and the first delta's: they leave with the response start.
+        opening = framing.opening(first)
+    except Exception:
+        # Nothing is sent yet, so the error answers the request; the engine's ends here.
+        if deadline is not None:
+            deadline.close()
+        await deltas.aclose()
+        raise
     frames = _frames(
         framing,
-        first,
+        first is not None,
         deltas,
         deadline,
         plan.uploader,
         include_usage=bool(options and options.include_usage),
     )
-    return EventStreamResponse(frames, keepalive_s=generations[0].gateway.settings.sse_keepalive_s)
+    return EventStreamResponse(
+        frames,
+        opening=opening,
+        keepalive_s=generations[0].gateway.settings.sse_keepalive_s,
+    )
 
 
 async def _frames(
     framing: _Framing,
-    first: Delta | None,
+    more: bool,
     deltas: AsyncGenerator[Delta, None],
     deadline: Deadline | None,
     uploader: MetadataUploader | None,
@@ -170,19 +183,13 @@ async def _frames(
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
     """The one generator between the engine's chunks and the wire (each layer of async
-    generators costs every chunk a resumption). Its arguments are what it needs of the
+    generators costs every chunk a resumption), after the opening frames (``more``: the
+    engine's deltas did not end before the first). Its arguments are what it needs of the
     plan, not the plan: the request body the plan holds is not kept while it streams.
     Errors after the first byte end the stream here, as ``with_error_frame`` would."""
     generations = framing.generations
     try:
         try:
-            # The first delta is at hand: it leaves in the prelude's write.
-            frame = framing.opening(first)
-            more = first is not None
-            # Held no longer than it takes to send: an open stream keeps no sent delta.
-            del first
-            if frame:
-                yield frame
             encode = framing.encode
             # ``__anext__`` rather than ``anext(deltas, None)``: no wrapper per chunk.
             next_delta = deltas.__anext__

@@ -1,5 +1,6 @@
 """The connection's frame writer: uvicorn's bytes for a chunked body frame, or nothing
-when uvicorn's ``send`` would wait or write nothing."""
+when uvicorn's ``send`` would wait or write nothing; a held response start leaves with
+the body's next bytes, in one write."""
 
 from __future__ import annotations
 
@@ -26,11 +27,17 @@ class RecordingTransport(asyncio.Transport):
         super().__init__()
         self.written: list[bytes] = []
 
+        self.closed = False
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        assert not self.closed
         self.written.append(bytes(data))
 
+    def close(self) -> None:
+        self.closed = True
+
     def is_closing(self) -> bool:
-        return False
+        return self.closed
 
     def pause_reading(self) -> None:
         return None
@@ -39,7 +46,9 @@ class RecordingTransport(asyncio.Transport):
         return None
 
 
-def cycle(method: str = "POST") -> tuple[RequestResponseCycle, RecordingTransport]:
+def cycle(
+    method: str = "POST", keep_alive: bool = True
+) -> tuple[RequestResponseCycle, RecordingTransport]:
     transport = RecordingTransport()
     scope = {"type": "http", "method": method, "http_version": "1.1", "path": "/"}
     made = RequestResponseCycle(
@@ -52,7 +61,7 @@ def cycle(method: str = "POST") -> tuple[RequestResponseCycle, RecordingTranspor
         default_headers=[],
         message_event=asyncio.Event(),
         expect_100_continue=False,
-        keep_alive=True,
+        keep_alive=keep_alive,
         on_response=lambda: None,
     )
     return made, transport
@@ -98,6 +107,74 @@ async def test_it_writes_nothing_after_the_body_ended() -> None:
     transport.written.clear()
     assert ChunkedFrameWriter(made).write(FRAME) is False
     assert transport.written == []
+
+
+SSE_START = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [(b"content-type", b"text/event-stream")],
+}
+BODY = b'{"object":"chat.completion"}'
+JSON_START = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(BODY))],
+}
+
+
+async def test_a_held_start_leaves_with_the_first_frame_in_one_write() -> None:
+    by_send, send_transport = cycle()
+    await by_send.send(SSE_START)
+    await by_send.send({"type": "http.response.body", "body": FRAME, "more_body": True})
+    held, held_transport = cycle()
+    writer = ChunkedFrameWriter(held)
+    writer.hold_start()
+    await held.send(SSE_START)
+    assert held_transport.written == []
+    assert writer.write(FRAME) is True
+    assert held_transport.written == [b"".join(send_transport.written)]
+    # The cycle has its transport back: later frames are written as before.
+    assert held.transport is held_transport
+    assert writer.write(FRAME) is True
+    assert held_transport.written[1:] == send_transport.written[1:]
+
+
+async def test_a_held_start_leaves_with_a_whole_body_sent_as_a_message() -> None:
+    for keep_alive in (True, False):
+        by_send, send_transport = cycle(keep_alive=keep_alive)
+        await by_send.send(JSON_START)
+        await by_send.send({"type": "http.response.body", "body": BODY})
+        held, held_transport = cycle(keep_alive=keep_alive)
+        ChunkedFrameWriter(held).hold_start()
+        await held.send(JSON_START)
+        await held.send({"type": "http.response.body", "body": BODY})
+        assert len(send_transport.written) == 2
+        assert held_transport.written == [b"".join(send_transport.written)]
+        # Written before the connection closes, when it is not kept alive.
+        assert held_transport.closed is not keep_alive
+        assert held.transport is held_transport
+
+
+async def test_a_held_start_is_written_when_the_response_fails_after_it() -> None:
+    """uvicorn closes the transport of a response that began and then failed: the start
+    it held is written first, as uvicorn had written it."""
+    held, transport = cycle()
+    ChunkedFrameWriter(held).hold_start()
+    await held.send(SSE_START)
+    held.transport.close()
+    assert transport.written[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert transport.closed
+
+
+async def test_no_start_is_held_for_a_head_request_or_a_begun_response() -> None:
+    """A HEAD response writes no body, so nothing would carry the start."""
+    head, head_transport = cycle("HEAD")
+    ChunkedFrameWriter(head).hold_start()
+    await head.send(SSE_START)
+    assert len(head_transport.written) == 1
+    begun, begun_transport = await started()
+    ChunkedFrameWriter(begun).hold_start()
+    assert begun.transport is begun_transport
 
 
 async def test_the_server_gives_each_request_a_writer_over_its_own_cycle() -> None:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
 
+from penstock.app.factory import create_app
+from penstock.serving.sse import DISCONNECT_KEY, FRAME_WRITER_KEY, DisconnectSignal
+from tests.support.inprocess import LOOPBACK_CLIENT as LOOPBACK
 from tests.support.inprocess import asgi_client, start_gateway
 
 MODEL = "sample-model"
@@ -73,3 +79,77 @@ async def test_every_operation_answers_and_other_methods_reach_fastapi(
     wrong_method = await client.get("/v1/chat/completions", headers=KEY)
     assert wrong_method.status_code == 405
     assert wrong_method.json()["error"]["code"] == "method_not_allowed"
+
+
+class RecordingWriter:
+    """A connection's frame writer that takes every frame and records what it is asked."""
+
+    def __init__(self, events: list[object]) -> None:
+        self.events = events
+
+    def hold_start(self) -> None:
+        self.events.append("hold start")
+
+    def write(self, frame: bytes) -> bool:
+        self.events.append(frame)
+        return True
+
+
+async def answer(app: Any, body: dict[str, Any]) -> list[object]:
+    """What the app asks of the connection for one request: a held start, the ASGI
+    messages it sends (by type) and the frames it writes."""
+    events: list[object] = []
+    raw = json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"authorization", b"Bearer k")],
+        "client": LOOPBACK,
+        "server": LOOPBACK,
+        "state": {},
+        FRAME_WRITER_KEY: RecordingWriter(events),
+        DISCONNECT_KEY: DisconnectSignal(),
+    }
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        events.append(message["type"])
+
+    await app(scope, receive, send)
+    return events
+
+
+async def test_a_response_start_is_held_for_the_bytes_that_follow_it() -> None:
+    """A whole response (an answer or an error) and a stream's opening frame (its role
+    chunk and first token) leave the connection with the start, in one write."""
+    gateway = await start_gateway(api_keys=["k"])
+    app = create_app(gateway)
+    try:
+        async with app.router.lifespan_context(app):
+            whole = await answer(app, CHAT)
+            refused = await answer(app, {**CHAT, "max_tokens": -1})
+            stream = await answer(app, {**CHAT, "stream": True})
+    finally:
+        await gateway.host.cleanup()
+    body = ["hold start", "http.response.start", "http.response.body"]
+    assert whole == body
+    assert refused == body
+    assert stream[:2] == ["hold start", "http.response.start"]
+    opening = stream[2]
+    assert isinstance(opening, bytes)
+    assert b'"role":"assistant"' in opening
+    assert opening.count(b"data: ") == 2
+    assert stream[-1] == "http.response.body"

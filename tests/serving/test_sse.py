@@ -157,6 +157,11 @@ async def test_each_idle_stream_gets_its_keepalive_after_another_one_ends() -> N
     assert long_bodies[1:-1].count(KEEPALIVE_FRAME) >= 3
 
 
+# What the fake writer below puts on the wire where the response start is held.
+HELD = b"<start held>"
+OPENING = b"data: opening\n\n"
+
+
 class Writer:
     """A frame writer that takes every frame but those in ``refused``, writing to
     ``wire`` as the server's ``send`` below does."""
@@ -165,6 +170,9 @@ class Writer:
         self.wire = wire
         self.refused = refused
         self.written: list[bytes] = []
+
+    def hold_start(self) -> None:
+        self.wire.append(HELD)
 
     def write(self, frame: bytes) -> bool:
         if frame in self.refused:
@@ -180,17 +188,47 @@ async def many_frames() -> AsyncIterator[bytes]:
     yield DONE_FRAME
 
 
-async def stream_through(writer: Writer, wire: list[bytes]) -> list[dict[str, Any]]:
+async def stream_through(
+    writer: Writer | None, wire: list[bytes], opening: bytes = b""
+) -> list[dict[str, Any]]:
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
+        if message["type"] == "http.response.start":
+            wire.append(b"<start>")
         if message["type"] == "http.response.body":
             wire.append(message["body"])
 
-    scope = {"type": "http", FRAME_WRITER_KEY: writer}
-    await EventStreamResponse(many_frames(), keepalive_s=0)(scope, never_disconnects, send)
+    scope: dict[str, Any] = {"type": "http"}
+    if writer is not None:
+        scope[FRAME_WRITER_KEY] = writer
+    response = EventStreamResponse(many_frames(), opening=opening, keepalive_s=0)
+    await response(scope, never_disconnects, send)
     return sent
+
+
+async def test_the_opening_frames_are_written_with_the_start_held_for_them() -> None:
+    wire: list[bytes] = []
+    await stream_through(Writer(wire), wire, OPENING)
+    frames = [OPENING, b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", DONE_FRAME]
+    assert wire == [HELD, b"<start>", *frames]
+
+
+async def test_the_opening_frames_come_first_whichever_way_they_leave() -> None:
+    refused_wire: list[bytes] = []
+    await stream_through(Writer(refused_wire, refused=frozenset({OPENING})), refused_wire, OPENING)
+    no_writer_wire: list[bytes] = []
+    await stream_through(None, no_writer_wire, OPENING)
+    frames = [OPENING, b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", DONE_FRAME]
+    assert refused_wire == [HELD, b"<start>", *frames]
+    assert no_writer_wire == [b"<start>", *frames]
+
+
+async def test_no_start_is_held_without_opening_frames() -> None:
+    wire: list[bytes] = []
+    await stream_through(Writer(wire), wire)
+    assert HELD not in wire
 
 
 async def test_the_connections_writer_takes_the_frames_it_can_write_at_once() -> None:
@@ -207,5 +245,5 @@ async def test_a_frame_the_writer_refuses_is_sent_in_its_place() -> None:
     wire: list[bytes] = []
     writer = Writer(wire, refused=frozenset({b"data: 1\n\n"}))
     await stream_through(writer, wire)
-    assert wire == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", DONE_FRAME]
+    assert wire == [b"<start>", b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", DONE_FRAME]
     assert writer.written == [b"data: 0\n\n", b"data: 2\n\n"]
