@@ -288,6 +288,12 @@ def ratio_to_raw(results: dict[str, list[float]], name: str) -> str:
     return f"  ({statistics.median(results[name]) / statistics.median(results['raw']):.2f}x raw)"
 
 
+def in_turn(started: list[Server], repeat: int) -> list[Server]:
+    """The servers in the order to measure them in this repeat: forward, then backward,
+    as whichever is measured first in a round came out slower on this machine."""
+    return started if repeat % 2 == 0 else started[::-1]
+
+
 async def run_cpu(args: argparse.Namespace) -> None:
     with servers(args, delay=0.0, extra=args.serve_arg) as started:
         print(
@@ -299,9 +305,9 @@ async def run_cpu(args: argparse.Namespace) -> None:
         for concurrency, tokens, rounds in scenarios:
             results: dict[str, list[float]] = {s.name: [] for s in started}
             loads = []
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats):
                 loads.append(loadavg())
-                for server in started:
+                for server in in_turn(started, repeat):
                     results[server.name].append(
                         await cpu_per_chunk(server, concurrency, tokens, rounds)
                     )
@@ -311,8 +317,8 @@ async def run_cpu(args: argparse.Namespace) -> None:
         if {"all", "ttft"} & set(args.only):
             ttft: dict[str, list[float]] = {s.name: [] for s in started}
             ttft_cpu: dict[str, list[float]] = {s.name: [] for s in started}
-            for _ in range(args.repeats):
-                for server in started:
+            for repeat in range(args.repeats):
+                for server in in_turn(started, repeat):
                     latency, cost = await ttft_p50(server, args.ttft_requests)
                     ttft[server.name].append(latency)
                     ttft_cpu[server.name].append(cost)
@@ -324,8 +330,8 @@ async def run_cpu(args: argparse.Namespace) -> None:
                 )
             rates: dict[str, list[float]] = {s.name: [] for s in started}
             costs: dict[str, list[float]] = {s.name: [] for s in started}
-            for _ in range(args.repeats):
-                for server in started:
+            for repeat in range(args.repeats):
+                for server in in_turn(started, repeat):
                     rate, cost = await non_streaming(server, 32, args.unary_rounds)
                     rates[server.name].append(rate)
                     costs[server.name].append(cost)
