@@ -8,6 +8,7 @@ import statistics
 import time
 from collections.abc import Iterator
 
+import h11
 import httpx
 import orjson
 import pytest
@@ -140,3 +141,67 @@ def test_a_kept_alive_connection_never_waits_for_a_delayed_ack(server: ServerPro
                 assert response.status_code == 200
             # Past the connection's first exchanges, which Linux acknowledges at once.
             assert statistics.median(took[5:]) < 0.040, took
+
+
+def parse_responses(data: bytes, count: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """The ``count`` responses to as many POSTs at the start of ``data`` (status, headers,
+    body with its chunks joined), read by h11 as a client would: it refuses anything
+    malformed, and there must be nothing after them."""
+    client = h11.Connection(h11.CLIENT)
+    client.receive_data(data)
+    client.receive_data(b"")
+    responses: list[tuple[int, dict[str, str], bytes]] = []
+    for _ in range(count):
+        if client.our_state is h11.DONE:
+            client.start_next_cycle()
+        head = [("host", "penstock"), ("content-length", "0")]
+        client.send(h11.Request(method="POST", target="/v1/chat/completions", headers=head))
+        client.send(h11.EndOfMessage())
+        body = b""
+        while not isinstance(event := client.next_event(), h11.EndOfMessage):
+            if isinstance(event, h11.Response):
+                status, headers = (
+                    event.status_code,
+                    {name.decode(): value.decode() for name, value in event.headers},
+                )
+            elif isinstance(event, h11.Data):
+                body += bytes(event.data)
+            else:
+                raise AssertionError(f"unexpected {event!r}")
+        responses.append((status, headers, body))
+    assert client.next_event() in (h11.PAUSED, h11.ConnectionClosed())
+    return responses
+
+
+def chat_request(body: dict[str, object], version: bytes = b"1.1", close: bool = False) -> bytes:
+    payload = orjson.dumps(body)
+    head = b"POST /v1/chat/completions HTTP/%b\r\nhost: penstock\r\n" % version
+    head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(payload)
+    if close:
+        head += b"connection: close\r\n"
+    return head + b"\r\n" + payload
+
+
+def test_pipelined_and_http_1_0_requests_get_whole_responses(server: ServerProcess) -> None:
+    """A response's head leaves with its body's first bytes: every response on a
+    connection must still be whole and in order, where requests are pipelined and where
+    the connection closes after the response."""
+    chat = {"model": "sample-model", "messages": [{"role": "user", "content": "hi"}]}
+    unary = {**chat, "max_tokens": 3}
+    stream = {**chat, "max_tokens": 3, "stream": True}
+    pipelined = chat_request(unary) + chat_request(stream) + chat_request(unary, close=True)
+    answers = parse_responses(read_until_closed(connect(server, pipelined)), 3)
+    assert [status for status, _, _ in answers] == [200, 200, 200]
+    first, streamed, last = (body for _, _, body in answers)
+    assert orjson.loads(first)["usage"]["completion_tokens"] == 3
+    assert orjson.loads(last)["usage"]["completion_tokens"] == 3
+    assert answers[1][1]["content-type"].startswith("text/event-stream")
+    frames = [frame for frame in streamed.split(b"\n\n") if frame]
+    assert frames[-1] == b"data: [DONE]"
+    assert b'"role":"assistant"' in frames[0]
+    for version in (b"1.0", b"1.1"):
+        [(status, _, body)] = parse_responses(
+            read_until_closed(connect(server, chat_request(unary, version, close=True))), 1
+        )
+        assert status == 200
+        assert orjson.loads(body)["choices"][0]["finish_reason"] == "length"
