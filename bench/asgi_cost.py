@@ -89,10 +89,14 @@ async def _request(app: Any, body: bytes) -> None:
 async def _penstock_app() -> AsyncIterator[Any]:
     from penstock.app.factory import create_app
     from penstock.app.middleware import WireSend
-    from penstock.app.server import build_gateway
+    from penstock.app.server import build_gateway, freeze_imported_heap
+    from penstock.engines.loading import load_engine_class
     from penstock.settings import Settings
 
     settings = Settings(engine="sample", engine_args=["--delay", "0", "--max-tokens", "16"])
+    # As `penstock serve` does: no garbage-collector pass walks the imported modules.
+    load_engine_class(settings.engine)
+    freeze_imported_heap()
     gateway = await build_gateway(settings)
     app = create_app(gateway)
     try:
@@ -106,6 +110,9 @@ async def _penstock_app() -> AsyncIterator[Any]:
 async def _floor_app() -> AsyncIterator[Any]:
     import work_floor
 
+    from penstock.app.server import freeze_imported_heap
+
+    freeze_imported_heap()
     yield work_floor.app
 
 

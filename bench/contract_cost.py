@@ -34,7 +34,7 @@ from typing import Any
 
 import uvloop
 
-from penstock.app.server import build_gateway
+from penstock.app.server import build_gateway, freeze_imported_heap
 from penstock.engines.context import Context
 from penstock.engines.contract import (
     CANCEL_SAFE_RUNTIME_KEY,
@@ -43,6 +43,7 @@ from penstock.engines.contract import (
     WorkerConfig,
 )
 from penstock.engines.host import EngineHost
+from penstock.engines.loading import load_engine_class
 from penstock.gateway import Gateway, ServedModel
 from penstock.serving.choice import ChoiceState
 from penstock.serving.generation import Generation
@@ -183,6 +184,9 @@ def _runs(
 
 async def _measure(tokens: int, rounds: int, per_round: int) -> dict[str, float]:
     settings = Settings(engine="sample", engine_args=["--delay", "0", "--max-tokens", "16"])
+    # As `penstock serve` does: no garbage-collector pass walks the imported modules.
+    load_engine_class(settings.engine)
+    freeze_imported_heap()
     gateway = await build_gateway(settings)
     sample = gateway.resolve("sample-model")
     engine = MinimalEngine(sample.host.engine.ordinary_ids)  # type: ignore[attr-defined]
