@@ -25,6 +25,7 @@ import logging
 from typing import Any
 
 from penstock.errors import InternalServerError, InvalidRequestError, PenstockError
+from penstock.ray.wire import entry_error
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +102,9 @@ class FleetAdapters:
         name = str(body.get("lora_name"))
         if update == "load_lora":
             path = str(body.get("lora_path"))
-            reply = await self._handle.load_adapter.remote(name, path)
-            if "error" in reply:
-                from penstock.ray.fleet import rebuild_error
-
-                raise rebuild_error(reply["error"])
+            refusal = entry_error(await self._handle.load_adapter.remote(name, path))
+            if refusal is not None:
+                raise refusal
             self.paths[name] = path
             return {"status": "ok", "lora_name": name}
         self.paths.pop(name, None)

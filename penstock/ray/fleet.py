@@ -17,7 +17,7 @@ unchanged.
   cancels the Serve stream; the replica's host then kills the request's context and
   aborts it once. A request whose replica dies fails with :class:`ReplicaLostError`
   (an error frame and ``[DONE]`` once streaming) and Serve starts a replacement.
-* Admin: the admin plane drives :class:`~penstock.ray.admin.FleetEngine`, which fans
+* Admin: the admin plane drives :class:`~penstock.ray.fleet_admin.FleetEngine`, which fans
   every control out to the replicas and runs a weight update as one fleet-wide
   transaction (pause, update, verify, resume, or roll every replica back).
 """
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from penstock import errors
 from penstock.engines.admission import AdmissionGate
 from penstock.engines.constants import ModelInput
 from penstock.engines.context import Context
@@ -42,16 +41,16 @@ from penstock.engines.health import is_probe
 from penstock.engines.host import EngineState, HealthStatus
 from penstock.errors import (
     EngineError,
-    PenstockError,
     RaySetupError,
     ReplicaLostError,
 )
 from penstock.ray import require_ray
 from penstock.ray.adapters import FleetAdapters
-from penstock.ray.admin import FleetEngine
+from penstock.ray.fleet_admin import FleetEngine
 from penstock.ray.metrics import SCRAPE_TIMEOUT_S, fleet_families, labelled_families, render
 from penstock.ray.replica import EngineReplica
 from penstock.ray.routing import affinity_key
+from penstock.ray.wire import entry_error
 from penstock.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -65,19 +64,6 @@ _SHUTDOWN_S = 20.0
 _FLEET_VIEW_S = 1.0
 # Replica slots beyond --max-concurrency, so admin broadcasts reach a full replica.
 _ADMIN_SLOTS = 4
-
-
-def rebuild_error(entry: dict[str, Any]) -> PenstockError:
-    """The :class:`PenstockError` a replica reported, with its status, code and param."""
-    cls = getattr(errors, str(entry.get("class")), None)
-    if not (isinstance(cls, type) and issubclass(cls, PenstockError)):
-        cls = PenstockError
-    try:
-        error = cls(str(entry.get("message")), param=entry.get("param"), code=entry.get("code"))
-    except TypeError:
-        error = PenstockError(str(entry.get("message")), code=entry.get("code"))
-    error.status_code = int(entry.get("status") or 500)
-    return error
 
 
 @dataclass
@@ -138,11 +124,11 @@ class FleetHost:
                 name: {
                     **view.get(name, {}),
                     **vars(self.replicas.get(name, ReplicaLoad())),
-                    **self.engine.rotation_state(name),
+                    **self.engine.rotation.state(name),
                 }
                 for name in sorted(set(self.replicas) | set(view))
             },
-            "fleet_weights": self.engine.fleet_weights,
+            "fleet_weights": self.engine.rotation.fleet_weights,
             "weight_versions": sorted({v.get("weight_version") for v in view.values()}, key=str),
             "checked_at": self.engine.view_at,
         }
@@ -191,8 +177,9 @@ class FleetHost:
                     load.running += 1
                     continue
                 for item in message:
-                    if "error" in item and len(item) == 1:
-                        raise rebuild_error(item["error"])
+                    error = entry_error(item)
+                    if error is not None:
+                        raise error
                     if load is not None:
                         load.tokens += len(item.get("token_ids") or ())
                     yield item

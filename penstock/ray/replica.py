@@ -9,7 +9,8 @@ canary. Admission is not applied here: the ingress holds the one fleet-wide gate
 Streams leave the replica as batches: each message carries every chunk the engine produced
 since the previous one, since a message through a Serve handle costs milliseconds. A
 :class:`~penstock.errors.PenstockError` travels as a final ``{"error": ...}`` batch entry
-(exceptions do not keep their fields across processes); the ingress raises it again.
+(exceptions do not keep their fields across processes, :mod:`penstock.ray.wire`); the
+ingress raises it again.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from penstock.engines.loading import engine_argv, load_engine_class, refuse_disa
 from penstock.engines.metric_outlets import bridge_engine_metrics
 from penstock.errors import PenstockError
 from penstock.ray.adapters import ReplicaAdapters
-from penstock.ray.admin import ReplicaAdmin
 from penstock.ray.metrics import ReplicaMetrics
+from penstock.ray.replica_admin import ReplicaAdmin
+from penstock.ray.wire import error_entry
 from penstock.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -46,18 +48,6 @@ _WORKER_FIELDS = (
     "endpoint",
 )
 _END = object()
-
-
-def error_entry(error: PenstockError) -> dict[str, Any]:
-    return {
-        "error": {
-            "class": type(error).__name__,
-            "status": error.status_code,
-            "message": error.message,
-            "param": error.param,
-            "code": error.code,
-        }
-    }
 
 
 def replica_name() -> str:
@@ -178,7 +168,7 @@ class EngineReplica:
         queue.put_nowait(_END)
 
     async def admin(self, operation: str, *args: Any) -> dict[str, Any]:
-        """One replica's part of a fleet admin call (:mod:`penstock.ray.admin`), reached
+        """One replica's part of a fleet admin call (:mod:`penstock.ray.fleet_admin`), reached
         by ``broadcast``; the answer carries this replica's name."""
         answer = await self._admin.run(operation, *args)
         if operation == "status":

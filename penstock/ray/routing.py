@@ -20,7 +20,7 @@ The rule (``penstock serve --ray``):
 4. Only replicas *in rotation* are candidates: once a fleet weight update has committed,
    the ingress publishes the replicas that hold the fleet's weights (:func:`set_rotation`)
    and a replica Ray starts later (a replacement, autoscaling) gets no request until the
-   ingress has brought it to the fleet's version (:mod:`penstock.ray.admin`). With no
+   ingress has brought it to the fleet's version (:mod:`penstock.ray.rotation`). With no
    replica in rotation, requests wait (Serve retries with back-off) until one is.
 
 This module is the policy and imports no Ray; :mod:`penstock.ray.router` applies it as a

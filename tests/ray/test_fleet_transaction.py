@@ -14,7 +14,8 @@ import pytest
 from penstock.engines.sample import SampleLLMEngine
 from penstock.errors import ConflictError
 from penstock.ray.adapters import FleetAdapters
-from penstock.ray.admin import FleetEngine, ReplicaAdmin
+from penstock.ray.fleet_admin import FleetEngine
+from penstock.ray.replica_admin import ReplicaAdmin
 from penstock.rl.state import AdminStateMachine
 
 

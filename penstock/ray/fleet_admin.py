@@ -4,9 +4,9 @@ Under ``--ray`` the admin plane (:mod:`penstock.rl`) drives :class:`FleetEngine`
 drives an engine in one process, so every route and dialect (``/engine/*``, the SGLang and
 vLLM routes) works unchanged. Each call reaches every live replica through
 ``DeploymentHandle.broadcast``; each replica answers with its name, so answers and errors
-are per replica. The replica side is :class:`ReplicaAdmin`, one per
-:class:`~penstock.ray.replica.EngineReplica`, which judges engine answers exactly as the
-single-process admin plane does (:meth:`AdminStateMachine.call_engine`).
+are per replica (:mod:`penstock.ray.wire`). The replica side is
+:class:`~penstock.ray.replica_admin.ReplicaAdmin`, one per
+:class:`~penstock.ray.replica.EngineReplica`.
 
 * Controls (pause, resume, sleep, wake, flush cache, abort, ...) run on every replica.
   One answer merges them (``aborted`` lists joined, counts summed) and
@@ -48,15 +48,12 @@ single-process admin plane does (:meth:`AdminStateMachine.call_engine`).
   one broadcast), verified and rolled back as any other update. A replica that is not
   a rank of the group (it started later) skips the update and stays out of rotation
   until the trainer re-creates the group with it.
-* Rotation: once a weight update has committed, requests go only to the replicas that
-  hold the fleet's weights (:func:`penstock.ray.routing.set_rotation`). A replica Ray
-  starts later (a replacement, autoscaling) begins on the checkpoint's weights, so it is
-  out of rotation until the ingress brings it to the fleet's: a disk update is replayed
-  on it (:meth:`FleetEngine.catch_up`, within a second or so of it appearing) and it
-  joins once it reports the fleet's checksum and version. Other updates (tensors,
-  NIXL, broadcast) are not kept, so such a replica stays out, ``/health`` says why, and
-  the next fleet weight update includes it (it joins if it then agrees with the replicas
-  in rotation, whose agreement alone decides the transaction).
+* Rotation (:mod:`penstock.ray.rotation`): once a weight update has committed, requests
+  go only to the replicas that hold the fleet's weights; :meth:`FleetEngine.catch_up`
+  replays a disk update on a replica Ray starts later (within a second or so of it
+  appearing) so that it joins. The next fleet weight update includes a replica out of
+  rotation (it joins if it then agrees with the replicas in rotation, whose agreement
+  alone decides the transaction).
 * :meth:`FleetEngine.refresh` asks every replica for its state, weight version and
   running requests; ``/health`` and ``/engine/capabilities`` show that view per replica
   (``in_rotation``, ``out_of_rotation``: why not; ``fleet_weights``: the committed
@@ -69,278 +66,31 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from penstock.engines.weight_sync import DEFAULT_GROUP_NAME
 from penstock.errors import (
-    ConflictError,
     FleetInconsistentError,
-    InternalServerError,
     InvalidRequestError,
     PenstockError,
     ReplicaLostError,
 )
-from penstock.ray.routing import set_rotation
-from penstock.rl.state import AdminStateMachine
+from penstock.ray.rotation import Rotation
+from penstock.ray.wire import TRANSACTION_PAUSE_MODE, answer_error, failed_answer
 
 if TYPE_CHECKING:
-    from penstock.engines.host import EngineHost
     from penstock.ray.adapters import FleetAdapters
 
 logger = logging.getLogger(__name__)
 
-# Pausing in place freezes in-flight requests and holds new ones: nothing is lost.
-TRANSACTION_PAUSE_MODE = "keep"
-DISTRIBUTED_UPDATE = "update_weights_from_distributed"
 INIT_GROUP = "init_weights_update_group"
 DESTROY_GROUP = "destroy_weights_update_group"
 WEIGHT_UPDATE_PREFIX = "update_weights_"
-# Updates whose request alone reproduces the weights on a replica started later.
-REPLAYABLE_UPDATES = frozenset({"update_weights_from_disk"})
 # Controls a failure of which is undone on the replicas that succeeded.
 _UNDO = {"pause_generation": "resume_generation", "sleep": "wake_up"}
 _SUMMED = frozenset({"flushed_entries"})
 # The rollback broadcast outlives the admin deadline that cancelled the transaction.
 _ROLLBACK_TIMEOUT_S = 120.0
-
-
-def _ok(name: str, **fields: Any) -> dict[str, Any]:
-    return {"replica": name, "ok": True, **fields}
-
-
-def _failed(name: str, error: PenstockError) -> dict[str, Any]:
-    return {
-        "replica": name,
-        "ok": False,
-        "error": {
-            "class": type(error).__name__,
-            "status": error.status_code,
-            "message": error.message,
-            "param": error.param,
-            "code": error.code,
-        },
-    }
-
-
-@dataclass
-class _Transaction:
-    id: str
-    snapshot: Any
-    paused_here: bool
-
-
-class ReplicaAdmin:
-    """One replica's half of the fleet's admin calls (runs inside the Serve replica)."""
-
-    def __init__(self, host: EngineHost, name: str) -> None:
-        self.host = host
-        self.name = name
-        self._calls = AdminStateMachine(host.engine)
-        self._txn: _Transaction | None = None
-        # Steps of an update run one at a time: a rollback sent past the admin deadline
-        # waits for an update still running here instead of racing it.
-        self._steps = asyncio.Lock()
-        self.paused: str | None = None
-        self.sleeping = False
-        # The trainer's weights update groups this replica joined: name -> its rank.
-        self.groups: dict[str, int] = {}
-
-    async def run(self, operation: str, *args: Any) -> dict[str, Any]:
-        """Run ``operation`` (``control``, ``update``, ``begin``, ``apply``, ``end``,
-        ``status``); a :class:`PenstockError` becomes this replica's failed answer."""
-        handler: Callable[..., Any] | None = {
-            "control": self.control,
-            "update": self.update,
-            "begin": self.begin,
-            "apply": self.apply,
-            "end": self.end,
-            "sync": self.sync,
-            "join": self.join,
-            "leave": self.leave,
-            "status": self.status,
-        }.get(operation)
-        if handler is None:
-            return _failed(self.name, InvalidRequestError(f"unknown fleet operation {operation}"))
-        try:
-            if operation in ("begin", "apply", "end", "sync"):
-                async with self._steps:
-                    return await handler(*args)
-            return await handler(*args)
-        except PenstockError as exc:
-            return _failed(self.name, exc)
-        except Exception as exc:
-            logger.exception("replica %s: fleet %s failed", self.name, operation)
-            return _failed(self.name, InternalServerError(f"{operation} failed: {exc}"))
-
-    async def control(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        result = await self._calls.call_engine("control", name, body)
-        if name == "pause_generation":
-            self.paused = str(body.get("mode", "abort"))
-        elif name == "resume_generation":
-            self.paused = None
-        elif name == "sleep":
-            self.sleeping = True
-        elif name == "wake_up":
-            self.sleeping = result.get("is_sleeping") is True
-        return _ok(self.name, result=result)
-
-    async def update(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        return _ok(self.name, result=await self._calls.call_engine("update", name, body))
-
-    async def join(self, body: dict[str, Any], ranks: dict[str, int]) -> dict[str, Any]:
-        """``init_weights_update_group`` with this replica's own rank of ``ranks``."""
-        rank = ranks.get(self.name)
-        if rank is None:
-            raise ConflictError(
-                "this replica started after the fleet's ranks were assigned; "
-                "call init_weights_update_group again",
-                code="replica_not_in_group",
-            )
-        name = str(body.get("group_name") or DEFAULT_GROUP_NAME)
-        result = await self._calls.call_engine(
-            "update", "init_weights_update_group", {**body, "rank_offset": rank}
-        )
-        self.groups[name] = rank
-        return _ok(self.name, result=result, rank=rank)
-
-    async def leave(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``destroy_weights_update_group``; a replica that never joined the group has
-        nothing to destroy."""
-        name = str(body.get("group_name") or DEFAULT_GROUP_NAME)
-        if name not in self.groups:
-            return _ok(self.name, result={"status": "ok", "message": "not in the group"})
-        result = await self._calls.call_engine("update", "destroy_weights_update_group", body)
-        self.groups.pop(name, None)
-        return _ok(self.name, result=result)
-
-    def _in_group(self, body: dict[str, Any]) -> bool:
-        name = body.get("group_name")
-        return name in self.groups if name else len(self.groups) == 1
-
-    async def begin(self, txn: str, pause_mode: str) -> dict[str, Any]:
-        if self._txn is not None:
-            # Left by an ingress that went away mid-transaction: never committed, undo it.
-            logger.warning("replica %s: rolling back unfinished update %s", self.name, self._txn.id)
-            await self.end(self._txn.id, True)
-        paused_here = False
-        if self.paused is None and not self.sleeping:
-            await self._calls.call_engine("control", "pause_generation", {"mode": pause_mode})
-            self.paused, paused_here = pause_mode, True
-        snapshot = None
-        take = getattr(self.host.engine, "weights_snapshot", None)
-        try:
-            if callable(take):
-                snapshot = await take()
-        except BaseException:
-            if paused_here:
-                await self._resume()
-            raise
-        self._txn = _Transaction(txn, snapshot, paused_here)
-        return _ok(self.name, rollback=snapshot is not None, **await self._weights())
-
-    async def apply(self, txn: str, update: str, body: dict[str, Any]) -> dict[str, Any]:
-        if self._txn is None or self._txn.id != txn:
-            raise ConflictError(
-                "this replica did not join the update (it started after the update began)",
-                code="replica_not_in_update",
-            )
-        if update == DISTRIBUTED_UPDATE and not self._in_group(body):
-            # Not a rank of the trainer's group (it started after the group was made): it
-            # keeps its weights and stays out of rotation.
-            return _ok(self.name, skipped=True, **await self._weights())
-        param = "model_path" if "model_path" in body else None
-        result = await self._calls.call_engine("update", update, body, param=param)
-        version = body.get("weight_version")
-        reported = result.get("weight_version", result.get("version"))
-        if (
-            isinstance(version, str)
-            and reported != version
-            and self._calls.supports("update", "update_weight_version")
-        ):
-            await self._calls.call_engine(
-                "update", "update_weight_version", {"new_version": version}
-            )
-        weights = await self._weights(result)
-        return _ok(self.name, result=result, **weights)
-
-    async def end(self, txn: str, rollback: bool) -> dict[str, Any]:
-        current = self._txn
-        if current is None or current.id != txn:
-            return _ok(self.name, joined=False, **await self._weights())
-        self._txn = None
-        restored = False
-        try:
-            if rollback and current.snapshot is not None:
-                await self.host.engine.restore_weights_snapshot(current.snapshot)
-                restored = True
-        finally:
-            if current.paused_here:
-                await self._resume()
-        return _ok(self.name, restored=restored, **await self._weights())
-
-    async def sync(
-        self, members: list[str], update: str | None, body: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Bring this replica to the fleet's weights by replaying the fleet's last update
-        (``update`` with ``body``), unless it is one of the ``members`` that hold them."""
-        if self.name in members:
-            return _ok(self.name, current=True)
-        if update is None:
-            raise ConflictError(
-                "the fleet's last weight update cannot be replayed here",
-                code="weights_not_replayable",
-            )
-        txn = f"sync-{uuid.uuid4().hex}"
-        await self.begin(txn, TRANSACTION_PAUSE_MODE)
-        try:
-            applied = await self.apply(txn, update, body)
-        except BaseException:
-            await self.end(txn, True)
-            raise
-        await self.end(txn, False)
-        return {**applied, "current": False}
-
-    async def status(self) -> dict[str, Any]:
-        weights = await self._weights(checksum=False)
-        return _ok(
-            self.name,
-            state=self.host.state.value,
-            healthy=self.host.health.healthy,
-            paused=self.paused,
-            sleeping=self.sleeping,
-            updating=self._txn is not None,
-            weight_version=weights.get("weight_version"),
-        )
-
-    async def _resume(self) -> None:
-        await self._calls.call_engine("control", "resume_generation", {})
-        self.paused = None
-
-    async def _weights(
-        self, result: dict[str, Any] | None = None, *, checksum: bool = True
-    ) -> dict[str, Any]:
-        """This replica's ``weight_version`` and whole-model ``checksum``, asked of the
-        engine where it offers them, else as the update's answer says."""
-        result = result or {}
-        found: dict[str, Any] = {
-            "weight_version": result.get("weight_version", result.get("version")),
-            "checksum": result.get("checksum"),
-        }
-        if self._calls.supports("control", "get_weight_version"):
-            answer = await self._calls.call_engine("control", "get_weight_version", {})
-            found["weight_version"] = answer.get("weight_version")
-        if checksum and self._calls.supports("control", "weights_checksum") and not self.sleeping:
-            answer = await self._calls.call_engine("control", "weights_checksum", {})
-            found["checksum"] = answer.get("checksum")
-        return found
-
-
-def _rebuild(answer: dict[str, Any]) -> PenstockError:
-    from penstock.ray.fleet import rebuild_error
-
-    return rebuild_error(answer["error"])
 
 
 def merge_results(answers: list[dict[str, Any]]) -> dict[str, Any]:
@@ -374,7 +124,6 @@ class FleetEngine:
         app_name: str = "",
     ) -> None:
         self.class_name = description["engine_class"]
-        self._app_name = app_name
         self._handle = handle
         self._adapters = adapters
         self._controls = set(description.get("controls", ()))
@@ -384,14 +133,7 @@ class FleetEngine:
         self._background: set[asyncio.Task[Any]] = set()
         # Weight transactions and catch-ups of late replicas run one at a time.
         self._weights_lock = asyncio.Lock()
-        # Set by the first committed weight update: the replicas holding the fleet's
-        # weights (the only ones routed to), those weights, and how to replay them.
-        self.rotation: frozenset[str] | None = None
-        self.fleet_weights: dict[str, Any] | None = None
-        self._replay: tuple[str, dict[str, Any]] | None = None
-        self._generation = 0
-        self.out_of_rotation: dict[str, str] = {}
-        self._synced: dict[str, int] = {}
+        self.rotation = Rotation(app_name)
 
     def supported_controls(self) -> set[str]:
         return set(self._controls)
@@ -411,7 +153,7 @@ class FleetEngine:
                 continue
             logger.warning("replica %d failed fleet %s: %s", index, operation, answer)
             lost = ReplicaLostError(f"the replica failed during {operation}: {answer}")
-            answers.append(_failed(f"replica #{index}", lost))
+            answers.append(failed_answer(f"replica #{index}", lost))
         return sorted(answers, key=lambda a: a["replica"])
 
     async def engine_control(self, control: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -522,8 +264,8 @@ class FleetEngine:
                     answer["error"]["message"],
                 )
         applied_answers = [steps["apply"] for steps in outcome.values()]
-        first = self._reference(applied_answers)[0]
-        self._commit(update, body, first, applied_answers)
+        first = self.rotation.reference(applied_answers)[0]
+        self.rotation.commit(update, body, first, applied_answers)
         result = dict(first["result"])
         result.update(weight_version=first["weight_version"], replicas=detail)
         result.setdefault("checksum", first["checksum"])
@@ -553,7 +295,7 @@ class FleetEngine:
                 param="group_name",
                 code="invalid_value",
             )
-        reference = self._reference(applied)
+        reference = self.rotation.reference(applied)
         checksums = {a["checksum"] for a in reference}
         versions = {a["weight_version"] for a in reference}
         if len(checksums) > 1 or len(versions) > 1:
@@ -565,116 +307,25 @@ class FleetEngine:
             )
         return None
 
-    def _reference(self, answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The answers that must agree: those of replicas in rotation (a late replica not
-        yet on the fleet's weights may end elsewhere, and then stays out of rotation)."""
-        taking = [a for a in answers if not a.get("skipped")]
-        if self.rotation is None:
-            return taking
-        return [a for a in taking if a["replica"] in self.rotation] or taking
-
-    def _commit(
-        self,
-        update: str,
-        body: dict[str, Any],
-        reference: dict[str, Any],
-        applied: list[dict[str, Any]],
-    ) -> None:
-        """Route to the replicas holding the committed weights from now on."""
-        self._generation += 1
-        self.fleet_weights = {
-            "weight_version": reference["weight_version"],
-            "checksum": reference["checksum"],
-            "update": update,
-        }
-        # Only a disk update can be run again later as it ran now.
-        self._replay = (update, dict(body)) if update in REPLAYABLE_UPDATES else None
-        members = set()
-        self.out_of_rotation = {}
-        for answer in applied:
-            if self._holds_fleet_weights(answer) and not answer.get("skipped"):
-                members.add(answer["replica"])
-            elif answer.get("skipped"):
-                self.out_of_rotation[answer["replica"]] = (
-                    "not a rank of the trainer's weights update group, so it missed "
-                    f"{update}; init_weights_update_group again to include it"
-                )
-            else:
-                self.out_of_rotation[answer["replica"]] = self._mismatch(answer)
-        self._publish(frozenset(members))
-
-    def _holds_fleet_weights(self, answer: dict[str, Any]) -> bool:
-        weights = self.fleet_weights or {}
-        return bool(
-            answer["ok"]
-            and answer.get("checksum") == weights.get("checksum")
-            and answer.get("weight_version") == weights.get("weight_version")
-        )
-
-    def _mismatch(self, answer: dict[str, Any]) -> str:
-        weights = self.fleet_weights or {}
-        return (
-            f"holds checksum {answer.get('checksum')} version {answer.get('weight_version')}, "
-            f"not the fleet's {weights.get('checksum')} {weights.get('weight_version')}"
-        )
-
-    def _publish(self, members: frozenset[str]) -> None:
-        self.rotation = members
-        set_rotation(self._app_name, members)
-
-    def rotation_state(self, name: str) -> dict[str, Any]:
-        """Whether ``name`` is routed to and, when not, why (for ``/health``)."""
-        if self.rotation is None or name in self.rotation:
-            return {"in_rotation": True}
-        reason = self.out_of_rotation.get(
-            name, "started after the fleet's last weight update: not yet on its weights"
-        )
-        return {"in_rotation": False, "out_of_rotation": reason}
-
     async def catch_up(self) -> None:
         """Bring replicas out of rotation to the fleet's weights by replaying the fleet's
         last update on them (once per update and replica); a replica that then reports the
         fleet's checksum and version joins the rotation."""
-        if self.rotation is None or self._weights_lock.locked():
+        if self._weights_lock.locked():
             return
-        late = [
-            name
-            for name in self.view
-            if name not in self.rotation and self._synced.get(name) != self._generation
-        ]
+        late = self.rotation.late(list(self.view))
         if not late:
             return
-        if self._replay is None:
-            weights = self.fleet_weights or {}
-            for name in late:
-                self.out_of_rotation[name] = (
-                    f"started after the fleet's last weight update ({weights.get('update')}), "
-                    "which cannot be replayed; the next fleet weight update includes it"
-                )
-                self._synced[name] = self._generation
+        if self.rotation.replay is None:
+            self.rotation.cannot_replay(late)
             return
         async with self._weights_lock:
-            generation = self._generation
-            update, body = self._replay
-            answers = await self.broadcast("sync", sorted(self.rotation), update, body)
-            joined = set()
-            for answer in answers:
-                name = answer["replica"]
-                if name not in late or answer.get("current") is True:
-                    continue
-                self._synced[name] = generation
-                if self._holds_fleet_weights(answer):
-                    joined.add(name)
-                    self.out_of_rotation.pop(name, None)
-                    logger.info("replica %s replayed %s and joins the rotation", name, update)
-                elif answer["ok"]:
-                    self.out_of_rotation[name] = f"replayed {update} but " + self._mismatch(answer)
-                else:
-                    self.out_of_rotation[name] = (
-                        f"replaying {update} failed: {answer['error']['message']}"
-                    )
-            if joined:
-                self._publish(self.rotation | joined)
+            generation = self.rotation.generation
+            update, body = self.rotation.replay
+            members = sorted(self.rotation.members or ())
+            answers = await self.broadcast("sync", members, update, body)
+            for name in self.rotation.replayed(update, late, generation, answers):
+                logger.info("replica %s replayed %s and joins the rotation", name, update)
             self._note(answers)
 
     def _check_rolled_back(
@@ -737,7 +388,7 @@ class FleetEngine:
     def _failure(
         self, operation: str, failed: dict[str, Any], answers: list[dict[str, Any]]
     ) -> PenstockError:
-        error = _rebuild(failed)
+        error = answer_error(failed)
         error.message = f"{operation} failed on replica {failed['replica']}: {error.message}"
         error.extra = {
             **error.extra,
