@@ -25,9 +25,9 @@ from penstock.app.factory import create_app, media_store_location
 from penstock.app.middleware import OpenRequests, WireSend
 from penstock.engines.admission import AdmissionGate
 from penstock.engines.contract import parse_endpoint_types
-from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
 from penstock.engines.host import EngineHost
-from penstock.engines.loading import engine_argv, load_engine_class, refuse_disaggregated
+from penstock.engines.host_setup import build_host
+from penstock.engines.loading import engine_argv, load_engine_class
 from penstock.engines.metric_outlets import bridge_engine_metrics
 from penstock.errors import ListenError
 from penstock.gateway import Gateway, ServedModel
@@ -86,13 +86,7 @@ async def build_gateway(
     if engine is None:
         engine_cls = load_engine_class(settings.engine)
         engine, worker_config = await engine_cls.from_args(engine_argv(settings))
-    refuse_disaggregated(worker_config)
-    override = (
-        parse_health_check_payload_cli(settings.health_check_payload)
-        if settings.health_check_payload
-        else load_health_check_from_env()
-    )
-    host = EngineHost(engine, worker_config, health_check_override=override)
+    host = build_host(settings, engine, worker_config)
     host.admission = AdmissionGate(
         settings.max_concurrency,
         settings.max_queue,

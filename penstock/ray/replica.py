@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from penstock.engines.context import Context
-from penstock.engines.health import load_health_check_from_env, parse_health_check_payload_cli
-from penstock.engines.host import EngineHost, EngineState
-from penstock.engines.loading import engine_argv, load_engine_class, refuse_disaggregated
+from penstock.engines.host import EngineState
+from penstock.engines.host_setup import build_host
+from penstock.engines.loading import engine_argv, load_engine_class
 from penstock.engines.metric_outlets import bridge_engine_metrics
 from penstock.errors import PenstockError
 from penstock.ray.adapters import ReplicaAdapters
@@ -68,13 +68,7 @@ class EngineReplica:
     async def __init__(self, settings: Settings) -> None:
         engine_cls = load_engine_class(settings.engine)
         engine, worker_config = await engine_cls.from_args(engine_argv(settings))
-        refuse_disaggregated(worker_config)
-        override = (
-            parse_health_check_payload_cli(settings.health_check_payload)
-            if settings.health_check_payload
-            else load_health_check_from_env()
-        )
-        self.host = EngineHost(engine, worker_config, health_check_override=override)
+        self.host = build_host(settings, engine, worker_config)
         self.name = replica_name()
         self._live: dict[str, Context] = {}
         self.adapters = ReplicaAdapters(engine)
