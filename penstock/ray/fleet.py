@@ -160,6 +160,8 @@ class FleetHost:
                 gate.release()
 
     async def _remote(self, request: dict[str, Any], context: Context) -> AsyncIterator[dict]:
+        """The ingress's end of the data plane: the replica's batches
+        (:mod:`penstock.ray.batching`) as chunks, its error raised again."""
         stream = self._stream_handle.generate.remote(
             request,
             context.id(),

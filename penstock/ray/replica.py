@@ -6,16 +6,13 @@ start once, cleanup once (Serve calls ``__del__`` when it stops the replica), on
 per choice, a consumer going away kills the request's context and aborts it once, the
 canary. Admission is not applied here: the ingress holds the one fleet-wide gate.
 
-Streams leave the replica as batches: each message carries every chunk the engine produced
-since the previous one, since a message through a Serve handle costs milliseconds. A
-:class:`~penstock.errors.PenstockError` travels as a final ``{"error": ...}`` batch entry
-(exceptions do not keep their fields across processes, :mod:`penstock.ray.wire`); the
-ingress raises it again.
+Streams leave the replica as batches (:mod:`penstock.ray.batching`, the data plane); admin
+calls run in :class:`~penstock.ray.replica_admin.ReplicaAdmin` (the control plane). Errors
+cross to the ingress in the one format of :mod:`penstock.ray.wire`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -30,6 +27,7 @@ from penstock.engines.loading import engine_argv, load_engine_class
 from penstock.engines.metric_outlets import bridge_engine_metrics
 from penstock.errors import PenstockError
 from penstock.ray.adapters import ReplicaAdapters
+from penstock.ray.batching import ChunkBatcher
 from penstock.ray.metrics import ReplicaMetrics
 from penstock.ray.replica_admin import ReplicaAdmin
 from penstock.ray.wire import error_entry
@@ -47,7 +45,6 @@ _WORKER_FIELDS = (
     "component",
     "endpoint",
 )
-_END = object()
 
 
 def replica_name() -> str:
@@ -120,46 +117,25 @@ class EngineReplica:
         """
         context = Context(request_id)
         self._live[request_id] = context
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        pump = asyncio.get_running_loop().create_task(self._pump(request, context, queue, adapter))
+        batcher = ChunkBatcher(
+            self._chunks(request, context, adapter),
+            f"replica {self.name}: request {request_id}",
+        )
         try:
             yield self.name
-            while True:
-                batch = [await queue.get()]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
-                done = batch[-1] is _END
-                if done:
-                    batch.pop()
-                if batch:
-                    yield batch
-                if done:
-                    return
+            while (batch := await batcher.next_batch()) is not None:
+                yield batch
         finally:
             self._live.pop(request_id, None)
-            if not pump.done():
-                pump.cancel()
-                with contextlib.suppress(BaseException):
-                    await pump
+            await batcher.close()
 
-    async def _pump(
-        self,
-        request: dict[str, Any],
-        context: Context,
-        queue: asyncio.Queue,
-        adapter: tuple[str, str] | None = None,
-    ) -> None:
-        try:
-            if adapter is not None:
-                await self.adapters.ensure(*adapter)
-            async for chunk in self.host.generate(request, context):
-                queue.put_nowait(chunk)
-        except PenstockError as exc:
-            queue.put_nowait(error_entry(exc))
-        except Exception:
-            logger.exception("replica %s: request %s failed", self.name, context.id())
-            queue.put_nowait(error_entry(PenstockError("Internal server error")))
-        queue.put_nowait(_END)
+    async def _chunks(
+        self, request: dict[str, Any], context: Context, adapter: tuple[str, str] | None
+    ) -> AsyncIterator[dict[str, Any]]:
+        if adapter is not None:
+            await self.adapters.ensure(*adapter)
+        async for chunk in self.host.generate(request, context):
+            yield chunk
 
     async def admin(self, operation: str, *args: Any) -> dict[str, Any]:
         """One replica's part of a fleet admin call (:mod:`penstock.ray.fleet_admin`), reached
