@@ -154,12 +154,16 @@ def markdown_table(model: type[BaseModel], context: Mapping[str, object]) -> str
             flag = f"`{declared.flag}`, `--no-{declared.flag[2:]}`"
         meaning = (declared.option.doc or declared.option.help).format(**context)
         default = declared.shown_default(context)
-        rows.append(f"| {flag} | `{declared.env_var}` | {default} | {_cell(meaning)} |")
+        rows.append(f"| {flag} | `{declared.env_var}` | {_cell(default)} | {_cell(meaning)} |")
     return "\n".join(rows) + "\n"
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    """``text`` as one table cell: ``|`` escaped, and ``<`` outside code spans, where
+    Markdown would take ``<cache-dir>`` for an HTML tag."""
+    pieces = text.replace("|", "\\|").split("`")
+    pieces[::2] = [piece.replace("<", "\\<") for piece in pieces[::2]]
+    return "`".join(pieces)
 
 
 def _home_relative(path: Path) -> str:
