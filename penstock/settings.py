@@ -377,7 +377,8 @@ class Settings(BaseSettings):
             "opened or its request began, with 408 if it sent part of them; 0 = off",
             doc="a connection that has not sent complete request headers this long after it "
             "opened (or after the first byte of a later request) is closed, with a 408 "
-            "`header_timeout` envelope if it sent part of them; 0 turns it off",
+            "`header_timeout` envelope if it sent part of them; 0 turns it off. A request "
+            "line and headers over 64 KiB get a 431 envelope and the connection is closed",
         ),
     ] = Field(10.0, ge=0)
     body_timeout_s: Annotated[
@@ -388,6 +389,17 @@ class Settings(BaseSettings):
             "`body_timeout` envelope and the connection is closed; 0 turns it off",
         ),
     ] = Field(30.0, ge=0)
+    body_deadline_s: Annotated[
+        float,
+        Option(
+            "answer 408 and close when a request body has not arrived whole this long after "
+            "its headers, however steadily it trickles; 0 = off",
+            doc="a request body not received whole this long after its headers (a client "
+            "sending a byte now and then included) gets a 408 `body_deadline` envelope and "
+            "the connection is closed; 0 turns it off",
+        ),
+        # The largest body (--max-body-mb) at a few Mbit/s.
+    ] = Field(120.0, ge=0)
     keep_alive_timeout_s: Annotated[
         float, Option("close a kept-alive connection idle this long after a response")
     ] = Field(5.0, ge=0)
