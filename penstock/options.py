@@ -71,7 +71,7 @@ class DeclaredOption:
             return kept[0] if len(kept) == 1 else annotation
         return annotation
 
-    def shown_default(self, context: Mapping[str, object]) -> str:
+    def shown_default(self, context: Mapping[str, Any]) -> str:
         if self.option.default is not None:
             return self.option.default.format(**context)
         value = self.info.get_default(call_default_factory=True)
@@ -87,14 +87,14 @@ class DeclaredOption:
             return _home_relative(value)
         return str(value)
 
-    def help(self, context: Mapping[str, object]) -> str:
+    def help(self, context: Mapping[str, Any]) -> str:
         """The help line: what the option does, then its default."""
         return f"{self.option.help.format(**context)} (default: {self.shown_default(context)})"
 
-    def choices(self, context: Mapping[str, object]) -> tuple[str, ...] | None:
+    def choices(self, context: Mapping[str, Any]) -> tuple[str, ...] | None:
         choices = self.option.choices
         if isinstance(choices, str):
-            return tuple(context[choices])  # type: ignore[call-overload]
+            return tuple(context[choices])
         if choices is None and get_origin(self.value_type) is Literal:
             return get_args(self.value_type)
         return choices
@@ -109,7 +109,7 @@ def declared_options(model: type[BaseModel]) -> Iterator[DeclaredOption]:
 
 
 def add_arguments(
-    parser: argparse.ArgumentParser, model: type[BaseModel], context: Mapping[str, object]
+    parser: argparse.ArgumentParser, model: type[BaseModel], context: Mapping[str, Any]
 ) -> None:
     """One flag per declared option; a flag left out parses as None (the field's own
     default, or its environment variable, applies)."""
@@ -123,7 +123,7 @@ def add_arguments(
             )
 
 
-def _argument_kind(declared: DeclaredOption, context: Mapping[str, object]) -> dict[str, Any]:
+def _argument_kind(declared: DeclaredOption, context: Mapping[str, Any]) -> dict[str, Any]:
     option, value_type = declared.option, declared.value_type
     if get_origin(value_type) is list:
         return {"action": "append", "metavar": option.metavar or "VALUE"}
@@ -142,7 +142,7 @@ def _argument_kind(declared: DeclaredOption, context: Mapping[str, object]) -> d
     return kind
 
 
-def markdown_table(model: type[BaseModel], context: Mapping[str, object]) -> str:
+def markdown_table(model: type[BaseModel], context: Mapping[str, Any]) -> str:
     """The README's settings table: every declared option, its variable, default and
     meaning, one row each."""
     rows = ["| option | environment variable | default | meaning |", "|---|---|---|---|"]
