@@ -125,7 +125,7 @@ def _too_many_connections(limit: int) -> PenstockError:
     )
 
 
-def _head_too_large() -> PenstockError:
+def _head_error() -> PenstockError:
     return HeadersTooLargeError(
         f"Request line and headers are over {MAX_HEAD_BYTES // 1024} KiB",
     )
@@ -266,6 +266,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         "_in_body",
         "_in_headers",
         "_read_body_bytes",
+        "_read_bytes",
     )
 
     limits: ClassVar[ConnectionLimits]
@@ -277,13 +278,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._body_deadline: asyncio.TimerHandle | None = None
         # When the current request's headers ended, on the loop's clock.
         self._body_started = 0.0
-        # The current request head's bytes so far (see MAX_HEAD_BYTES): its URL and headers
-        # as the parser hands them over while the read where it begins is parsed; once that
-        # read leaves it unfinished (the parser keeps an unfinished header to itself), the
-        # bytes it took of that read and every byte of the reads after it.
+        # The bytes of a request head that one read left unfinished (the parser keeps an
+        # unfinished header to itself): what it took of that read, then every byte of the
+        # reads after it, while it stays unfinished (see MAX_HEAD_BYTES).
         self._head_bytes = 0
         self._head_in_reads = False
-        # Body bytes parsed from the current read, and how many came before the head.
+        # The current read's size, its body bytes, and how many of those came before the
+        # head that began in it.
+        self._read_bytes = 0
         self._read_body_bytes = 0
         self._head_offset = 0
         # Between the first byte of a request and the end of its headers.
@@ -311,6 +313,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 signal.fire()
 
     def data_received(self, data: bytes) -> None:
+        self._read_bytes = len(data)
         self._read_body_bytes = 0
         # Cleared by a head beginning in this read.
         self._head_in_reads = self._in_headers
@@ -346,17 +349,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_in_reads = False
         self._head_offset = self._read_body_bytes
 
-    def on_url(self, url: bytes) -> None:
-        super().on_url(url)
-        if not self._head_in_reads:
-            self._head_bytes += len(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        super().on_header(name, value)
-        if not self._head_in_reads:
-            # With the ": " and the line end.
-            self._head_bytes += len(name) + len(value) + 4
-
     def on_body(self, body: bytes) -> None:
         self._read_body_bytes += len(body)
         super().on_body(body)
@@ -365,7 +357,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """Answer a head still growing past the bound, without reading the rest."""
         self._cancel_header_timer()
         self._in_headers = False
-        self.transport.write(_raw_response(_head_too_large()))
+        self.transport.write(_raw_response(_head_error()))
         self.transport.close()
 
     def on_headers_complete(self) -> None:
@@ -376,8 +368,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._in_body = True
         self._body_started = self.loop.time()
         limit = self.limits.max_connections
-        if self._head_bytes > MAX_HEAD_BYTES:
-            self._run_instead(_head_too_large())
+        if self._head_over_bound():
+            self._run_instead(_head_error())
         elif limit and len(self.connections) > limit:
             self._warn_limit(limit)
             self._run_instead(_too_many_connections(limit))
@@ -390,6 +382,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 # Before its task first runs, which looks up the cycle's ``send``.
                 cycle.__class__ = CloseDelimitedCycle
             self.scope[FRAME_WRITER_KEY] = ChunkedFrameWriter(cycle)  # type: ignore[typeddict-unknown-key]
+
+    def _head_over_bound(self) -> bool:
+        """Whether the head whose end was just parsed is over MAX_HEAD_BYTES."""
+        # Begun and ended within a read no larger than the bound: most requests stop here.
+        if not self._head_in_reads and self._read_bytes <= MAX_HEAD_BYTES:
+            return False
+        # With each header's ": " and line end.
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        return size > MAX_HEAD_BYTES
 
     def _run_instead(self, error: PenstockError) -> None:
         """Build the request's cycle as uvicorn does, around an app answering ``error``."""

@@ -25,8 +25,6 @@ PROTOCOL_CALLBACKS = {
     "connection_lost": ["self", "exc"],
     "data_received": ["self", "data"],
     "on_message_begin": ["self"],
-    "on_url": ["self", "url"],
-    "on_header": ["self", "name", "value"],
     "on_headers_complete": ["self"],
     "on_body": ["self", "body"],
     "on_message_complete": ["self"],
@@ -97,6 +95,9 @@ async def _drive_one_request() -> None:
     cycle = protocol.cycle
     missing = [name for name in CYCLE_STATE if not hasattr(cycle, name)]
     assert missing == []
+    # The request's URL and headers as the parser handed them over.
+    assert protocol.url == b"/v1/completions"
+    assert protocol.headers == [(b"host", b"penstock"), (b"content-length", b"4")]
     assert type(cycle) is CloseDelimitedCycle and cycle.scope is protocol.scope
     assert protocol.scope[FRAME_WRITER_KEY].cycle is cycle  # type: ignore[typeddict-item]
     # The app's task has not run yet, so the swapped class's ``send`` is the one it gets.
