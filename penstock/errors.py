@@ -99,6 +99,14 @@ class PayloadTooLargeError(PenstockError):
     default_code = "payload_too_large"
 
 
+class HeadersTooLargeError(PenstockError):
+    """A request line and headers longer than the server reads."""
+
+    status_code = 431
+    error_type = "invalid_request_error"
+    default_code = "request_headers_too_large"
+
+
 class UnsupportedMediaTypeError(PenstockError):
     status_code = 415
     error_type = "invalid_request_error"

@@ -1,5 +1,5 @@
-"""Connection hygiene uvicorn lacks: header and body read timeouts, a connection limit,
-and the process's open-file limit.
+"""Connection hygiene uvicorn lacks: header and body read timeouts, a bound on the request
+head, a connection limit, HTTP/1.0 streams, and the process's open-file limit.
 
 uvicorn holds a connection that never finishes its request headers for ever, so a few
 hundred idle sockets exhaust the process's file descriptors and normal requests fail with
@@ -9,9 +9,14 @@ them:
 * header timeout: from the connection's start (or the first byte of a later request on a
   kept-alive connection) to the end of the request headers. A client that sent part of a
   request gets a 408 envelope, one that sent nothing is closed silently;
-* body timeout: the longest pause between two pieces of a request body. While reading is
-  paused because the app has not consumed what arrived, the client is not to blame and the
-  timer starts over. A response not yet begun becomes a 408 envelope;
+* body timeout: the longest pause between two pieces of a request body, and body deadline:
+  the longest a whole body may take after its headers, however steadily it trickles. While
+  reading is paused because the app has not consumed what arrived, the client is not to
+  blame and the timers wait. A response not yet begun becomes a 408 envelope;
+* head size: a request line and headers over :data:`MAX_HEAD_BYTES` get a 431 envelope
+  and the connection is closed, before more of them is buffered;
+* HTTP/1.0: it has no chunked encoding, so a response with no ``Content-Length`` (an event
+  stream) is sent as is and ended by closing the connection (:class:`CloseDelimitedCycle`);
 * disconnects: each request's scope holds a
   :class:`~penstock.serving.sse.DisconnectSignal`, fired when its connection is lost
   before the response ended, so responses notice without a task blocked on ``receive``;
@@ -42,7 +47,12 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from penstock.app.middleware import ANSWERED_STATUS_KEY
-from penstock.errors import PenstockError, ServiceUnavailableError, SlowClientError
+from penstock.errors import (
+    HeadersTooLargeError,
+    PenstockError,
+    ServiceUnavailableError,
+    SlowClientError,
+)
 from penstock.serving.sse import DISCONNECT_KEY, FRAME_WRITER_KEY, DisconnectSignal
 
 logger = logging.getLogger(__name__)
@@ -50,16 +60,31 @@ logger = logging.getLogger(__name__)
 # Files the process needs besides its connections (engine weights, logs, the job db).
 _FD_RESERVE = 256
 _LIMIT_WARNING_INTERVAL_S = 10.0
+# The longest request line and headers read, in bytes, as common servers bound them.
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class ConnectionLimits:
     """The timeouts (seconds, 0 = off) and the connection limit (0 = none) of one server."""
 
-    __slots__ = ("body_timeout_s", "header_timeout_s", "last_limit_warning", "max_connections")
+    __slots__ = (
+        "body_deadline_s",
+        "body_timeout_s",
+        "header_timeout_s",
+        "last_limit_warning",
+        "max_connections",
+    )
 
-    def __init__(self, header_timeout_s: float, body_timeout_s: float, max_connections: int):
+    def __init__(
+        self,
+        header_timeout_s: float,
+        body_timeout_s: float,
+        max_connections: int,
+        body_deadline_s: float = 0.0,
+    ):
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
+        self.body_deadline_s = body_deadline_s
         self.max_connections = max_connections
         self.last_limit_warning = -_LIMIT_WARNING_INTERVAL_S
 
@@ -75,11 +100,9 @@ def _raw_response(error: PenstockError) -> bytes:
     return head.encode("latin-1") + body
 
 
-def _too_many_connections(limit: int) -> Any:
-    error = ServiceUnavailableError(
-        f"Too many open connections (the limit is {limit}); retry later",
-        code="too_many_connections",
-    )
+def _refusal(error: PenstockError) -> Any:
+    """An app answering ``error`` and closing the connection, for a request the protocol
+    refuses once its headers are in."""
     body = orjson.dumps(error.envelope())
 
     async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
@@ -88,10 +111,61 @@ def _too_many_connections(limit: int) -> Any:
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
         ]
-        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        start = {"type": "http.response.start", "status": error.status_code, "headers": headers}
+        await send(start)
         await send({"type": "http.response.body", "body": body})
 
     return refuse
+
+
+def _too_many_connections(limit: int) -> PenstockError:
+    return ServiceUnavailableError(
+        f"Too many open connections (the limit is {limit}); retry later",
+        code="too_many_connections",
+    )
+
+
+def _head_error() -> PenstockError:
+    return HeadersTooLargeError(
+        f"Request line and headers are over {MAX_HEAD_BYTES // 1024} KiB",
+    )
+
+
+class CloseDelimitedCycle(RequestResponseCycle):
+    """An HTTP/1.0 request's cycle. A response that gives no ``Content-Length`` (nor a
+    ``Transfer-Encoding`` of its own) is not chunked, which HTTP/1.0 clients cannot read:
+    its body is written as is and the connection's close ends it."""
+
+    close_delimited = False
+
+    async def send(self, message: Any) -> None:
+        if not self.response_started:
+            if message["type"] == "http.response.start" and self._unframed(message):
+                self.close_delimited = True
+                # uvicorn adds ``Transfer-Encoding: chunked`` only while this is None.
+                self.chunked_encoding = False
+        elif self.close_delimited and message["type"] == "http.response.body":
+            await self._send_body(message)
+            return
+        await super().send(message)
+
+    def _unframed(self, message: Any) -> bool:
+        if self.scope["method"] == "HEAD" or message["status"] in (204, 304):
+            return False
+        names = {name.lower() for name, _ in message.get("headers", ())}
+        return not names & {b"content-length", b"transfer-encoding"}
+
+    async def _send_body(self, message: Any) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected or self.response_complete:
+            return
+        self.transport.write(message.get("body", b""))
+        if not message.get("more_body", False):
+            self.response_complete = True
+            self.message_event.set()
+            self.transport.close()
+            self.on_response()
 
 
 class _StartHeld:
@@ -161,10 +235,14 @@ class ChunkedFrameWriter:
             or cycle.flow.write_paused
             or cycle.disconnected
             or cycle.response_complete
-            or not cycle.chunked_encoding
         ):
             return False
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(frame), frame))
+        if cycle.chunked_encoding:
+            cycle.transport.write(b"%x\r\n%b\r\n" % (len(frame), frame))
+        elif type(cycle) is CloseDelimitedCycle and cycle.close_delimited:
+            cycle.transport.write(frame)
+        else:
+            return False
         return True
 
 
@@ -177,7 +255,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # Slots keep these out of the instance dict: uvicorn's own attributes fill a dict that
     # shares its keys with every other connection's, and four more would unshare it
     # (about 1.5 kB more per connection).
-    __slots__ = ("_body_timer", "_header_timer", "_in_body", "_in_headers")
+    __slots__ = (
+        "_body_deadline",
+        "_body_started",
+        "_body_timer",
+        "_head_bytes",
+        "_head_in_reads",
+        "_head_offset",
+        "_header_timer",
+        "_in_body",
+        "_in_headers",
+        "_read_body_bytes",
+        "_read_bytes",
+    )
 
     limits: ClassVar[ConnectionLimits]
 
@@ -185,6 +275,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
+        # When the current request's headers ended, on the loop's clock.
+        self._body_started = 0.0
+        # The bytes of a request head that one read left unfinished (the parser keeps an
+        # unfinished header to itself): what it took of that read, then every byte of the
+        # reads after it, while it stays unfinished (see MAX_HEAD_BYTES).
+        self._head_bytes = 0
+        self._head_in_reads = False
+        # The current read's size, its body bytes, and how many of those came before the
+        # head that began in it.
+        self._read_bytes = 0
+        self._read_body_bytes = 0
+        self._head_offset = 0
         # Between the first byte of a request and the end of its headers.
         self._in_headers = False
         # Between the end of a request's headers and the end of its body.
@@ -196,7 +299,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
-        self._cancel_body_timer()
+        self._cancel_body_timers()
         super().connection_lost(exc)
         self._fire_disconnect()
 
@@ -210,19 +313,52 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 signal.fire()
 
     def data_received(self, data: bytes) -> None:
+        self._read_bytes = len(data)
+        self._read_body_bytes = 0
+        # Cleared by a head beginning in this read.
+        self._head_in_reads = self._in_headers
         super().data_received(data)
         # Timers are armed only for what this read left unfinished, so a request that
         # arrives whole costs no timer at all.
         if self.transport.is_closing():
             return
-        if self._in_headers and self._header_timer is None:
-            self._arm_header_timer()
+        if self._in_headers:
+            if self._head_in_reads:
+                self._head_bytes += len(data)
+            else:
+                # Pipelined requests before it in the read are counted in too, all but
+                # their bodies: heads are small, or refused.
+                self._head_bytes = len(data) - self._head_offset
+                self._head_in_reads = True
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse_head()
+                return
+            if self._header_timer is None:
+                self._arm_header_timer()
         if self._in_body:
             self._arm_body_timer()
+            if self._body_deadline is None and self.limits.body_deadline_s > 0:
+                self._body_deadline = self.loop.call_at(
+                    self._body_started + self.limits.body_deadline_s, self._body_overdue
+                )
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_headers = True
+        self._head_bytes = 0
+        self._head_in_reads = False
+        self._head_offset = self._read_body_bytes
+
+    def on_body(self, body: bytes) -> None:
+        self._read_body_bytes += len(body)
+        super().on_body(body)
+
+    def _refuse_head(self) -> None:
+        """Answer a head still growing past the bound, without reading the rest."""
+        self._cancel_header_timer()
+        self._in_headers = False
+        self.transport.write(_raw_response(_head_error()))
+        self.transport.close()
 
     def on_headers_complete(self) -> None:
         # Before uvicorn builds the request's cycle around this scope.
@@ -230,26 +366,45 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._cancel_header_timer()
         self._in_headers = False
         self._in_body = True
+        self._body_started = self.loop.time()
         limit = self.limits.max_connections
-        if limit and len(self.connections) > limit:
+        if self._head_over_bound():
+            self._run_instead(_head_error())
+        elif limit and len(self.connections) > limit:
             self._warn_limit(limit)
-            # uvicorn reads the app to run from ``self.app`` while it builds the cycle.
-            app = self.app
-            self.app = _too_many_connections(limit)
-            try:
-                super().on_headers_complete()
-            finally:
-                self.app = app
+            self._run_instead(_too_many_connections(limit))
         else:
             super().on_headers_complete()
         cycle = self.cycle
         # No cycle of its own for a request uvicorn hands to its websocket upgrade.
         if cycle is not None and cycle.scope is self.scope:
+            if self.scope["http_version"] == "1.0":
+                # Before its task first runs, which looks up the cycle's ``send``.
+                cycle.__class__ = CloseDelimitedCycle
             self.scope[FRAME_WRITER_KEY] = ChunkedFrameWriter(cycle)  # type: ignore[typeddict-unknown-key]
+
+    def _head_over_bound(self) -> bool:
+        """Whether the head whose end was just parsed is over MAX_HEAD_BYTES."""
+        # Begun and ended within a read no larger than the bound: most requests stop here.
+        if not self._head_in_reads and self._read_bytes <= MAX_HEAD_BYTES:
+            return False
+        # With each header's ": " and line end.
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        return size > MAX_HEAD_BYTES
+
+    def _run_instead(self, error: PenstockError) -> None:
+        """Build the request's cycle as uvicorn does, around an app answering ``error``."""
+        # uvicorn reads the app to run from ``self.app`` while it builds the cycle.
+        app = self.app
+        self.app = _refusal(error)
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
 
     def on_message_complete(self) -> None:
         self._in_body = False
-        self._cancel_body_timer()
+        self._cancel_body_timers()
         super().on_message_complete()
 
     def _warn_limit(self, limit: int) -> None:
@@ -286,6 +441,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._body_timer.cancel()
             self._body_timer = None
 
+    def _cancel_body_timers(self) -> None:
+        self._cancel_body_timer()
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
     def _header_timed_out(self) -> None:
         self._header_timer = None
         if self.transport.is_closing():
@@ -305,6 +466,33 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.flow.read_paused:
             self._arm_body_timer()
             return
+        self._refuse_slow_body(
+            SlowClientError(
+                f"Request body stalled for {self.limits.body_timeout_s:g}s",
+                code="body_timeout",
+            )
+        )
+
+    def _body_overdue(self) -> None:
+        self._body_deadline = None
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:
+            # The server holds the rest back, not the client: checked again a body
+            # timeout later.
+            self._body_deadline = self.loop.call_later(
+                self.limits.body_timeout_s or self.limits.body_deadline_s, self._body_overdue
+            )
+            return
+        self._refuse_slow_body(
+            SlowClientError(
+                f"Request body not received within {self.limits.body_deadline_s:g}s of its headers",
+                code="body_deadline",
+            )
+        )
+
+    def _refuse_slow_body(self, error: SlowClientError) -> None:
+        self._cancel_body_timers()
         cycle = self.cycle
         started = cycle is not None and cycle.response_started
         if cycle is not None:
@@ -313,10 +501,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             cycle.message_event.set()
             self._fire_disconnect()
         if not started:
-            error = SlowClientError(
-                f"Request body stalled for {self.limits.body_timeout_s:g}s",
-                code="body_timeout",
-            )
             self.transport.write(_raw_response(error))
             if cycle is not None:
                 cycle.scope.setdefault("state", {})[ANSWERED_STATUS_KEY] = error.status_code

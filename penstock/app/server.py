@@ -362,6 +362,7 @@ async def _serve(settings: Settings) -> int:
                 header_timeout_s=settings.header_timeout_s,
                 body_timeout_s=settings.body_timeout_s,
                 max_connections=settings.max_connections,
+                body_deadline_s=settings.body_deadline_s,
             )
             config = uvicorn.Config(
                 WireSend(app),

@@ -93,7 +93,8 @@ def mode_field(body: dict[str, Any], field: str, default: str) -> str:
         return default
     if value not in PAUSE_MODES:
         raise invalid(field, f"must be one of {', '.join(PAUSE_MODES)}; got {value!r}")
-    return value
+    mode: str = value
+    return mode
 
 
 def tags_field(body: dict[str, Any], field: str = "tags") -> list[str] | None:

@@ -38,7 +38,8 @@ def header(request: Request, name: bytes) -> str | None:
     A scan of the raw pairs: Starlette's ``Headers.get`` pays an exception for each header
     that is absent, and these are looked up on every request.
     """
-    for key, value in request.scope["headers"]:
+    headers: list[tuple[bytes, bytes]] = request.scope["headers"]
+    for key, value in headers:
         if key == name:
             return value.decode("latin-1")
     return None

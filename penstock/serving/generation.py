@@ -114,7 +114,7 @@ class Generation:
         itl: list[float] = []
         unflushed_tokens = 0
         status, error_type = "error", "internal"
-        stream = self.model.host.generate(self.request, self.context)
+        stream = self.model.host.generate(self.request, self.context)  # type: ignore[arg-type]
         tracing = active_tracing()
         if tracing is not None:
             stream = tracing.engine_call(stream, self)

@@ -509,7 +509,7 @@ async def completion_prompts(
                 "--tokenizer PATH, or send the prompt as token ids",
                 param="prompt",
             )
-        texts: list[str] = prompts  # type: ignore[assignment]
+        texts: list[str] = prompts
         for text in texts:
             check_prompt_length(gateway.settings, model, pre, len(text), "prompt")
         size = sum(len(text) for text in texts)
@@ -519,7 +519,7 @@ async def completion_prompts(
         for ids in encoded:
             check_budget(len(ids), body.max_tokens, model, "prompt")
         return encoded
-    id_prompts: list[list[int]] = prompts  # type: ignore[assignment]
+    id_prompts: list[list[int]] = prompts
     # The budget first: it needs only the lengths, the vocabulary check every id.
     for ids in id_prompts:
         check_budget(len(ids), body.max_tokens, model, "prompt")

@@ -217,7 +217,8 @@ class EventStreamResponse(Response):
         ping, send = self._ping, self._send
         if send is not None and (ping is None or ping.done()):
             message = {"type": "http.response.body", "body": KEEPALIVE_FRAME, "more_body": True}
-            self._ping = asyncio.get_running_loop().create_task(send(message))
+            # Starlette types ``send`` as returning an awaitable; the server's is a coroutine.
+            self._ping = asyncio.get_running_loop().create_task(send(message))  # type: ignore[arg-type]
 
     def _gone(self) -> None:
         self.disconnected = True

@@ -121,12 +121,16 @@ class _Framing:
         text_only = self.text_only
         if text_only is not None and text_only(delta):
             index, version = delta.choice.index, delta.weight_version
-            return self.encoder.text_frame(self.text_choice, index, delta.text, version)
+            text_frame: bytes = self.encoder.text_frame(
+                self.text_choice, index, delta.text, version
+            )
+            return text_frame
         item = self.format.chunk_choice(delta)
         if item is None:
             return b""
         running = usage(self.generations) if self.continuous_usage else None
-        return self.encoder.frame([item], delta.weight_version, running)
+        frame: bytes = self.encoder.frame([item], delta.weight_version, running)
+        return frame
 
     def opening(self, first: Delta | None) -> bytes:
         """The prelude's chunks and the first delta's, to leave in one write."""

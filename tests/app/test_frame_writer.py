@@ -16,7 +16,12 @@ import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from penstock.app.connections import ChunkedFrameWriter, ConnectionLimits, guarded_protocol
+from penstock.app.connections import (
+    ChunkedFrameWriter,
+    CloseDelimitedCycle,
+    ConnectionLimits,
+    guarded_protocol,
+)
 from penstock.serving.sse import DONE_FRAME, FRAME_WRITER_KEY, EventStreamResponse
 
 FRAME = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
@@ -107,6 +112,31 @@ async def test_it_writes_nothing_after_the_body_ended() -> None:
     transport.written.clear()
     assert ChunkedFrameWriter(made).write(FRAME) is False
     assert transport.written == []
+
+
+async def test_an_http_1_0_stream_is_written_as_is_and_ended_by_the_close() -> None:
+    made, transport = cycle(keep_alive=False)
+    made.__class__ = CloseDelimitedCycle
+    headers = [(b"content-type", b"text/event-stream")]
+    await made.send({"type": "http.response.start", "status": 200, "headers": headers})
+    [head] = transport.written
+    assert b"transfer-encoding" not in head and b"connection: close\r\n" in head
+    transport.written.clear()
+    assert ChunkedFrameWriter(made).write(FRAME) is True
+    await made.send({"type": "http.response.body", "body": FRAME, "more_body": True})
+    await made.send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+    assert transport.written == [FRAME, FRAME, b"data: [DONE]\n\n"]
+    assert transport.closed and made.response_complete
+    assert ChunkedFrameWriter(made).write(FRAME) is False
+
+
+async def test_an_http_1_0_response_with_a_length_is_sent_as_uvicorn_sends_it() -> None:
+    made, transport = cycle(keep_alive=False)
+    made.__class__ = CloseDelimitedCycle
+    await made.send(JSON_START)
+    await made.send({"type": "http.response.body", "body": BODY})
+    assert transport.written[-1] == BODY and transport.closed
+    assert ChunkedFrameWriter(made).write(FRAME) is False
 
 
 SSE_START = {

@@ -1,10 +1,12 @@
-"""Slow and idle clients against a real server: header, body and keep-alive timeouts and the
-connection limit close them, and normal requests go on being served."""
+"""Slow, idle and oversized clients against a real server: header, body and keep-alive
+timeouts, the body deadline, the bound on request heads and the connection limit close
+them, normal requests go on being served, and HTTP/1.0 clients get streams they can read."""
 
 from __future__ import annotations
 
 import socket
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 
@@ -18,6 +20,8 @@ from tests.support.server import ServerProcess, running_server
 TIMEOUT_S = 1.0
 # The server's event loop keeps time in whole milliseconds: a timer may fire that much early.
 EARLIEST_S = TIMEOUT_S - 0.01
+# Past the body timeout, so a body that never stalls that long meets the deadline instead.
+BODY_DEADLINE_S = 2 * TIMEOUT_S
 MAX_CONNECTIONS = 60
 SLOW_CLIENTS = 50
 
@@ -31,6 +35,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         str(TIMEOUT_S),
         "--body-timeout-s",
         str(TIMEOUT_S),
+        "--body-deadline-s",
+        str(BODY_DEADLINE_S),
         "--keep-alive-timeout-s",
         str(TIMEOUT_S),
         "--max-connections",
@@ -205,3 +211,84 @@ def test_pipelined_and_http_1_0_requests_get_whole_responses(server: ServerProce
         )
         assert status == 200
         assert orjson.loads(body)["choices"][0]["finish_reason"] == "length"
+
+
+def trickle(sock: socket.socket, interval_s: float) -> None:
+    """Send a byte of the body every ``interval_s``, until the server closes."""
+    try:
+        for _ in range(1000):
+            time.sleep(interval_s)
+            sock.sendall(b" ")
+    except OSError:
+        return
+
+
+def test_bodies_trickled_in_a_byte_at_a_time_get_408_and_others_are_served(
+    server: ServerProcess,
+) -> None:
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: penstock\r\n"
+        b"content-type: application/json\r\ncontent-length: 100000\r\n\r\n{"
+    )
+    clients = [connect(server, head) for _ in range(3)]
+    # Each byte well within the body timeout: only the deadline ends them.
+    senders = [
+        threading.Thread(target=trickle, args=(sock, TIMEOUT_S / 4), daemon=True)
+        for sock in clients
+    ]
+    for sender in senders:
+        sender.start()
+    answers = [read_until_closed(sock) for sock in clients]
+    for answer in answers:
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        error = envelope(answer)
+        assert error["code"] == "body_deadline"
+        assert f"within {BODY_DEADLINE_S:g}s" in str(error["message"])
+    assert httpx.get(f"{server.base_url}/v1/models").status_code == 200
+    for sender in senders:
+        sender.join(timeout=10)
+
+
+def models_request(*headers: bytes) -> bytes:
+    return b"GET /v1/models HTTP/1.1\r\nhost: penstock\r\n" + b"".join(headers)
+
+
+def test_request_heads_over_64_kib_get_431_and_are_closed(server: ServerProcess) -> None:
+    whole = models_request(b"x-padding: " + b"a" * 100 * 1024 + b"\r\n\r\n")
+    # A header that never ends: answered once 64 KiB are in, not when the client stops.
+    unfinished = models_request(b"x-padding: " + b"a" * 80 * 1024)
+    many = models_request(*(b"x-padding-%d: %b\r\n" % (i, b"a" * 1000) for i in range(80)))
+    for request in (whole, unfinished, many + b"\r\n"):
+        answer = read_until_closed(connect(server, request))
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        error = envelope(answer)
+        assert error["code"] == "request_headers_too_large"
+        assert "64 KiB" in str(error["message"])
+    assert httpx.get(f"{server.base_url}/v1/models").status_code == 200
+
+
+def test_request_heads_under_64_kib_are_served(server: ServerProcess) -> None:
+    padding = {f"x-padding-{i}": "a" * 1000 for i in range(50)}
+    response = httpx.get(f"{server.base_url}/v1/models", headers=padding)
+    assert response.status_code == 200
+    assert response.json()["data"][0]["id"] == "sample-model"
+
+
+def test_an_http_1_0_stream_is_delimited_by_the_connection_close(server: ServerProcess) -> None:
+    """HTTP/1.0 has no chunked encoding: the event stream's bytes come as they are, and
+    the end of the connection ends them."""
+    chat = {"model": "sample-model", "messages": [{"role": "user", "content": "hi"}]}
+    stream = {**chat, "max_tokens": 3, "stream": True}
+    answer = read_until_closed(connect(server, chat_request(stream, b"1.0")))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode().split("\r\n")
+    headers = {name.lower(): value for name, _, value in (h.partition(": ") for h in header_lines)}
+    assert status_line.startswith("HTTP/1.1 200 ")
+    assert "transfer-encoding" not in headers and "content-length" not in headers
+    assert headers["connection"] == "close"
+    assert headers["content-type"].startswith("text/event-stream")
+    frames = body.split(b"\n\n")
+    assert frames[-2:] == [b"data: [DONE]", b""]
+    chunks = [orjson.loads(frame.removeprefix(b"data: ")) for frame in frames[:-2]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

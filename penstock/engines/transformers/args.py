@@ -50,6 +50,27 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_CPU_WEIGHT_DTYPE_HELP = (
+    "on cpu with float32 compute, the dtype linear and embedding weights are stored "
+    "in; arithmetic stays float32, so bfloat16 halves the bytes a decode step reads and "
+    "loses nothing for a checkpoint stored in bfloat16 (weight updates are rounded to "
+    "bfloat16). Needs AVX-512 and a C++ compiler (one build of ~40 s into "
+    "--model-cache-dir); without them weights stay float32. int8 = bfloat16 plus an "
+    "int8 copy of each linear weight (one scale per 64 weights) that decoding reads: "
+    "~1.8x faster linears, not lossless (greedy output can differ from float32; see "
+    "bench/README.md). auto = bfloat16 when the checkpoint is stored in bfloat16 "
+    "(default: auto)"
+)
+_GENERATION_CONFIG_HELP = (
+    "where the default sampling parameters (temperature, top_p, top_k, min_p, "
+    "repetition_penalty, max_new_tokens) of requests that don't set them come from: "
+    "auto = the model folder's generation_config.json; vllm = ignore it and use neutral "
+    "defaults (temperature 1, no top-p/top-k/min-p, no repetition penalty, generate up "
+    "to the context length); PATH = the generation_config.json in folder PATH "
+    "(default: auto)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="penstock serve --engine transformers",
@@ -100,26 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-weight-dtype",
         choices=CPU_WEIGHT_DTYPES,
         default="auto",
-        help="on cpu with float32 compute, the dtype linear and embedding weights are stored "
-        "in; arithmetic stays float32, so bfloat16 halves the bytes a decode step reads and "
-        "loses nothing for a checkpoint stored in bfloat16 (weight updates are rounded to "
-        "bfloat16). Needs AVX-512 and a C++ compiler (one build of ~40 s into "
-        "--model-cache-dir); without them weights stay float32. int8 = bfloat16 plus an "
-        "int8 copy of each linear weight (one scale per 64 weights) that decoding reads: "
-        "~1.8x faster linears, not lossless (greedy output can differ from float32; see "
-        "bench/README.md). auto = bfloat16 when the checkpoint is stored in bfloat16 "
-        "(default: auto)",
+        help=_CPU_WEIGHT_DTYPE_HELP,
     )
     parser.add_argument(
         "--generation-config",
         default="auto",
         metavar="auto|vllm|PATH",
-        help="where the default sampling parameters (temperature, top_p, top_k, min_p, "
-        "repetition_penalty, max_new_tokens) of requests that don't set them come from: "
-        "auto = the model folder's generation_config.json; vllm = ignore it and use neutral "
-        "defaults (temperature 1, no top-p/top-k/min-p, no repetition penalty, generate up "
-        "to the context length); PATH = the generation_config.json in folder PATH "
-        "(default: auto)",
+        help=_GENERATION_CONFIG_HELP,
     )
     parser.add_argument(
         "--encoder-cache-bytes",
