@@ -18,6 +18,7 @@ from typing import Any
 
 from penstock.engines.context import Context
 
+# The host's logger: these lines are about the requests it drives.
 logger = logging.getLogger("penstock.engines.host")
 
 DRAIN_AFTER_TERMINAL_S = 5.0

@@ -58,6 +58,7 @@ from penstock.engines.contract import (
     model_input_of,
 )
 from penstock.engines.engine_errors import engine_exception_to_error
+from penstock.engines.fan_out import fan_out
 from penstock.engines.handoff import (
     END,
     Handoff,
@@ -67,7 +68,7 @@ from penstock.engines.handoff import (
     wind_down,
 )
 from penstock.engines.health import HEALTH_CHECK_KEY, EngineHealthMonitorConfig, is_probe
-from penstock.engines.tasks import spawn_kept
+from penstock.engines.tasks import cancel_and_wait, spawn_kept
 from penstock.errors import EngineError, PenstockError
 
 logger = logging.getLogger(__name__)
@@ -122,15 +123,15 @@ def _top(alternatives: list[dict[str, Any]] | None, k: int) -> list[dict[str, An
     return ranked[:k]
 
 
-def _choice_request(request: dict[str, Any], index: int) -> dict[str, Any]:
-    """Choice ``index`` of a fanned-out request: ``n`` = 1 and, when a seed was given,
-    ``seed + index`` (so choices differ yet replay)."""
-    sampling = dict(request.get("sampling_options") or {})
-    sampling["n"] = 1
-    seed = sampling.get("seed")
-    if isinstance(seed, int) and not isinstance(seed, bool):
-        sampling["seed"] = seed + index
-    return {**request, "sampling_options": sampling}
+def served_model_name_of(worker_config: Any, engine_config: EngineConfig | None) -> str:
+    """The name the model is served under: the worker config's, else the one the
+    started engine reported, else its model."""
+    configured = getattr(worker_config, "served_model_name", None)
+    if configured:
+        return str(configured)
+    if engine_config is None:
+        raise RuntimeError("engine not started")
+    return engine_config.served_model_name or engine_config.model
 
 
 class EngineHost:
@@ -186,12 +187,7 @@ class EngineHost:
 
     @property
     def served_model_name(self) -> str:
-        configured = getattr(self.worker_config, "served_model_name", None)
-        if configured:
-            return str(configured)
-        if self.engine_config is None:
-            raise RuntimeError("engine not started")
-        return self.engine_config.served_model_name or self.engine_config.model
+        return served_model_name_of(self.worker_config, self.engine_config)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -303,7 +299,7 @@ class EngineHost:
             n = (request.get("sampling_options") or {}).get("n") or 1
             expected = n if isinstance(n, int) and n > 0 else 1
         if expected > 1 and not self.multi_choice:
-            return self._admitted(request, context, self._fan_out(request, context, expected))
+            return self._fanned_out(request, context, expected)
         return self._generate_one(request, context, expected, admit=True)
 
     async def _admit(self, request: dict[str, Any], context: Context) -> AdmissionGate | None:
@@ -325,11 +321,22 @@ class EngineHost:
         if gate is not None:
             gate.release()
 
-    async def _admitted(
-        self, request: dict[str, Any], context: Context, stream: AsyncGenerator[dict, None]
+    async def _fanned_out(
+        self, request: dict[str, Any], context: Context, n: int
     ) -> AsyncGenerator[dict, None]:
+        """``n`` choices from an engine that yields one, under one admission slot."""
         gate = await self._admit(request, context)
         try:
+            # The engine never sees the parent's context: nothing to abort for it.
+            self._marks_of(context).finished = True
+            stream = fan_out(
+                request,
+                context,
+                n,
+                run_choice=lambda choice, child: self._generate_one(choice, child, 1),
+                spawn=self.spawn,
+                cancel=self.cancel,
+            )
             try:
                 async for chunk in stream:
                     yield chunk
@@ -468,51 +475,6 @@ class EngineHost:
         else:
             self._marks_of(context).finished = True
 
-    async def _fan_out(
-        self, request: dict[str, Any], parent: Context, n: int
-    ) -> AsyncGenerator[dict, None]:
-        """``n`` choices from an engine that yields one: n requests, merged as choices."""
-        self._marks_of(parent).finished = True
-        children = [parent.detached(f"{parent.id()}-{i}") for i in range(n)]
-        queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
-
-        async def run(index: int) -> None:
-            stream = self._generate_one(_choice_request(request, index), children[index], 1)
-            try:
-                async for chunk in stream:
-                    chunk["index"] = index
-                    await queue.put((chunk, None))
-            except Exception as exc:
-                await queue.put((END, exc))
-                return
-            finally:
-                await stream.aclose()
-            await queue.put((END, None))
-
-        async def propagate_stop() -> None:
-            await parent.async_killed_or_stopped()
-            for child in children:
-                if parent.is_killed():
-                    child.kill()
-                self.cancel(child)
-
-        watcher = self.spawn(propagate_stop())
-        runs = [self.spawn(run(i)) for i in range(n)]
-        remaining = n
-        try:
-            while remaining:
-                chunk, error = await queue.get()
-                if error is not None:
-                    raise error
-                if chunk is END:
-                    remaining -= 1
-                    continue
-                yield chunk
-        finally:
-            watcher.cancel()
-            for task in runs:
-                task.cancel()
-
     # -- health canary ----------------------------------------------------------------
 
     async def check_health(self) -> HealthStatus:
@@ -547,10 +509,7 @@ class EngineHost:
 
     async def stop_monitor(self) -> None:
         task, self._monitor_task = self._monitor_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _monitor_loop(self) -> None:
         interval = max(self.monitor.interval, 0.05)

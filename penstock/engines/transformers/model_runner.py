@@ -43,13 +43,16 @@ class ModelRunner:
     def __init__(
         self,
         model: Any,
-        *,
         device: torch.device,
-        eos_token_ids: frozenset[int],
-        vocab_size: int,
-        max_num_seqs: int,
+        *,
         seed: int,
+        rows: int,
+        vocab: int,
+        ends: frozenset[int],
     ) -> None:
+        """``rows``: the batch's most rows; ``vocab``: the vocabulary size; ``ends``: the
+        end tokens, banned until a row's ``min_tokens``; ``seed``: of the generator that
+        unseeded rows sample from."""
         self.model = model
         # True while ``model`` is a peft wrapper: every forward pass then names each
         # row's adapter.
@@ -57,10 +60,8 @@ class ModelRunner:
         # Decode steps run this instead of ``model``'s forward when set and no adapter is
         # loaded (see :mod:`.llama_decode`).
         self.decoder: LlamaDecoder | None = None
-        self.device = device
-        self.eos_token_ids = eos_token_ids
-        self.vocab_size = vocab_size
-        self.max_num_seqs = max_num_seqs
+        self.device, self.max_num_seqs = device, rows
+        self.vocab_size, self.eos_token_ids = vocab, ends
         self._shared_generator = torch.Generator(device=device)
         self._shared_generator.manual_seed(seed)
         self._cache: BatchKv | None = None

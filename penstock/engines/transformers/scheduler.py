@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from penstock.engines.transformers.kv_cache import KvPair
-from penstock.engines.transformers.llama_decode import LlamaDecoder
 from penstock.engines.transformers.model_runner import ModelRunner
 from penstock.engines.transformers.sampling import TokenChoice
 from penstock.engines.transformers.sequence import Sequence, Submission, completion_usage
@@ -64,8 +63,29 @@ class KvUsage:
     waiting: int
 
 
+class _OnRunner:
+    """An attribute the engine sets on the scheduler, held by its model runner: set with
+    ``step_lock`` held, between two forward passes."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, scheduler: BatchScheduler, owner: type | None = None) -> Any:
+        return getattr(scheduler.runner, self.name)
+
+    def __set__(self, scheduler: BatchScheduler, value: Any) -> None:
+        setattr(scheduler.runner, self.name, value)
+
+
 class BatchScheduler:
     """Runs the decode loop on its own thread; every public method is thread-safe."""
+
+    # The model (a peft wrapper while LoRA adapters are loaded), whether it is one, and
+    # the Llama decoder that replaces its forward in decode steps (see
+    # :class:`.model_runner.ModelRunner`).
+    model = _OnRunner()
+    adapters_loaded = _OnRunner()
+    decoder = _OnRunner()
 
     def __init__(
         self,
@@ -82,12 +102,7 @@ class BatchScheduler:
         worker_id: str = "",
     ) -> None:
         self.runner = ModelRunner(
-            model,
-            device=device,
-            eos_token_ids=eos_token_ids,
-            vocab_size=vocab_size,
-            max_num_seqs=max_num_seqs,
-            seed=seed,
+            model, device, seed=seed, rows=max_num_seqs, vocab=vocab_size, ends=eos_token_ids
         )
         self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
@@ -112,35 +127,6 @@ class BatchScheduler:
     @property
     def kv_total_blocks(self) -> int:
         return self.kv_capacity_tokens // KV_BLOCK_SIZE
-
-    # The model the runner runs, set with ``step_lock`` held (a LoRA load wraps it).
-    @property
-    def model(self) -> Any:
-        return self.runner.model
-
-    @model.setter
-    def model(self, model: Any) -> None:
-        self.runner.model = model
-
-    # True while ``model`` is a peft wrapper: every forward pass then names each row's
-    # adapter (set together with ``model``).
-    @property
-    def adapters_loaded(self) -> bool:
-        return self.runner.adapters_loaded
-
-    @adapters_loaded.setter
-    def adapters_loaded(self, loaded: bool) -> None:
-        self.runner.adapters_loaded = loaded
-
-    # Decode steps run this instead of ``model``'s forward when set and no adapter is
-    # loaded (see :mod:`.llama_decode`); set together with ``model``.
-    @property
-    def decoder(self) -> LlamaDecoder | None:
-        return self.runner.decoder
-
-    @decoder.setter
-    def decoder(self, decoder: LlamaDecoder | None) -> None:
-        self.runner.decoder = decoder
 
     # -- control (any thread) ----------------------------------------------------------
 
