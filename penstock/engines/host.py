@@ -10,8 +10,9 @@
 * cancellation: the request's context is marked stopped (``cancel``) or killed (its
   consumer went away) first; the engine keeps running in its own task, sees the mark
   between yields and ends with ``finish_reason="cancelled"`` (within
-  ``handoff.CANCEL_GRACE_S``, else its stream is closed); then ``abort(context)`` runs once. A
-  natural completion never looks cancelled and never aborts;
+  :data:`~penstock.engines.handoff.CANCEL_GRACE_S`, else its stream is closed); then
+  ``abort(context)`` runs once. A natural completion never looks cancelled and never
+  aborts;
 * an engine that advertises ``CANCEL_SAFE_RUNTIME_KEY`` gives up its own task: its
   ``generate`` runs in the consumer's task, with no hand-off per chunk. A consumer going
   away reaches it at once, as ``CancelledError`` at the ``await`` it is in or as the
@@ -20,13 +21,13 @@
 * decode role (``disaggregation_mode`` decode): ``abort`` waits for the request's first
   token and is skipped when the request ends before one;
 * ``n`` > 1 on an engine that does not advertise ``MULTI_CHOICE_RUNTIME_KEY`` runs as n
-  single-choice requests (child contexts, seeds ``seed + i``) merged as choices; stopping
+  single-choice requests (:mod:`penstock.engines.fan_out`) merged as choices; stopping
   the request stops all of them, each aborted once; together they take one admission
   slot;
 * ``top_logprobs``: at most the requested k per position (Dynamo engines report the
   chosen token plus k alternatives; the k most likely are kept);
 * engine exceptions become client statuses as Dynamo maps them
-  (:func:`engine_exception_to_error`);
+  (:func:`~penstock.engines.engine_errors.engine_exception_to_error`);
 * every optional method an engine lacks gets its documented default
   (:func:`~penstock.engines.contract.fill_optional_hooks`);
 * an idle canary (``health_check_payload`` or the operator override) probes ``generate``
@@ -74,7 +75,7 @@ from penstock.errors import EngineError, PenstockError
 logger = logging.getLogger(__name__)
 
 # The choices of a request that have ended, before the first one does.
-_NONEENDED: frozenset[int] = frozenset()
+_NONE_ENDED: frozenset[int] = frozenset()
 
 
 class EngineState(enum.Enum):
@@ -353,8 +354,8 @@ class EngineHost:
         or by the caller's for a cancel-safe engine. With ``admit``, it also holds the
         request's admission slot until it ends.
 
-        The loop is every chunk's path: what runs once a request is in the methods it
-        calls, what runs once a chunk stays here, with no call of its own."""
+        The loop is every chunk's path, so it calls nothing of its own per chunk; the
+        steps taken once a request are the methods it calls."""
         gate = await self._admit(request, context) if admit else None
         try:
             marks = self._marks_of(context)
@@ -363,7 +364,7 @@ class EngineHost:
             top_k = None if raw else _top_k_of(request)
             # The choices that ended: a one-choice request allocates no set (it ends with its
             # first terminal).
-            finished = _NONEENDED
+            finished = _NONE_ENDED
             agen: AsyncGenerator[dict, None] = self.engine.generate(request, context)  # type: ignore[attr-defined]
             inline = self.cancel_safe
             next_chunk = agen.__anext__
