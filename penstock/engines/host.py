@@ -10,8 +10,9 @@
 * cancellation: the request's context is marked stopped (``cancel``) or killed (its
   consumer went away) first; the engine keeps running in its own task, sees the mark
   between yields and ends with ``finish_reason="cancelled"`` (within
-  ``_CANCEL_GRACE_S``, else its stream is closed); then ``abort(context)`` runs once. A
-  natural completion never looks cancelled and never aborts;
+  :data:`~penstock.engines.handoff.CANCEL_GRACE_S`, else its stream is closed); then
+  ``abort(context)`` runs once. A natural completion never looks cancelled and never
+  aborts;
 * an engine that advertises ``CANCEL_SAFE_RUNTIME_KEY`` gives up its own task: its
   ``generate`` runs in the consumer's task, with no hand-off per chunk. A consumer going
   away reaches it at once, as ``CancelledError`` at the ``await`` it is in or as the
@@ -20,13 +21,13 @@
 * decode role (``disaggregation_mode`` decode): ``abort`` waits for the request's first
   token and is skipped when the request ends before one;
 * ``n`` > 1 on an engine that does not advertise ``MULTI_CHOICE_RUNTIME_KEY`` runs as n
-  single-choice requests (child contexts, seeds ``seed + i``) merged as choices; stopping
+  single-choice requests (:mod:`penstock.engines.fan_out`) merged as choices; stopping
   the request stops all of them, each aborted once; together they take one admission
   slot;
 * ``top_logprobs``: at most the requested k per position (Dynamo engines report the
   chosen token plus k alternatives; the k most likely are kept);
 * engine exceptions become client statuses as Dynamo maps them
-  (:func:`engine_exception_to_error`);
+  (:func:`~penstock.engines.engine_errors.engine_exception_to_error`);
 * every optional method an engine lacks gets its documented default
   (:func:`~penstock.engines.contract.fill_optional_hooks`);
 * an idle canary (``health_check_payload`` or the operator override) probes ``generate``
@@ -57,24 +58,22 @@ from penstock.engines.contract import (
     fill_optional_hooks,
     model_input_of,
 )
-from penstock.engines.health import HEALTH_CHECK_KEY, EngineHealthMonitorConfig, is_probe
-from penstock.errors import (
-    ClientClosedRequest,
-    EngineError,
-    GatewayTimeoutError,
-    InvalidRequestError,
-    OverloadedError,
-    PenstockError,
-    ServiceUnavailableError,
+from penstock.engines.engine_errors import engine_exception_to_error
+from penstock.engines.fan_out import fan_out
+from penstock.engines.handoff import (
+    END,
+    Handoff,
+    drain_after_terminal,
+    log_contract_violation,
+    pump,
+    wind_down,
 )
+from penstock.engines.health import HEALTH_CHECK_KEY, EngineHealthMonitorConfig, is_probe
+from penstock.engines.tasks import cancel_and_wait, spawn_kept
+from penstock.errors import EngineError, PenstockError
 
 logger = logging.getLogger(__name__)
 
-_DRAIN_AFTER_TERMINAL_S = 5.0
-# How long a cancelled request's engine stream may run on before it is closed (the
-# conformance kit's bound for observing a cancellation).
-_CANCEL_GRACE_S = 2.0
-_END = object()
 # The choices of a request that have ended, before the first one does.
 _NONE_ENDED: frozenset[int] = frozenset()
 
@@ -104,80 +103,16 @@ class _RequestMarks:
     active: bool = False
 
 
-_CLIENT_ERRORS = ("InvalidArgument",)
-_TIMEOUTS = ("ConnectionTimeout",)
-_UNAVAILABLE = ("EngineShutdown", "CannotConnect", "Disconnected", "WorkerUnavailable")
-_OVERLOADED = ("RouterQueueLimitExceeded",)
-_CANCELLED = ("Cancelled",)
+def _top_k_of(request: dict[str, Any]) -> int | None:
+    """The request's ``top_logprobs`` k, or None."""
+    top_k = (request.get("output_options") or {}).get("logprobs")
+    if not isinstance(top_k, int) or isinstance(top_k, bool):
+        return None
+    return top_k
 
 
-def _dynamo_kind(exc: BaseException) -> str | None:
-    """The ``dynamo.llm.exceptions`` class ``exc`` is (matched by module and name, so the
-    gateway needs no Dynamo import), or None."""
-    for base in type(exc).__mro__:
-        if base.__module__.startswith("dynamo.") and base.__name__ != "DynamoException":
-            if base.__name__ in (
-                *_CLIENT_ERRORS,
-                *_TIMEOUTS,
-                *_UNAVAILABLE,
-                *_OVERLOADED,
-                *_CANCELLED,
-            ):
-                return base.__name__
-    return None
-
-
-def _int_status(exc: BaseException) -> int | None:
-    for name in ("status", "code"):
-        value = getattr(exc, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
-def engine_exception_to_error(exc: BaseException, overload_status: int = 529) -> PenstockError:
-    """Map an exception raised by ``generate`` to what the client sees.
-
-    As Dynamo maps them: ``InvalidArgument``, ``ValueError`` and ``TypeError`` are the
-    client's fault (400, message kept); an object with an int ``status`` (or ``code``, as
-    ``dynamo.llm.exceptions.HttpError``) and a str ``message`` keeps a 4xx status and
-    message, and a 503 or overload status; ``TimeoutError`` / ``ConnectionTimeout`` are
-    504; ``EngineShutdown``, ``CannotConnect``, ``Disconnected``, ``WorkerUnavailable`` and
-    connection errors are 503; ``RouterQueueLimitExceeded`` is the overload status;
-    ``Cancelled`` is 499. Everything else is a 500 whose details stay in the log.
-    """
-    if isinstance(exc, PenstockError):
-        return exc
-    kind = _dynamo_kind(exc)
-    status = _int_status(exc)
-    message = getattr(exc, "message", None)
-    if kind is None and status is not None and isinstance(message, str):
-        if 400 <= status < 500:
-            error: PenstockError = InvalidRequestError(message)
-            error.status_code = status
-            return error
-        if status == 503:
-            return ServiceUnavailableError("Service temporarily unavailable")
-        if status in (429, 529, overload_status):
-            return _overloaded(overload_status)
-        return EngineError("Internal server error")
-    if kind in _CLIENT_ERRORS or isinstance(exc, ValueError | TypeError):
-        return InvalidRequestError(str(exc) or type(exc).__name__)
-    if kind in _TIMEOUTS or isinstance(exc, TimeoutError):
-        return GatewayTimeoutError("The engine timed out")
-    if kind in _UNAVAILABLE or isinstance(exc, ConnectionError | GeneratorExit):
-        return ServiceUnavailableError("Service temporarily unavailable")
-    if kind in _OVERLOADED:
-        return _overloaded(overload_status)
-    if kind in _CANCELLED or isinstance(exc, asyncio.CancelledError):
-        return ClientClosedRequest("Request cancelled")
-    return EngineError("Internal server error")
-
-
-def _overloaded(status: int) -> PenstockError:
-    error = OverloadedError("Service temporarily overloaded")
-    error.status_code = status
-    return error
+def _trimmed(positions: list[list[dict[str, Any]] | None], k: int) -> list[list[dict[str, Any]]]:
+    return [_top(alternatives, k) for alternatives in positions]
 
 
 def _top(alternatives: list[dict[str, Any]] | None, k: int) -> list[dict[str, Any]]:
@@ -189,74 +124,15 @@ def _top(alternatives: list[dict[str, Any]] | None, k: int) -> list[dict[str, An
     return ranked[:k]
 
 
-def _choice_request(request: dict[str, Any], index: int) -> dict[str, Any]:
-    """Choice ``index`` of a fanned-out request: ``n`` = 1 and, when a seed was given,
-    ``seed + index`` (so choices differ yet replay)."""
-    sampling = dict(request.get("sampling_options") or {})
-    sampling["n"] = 1
-    seed = sampling.get("seed")
-    if isinstance(seed, int) and not isinstance(seed, bool):
-        sampling["seed"] = seed + index
-    return {**request, "sampling_options": sampling}
-
-
-class _Handoff:
-    """The one-item channel from a request's engine task to its consumer: what
-    ``asyncio.Queue(maxsize=1)`` does for one producer and one consumer, without its three
-    deques (~2 KB a request) and its bookkeeping on every chunk."""
-
-    __slots__ = ("_full", "_getter", "_item", "_loop", "_putter")
-
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._item: tuple[Any, BaseException | None] | None = None
-        self._full = False
-        self._getter: asyncio.Future[None] | None = None
-        self._putter: asyncio.Future[None] | None = None
-
-    async def put(self, item: tuple[Any, BaseException | None]) -> None:
-        while self._full:
-            self._putter = self._loop.create_future()
-            try:
-                await self._putter
-            finally:
-                self._putter = None
-        self.put_nowait(item)
-
-    def put_nowait(self, item: tuple[Any, BaseException | None]) -> bool:
-        """Hand ``item`` over if the slot is free (no coroutine to await); False if not."""
-        if self._full:
-            return False
-        self._item = item
-        self._full = True
-        _wake(self._getter)
-        return True
-
-    def take(self) -> tuple[Any, BaseException | None] | None:
-        """The item handed over, freeing the slot; None if there is none yet."""
-        if not self._full:
-            return None
-        item = self._item
-        self._item = None
-        self._full = False
-        _wake(self._putter)
-        return item
-
-    def handed_over(self) -> asyncio.Future[None]:
-        """A future done once an item is handed over: awaited as is, with no coroutine
-        around it (the consumer's wait is once a chunk)."""
-        getter = self._getter = self._loop.create_future()
-        return getter
-
-    async def get(self) -> tuple[Any, BaseException | None]:
-        while (item := self.take()) is None:
-            await self.handed_over()
-        return item
-
-
-def _wake(waiter: asyncio.Future[None] | None) -> None:
-    if waiter is not None and not waiter.done():
-        waiter.set_result(None)
+def served_model_name_of(worker_config: Any, engine_config: EngineConfig | None) -> str:
+    """The name the model is served under: the worker config's, else the one the
+    started engine reported, else its model."""
+    configured = getattr(worker_config, "served_model_name", None)
+    if configured:
+        return str(configured)
+    if engine_config is None:
+        raise RuntimeError("engine not started")
+    return engine_config.served_model_name or engine_config.model
 
 
 class EngineHost:
@@ -312,12 +188,7 @@ class EngineHost:
 
     @property
     def served_model_name(self) -> str:
-        configured = getattr(self.worker_config, "served_model_name", None)
-        if configured:
-            return str(configured)
-        if self.engine_config is None:
-            raise RuntimeError("engine not started")
-        return self.engine_config.served_model_name or self.engine_config.model
+        return served_model_name_of(self.worker_config, self.engine_config)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -378,10 +249,7 @@ class EngineHost:
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``coro`` detached from the caller's cancellation, keeping a reference."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+        return spawn_kept(self._background, coro)
 
     def cancel(self, context: Context) -> None:
         """Cancel a request on the caller's behalf: mark it stopped; the engine ends it
@@ -432,7 +300,7 @@ class EngineHost:
             n = (request.get("sampling_options") or {}).get("n") or 1
             expected = n if isinstance(n, int) and n > 0 else 1
         if expected > 1 and not self.multi_choice:
-            return self._admitted(request, context, self._fan_out(request, context, expected))
+            return self._fanned_out(request, context, expected)
         return self._generate_one(request, context, expected, admit=True)
 
     async def _admit(self, request: dict[str, Any], context: Context) -> AdmissionGate | None:
@@ -454,11 +322,22 @@ class EngineHost:
         if gate is not None:
             gate.release()
 
-    async def _admitted(
-        self, request: dict[str, Any], context: Context, stream: AsyncGenerator[dict, None]
+    async def _fanned_out(
+        self, request: dict[str, Any], context: Context, n: int
     ) -> AsyncGenerator[dict, None]:
+        """``n`` choices from an engine that yields one, under one admission slot."""
         gate = await self._admit(request, context)
         try:
+            # The engine never sees the parent's context: nothing to abort for it.
+            self._marks_of(context).finished = True
+            stream = fan_out(
+                request,
+                context,
+                n,
+                run_choice=lambda choice, child: self._generate_one(choice, child, 1),
+                spawn=self.spawn,
+                cancel=self.cancel,
+            )
             try:
                 async for chunk in stream:
                     yield chunk
@@ -473,29 +352,27 @@ class EngineHost:
         """One engine request, its generator run by its own task (see the module
         docstring: a consumer going away must not reach the engine as ``CancelledError``),
         or by the caller's for a cancel-safe engine. With ``admit``, it also holds the
-        request's admission slot until it ends."""
+        request's admission slot until it ends.
+
+        The loop is every chunk's path, so it calls nothing of its own per chunk; the
+        steps taken once a request are the methods it calls."""
         gate = await self._admit(request, context) if admit else None
         try:
             marks = self._marks_of(context)
             marks.active = True
             raw = self.is_raw
-            top_k = None if raw else (request.get("output_options") or {}).get("logprobs")
-            if not isinstance(top_k, int) or isinstance(top_k, bool):
-                top_k = None
+            top_k = None if raw else _top_k_of(request)
             # The choices that ended: a one-choice request allocates no set (it ends with its
             # first terminal).
             finished = _NONE_ENDED
             agen: AsyncGenerator[dict, None] = self.engine.generate(request, context)  # type: ignore[attr-defined]
             inline = self.cancel_safe
-            if inline:
-                next_chunk = agen.__anext__
-            else:
-                queue = _Handoff()
-                # Not one of the host's background tasks: this generator holds it, and
-                # hands it to the task that winds the request down (a done callback less a
-                # request).
-                pump = asyncio.get_running_loop().create_task(self._pump(agen, queue))
-            completed = ended = False
+            next_chunk = agen.__anext__
+            queue = None if inline else Handoff()
+            # Not one of the host's background tasks: this generator holds it, and hands it
+            # to the task that winds the request down (a done callback less a request).
+            pumping = None if inline else asyncio.get_running_loop().create_task(pump(agen, queue))
+            completed = False
             first_token_seen = context.first_token_seen
             try:
                 while True:
@@ -503,16 +380,11 @@ class EngineHost:
                         try:
                             chunk = await next_chunk()
                         except StopAsyncIteration:
-                            ended = True
                             break
                     else:
-                        while (handed := queue.take()) is None:
+                        while (chunk := queue.take_chunk()) is None:
                             await queue.handed_over()
-                        chunk, error = handed
-                        ended = chunk is _END
-                        if error is not None:
-                            raise error
-                        if ended:
+                        if chunk is END:
                             break
                     if raw:
                         yield chunk
@@ -521,54 +393,81 @@ class EngineHost:
                         raise EngineError("engine yielded a non-object chunk")
                     index = chunk.get("index", 0)
                     if index in finished or not isinstance(index, int) or index >= expected:
-                        self._contract_violation(context, f"chunk for choice {index!r} dropped")
+                        log_contract_violation(context, f"chunk for choice {index!r} dropped")
                         continue
                     if not first_token_seen and chunk.get("token_ids"):
                         first_token_seen = True
                         context.notify_first_token()
                     if top_k is not None and chunk.get("top_logprobs"):
-                        chunk["top_logprobs"] = [
-                            _top(alts, top_k) for alts in chunk["top_logprobs"]
-                        ]
+                        chunk["top_logprobs"] = _trimmed(chunk["top_logprobs"], top_k)
                     if chunk.get("finish_reason"):
                         finished = finished | {index}
                         if len(finished) == expected:
                             completed = True
-                            self._end(context)
-                            if not inline:
-                                self.spawn(self._drain_after_terminal(pump, queue, context))
+                            self._end_at_terminal(context, pumping, queue)
                             yield chunk
                             return
                     yield chunk
-                if not raw:
-                    missing = sorted(set(range(expected)) - finished)
-                    raise EngineError(f"engine ended the stream without a terminal for {missing}")
+                self._end_of_stream(context, finished, expected)
                 completed = True
-                self._end(context)
-            except PenstockError:
-                raise
             except Exception as exc:
-                logger.exception("generate failed for request %s", context.id())
-                overload = self.admission.overload_status if self.admission is not None else 529
-                raise engine_exception_to_error(exc, overload) from exc
+                raise self._engine_failure(exc, context)  # noqa: B904 (it carries its cause)
             finally:
                 marks.active = False
-                if inline:
-                    if not completed:
-                        context.kill()
-                    # Its ``finally`` runs now, in this task; a no-op once it has ended.
-                    with contextlib.suppress(Exception):
-                        await agen.aclose()
-                    if not completed:
-                        self._schedule_abort(context)
-                elif not completed:
-                    # The consumer went away or the stream failed: mark it first, then let
-                    # the engine wind down before it is aborted.
-                    context.kill()
-                    self.spawn(self._wind_down(pump, queue, context, ended))
+                await self._close_stream(agen, context, completed, pumping, queue)
         finally:
             if admit:
                 self._release(gate)
+
+    def _end_at_terminal(
+        self, context: Context, pumping: asyncio.Task[None] | None, queue: Handoff | None
+    ) -> None:
+        """Every choice's terminal is in: the request ended (an engine task is then read
+        to its end, any chunk after the terminals dropped)."""
+        self._end(context)
+        if pumping is not None and queue is not None:
+            self.spawn(drain_after_terminal(pumping, queue, context))
+
+    def _end_of_stream(self, context: Context, finished: frozenset[int], expected: int) -> None:
+        """The engine's stream ended: a raw engine's request with it; a token engine's
+        owed a terminal for every choice first."""
+        if not self.is_raw:
+            missing = sorted(set(range(expected)) - finished)
+            raise EngineError(f"engine ended the stream without a terminal for {missing}")
+        self._end(context)
+
+    def _engine_failure(self, exc: Exception, context: Context) -> PenstockError:
+        """What the client sees of an exception in the request's stream."""
+        if isinstance(exc, PenstockError):
+            return exc
+        logger.exception("generate failed for request %s", context.id(), exc_info=exc)
+        overload = self.admission.overload_status if self.admission is not None else 529
+        error = engine_exception_to_error(exc, overload)
+        error.__cause__ = exc
+        return error
+
+    async def _close_stream(
+        self,
+        agen: AsyncGenerator[dict, None],
+        context: Context,
+        completed: bool,
+        pumping: asyncio.Task[None] | None,
+        queue: Handoff | None,
+    ) -> None:
+        """The consumer left the request's stream. One that did not complete is marked
+        killed first, then aborted after its engine stream ended: a cancel-safe engine's
+        ``finally`` runs now, in this task (a no-op once it has ended); an engine task is
+        left to wind down."""
+        if pumping is None:
+            if not completed:
+                context.kill()
+            with contextlib.suppress(Exception):
+                await agen.aclose()
+            if not completed:
+                self._schedule_abort(context)
+        elif not completed and queue is not None:
+            context.kill()
+            self.spawn(wind_down(pumping, queue, context, queue.ended, self._schedule_abort))
 
     def _end(self, context: Context) -> None:
         """The request ended with its terminal: abort only if it had been stopped."""
@@ -576,122 +475,6 @@ class EngineHost:
             self._schedule_abort(context)
         else:
             self._marks_of(context).finished = True
-
-    async def _pump(
-        self,
-        agen: AsyncGenerator[dict, None],
-        queue: _Handoff,
-    ) -> None:
-        try:
-            async for item in agen:
-                # The consumer has nearly always taken the previous chunk by now.
-                if not queue.put_nowait((item, None)):
-                    await queue.put((item, None))
-        except Exception as exc:
-            await queue.put((_END, exc))
-            return
-        finally:
-            with contextlib.suppress(Exception):
-                await agen.aclose()
-        await queue.put((_END, None))
-
-    async def _wind_down(
-        self,
-        pump: asyncio.Task[None],
-        queue: _Handoff,
-        context: Context,
-        ended: bool,
-    ) -> None:
-        """Read a killed request's stream to its end (bounded), then abort it once."""
-        try:
-            async with asyncio.timeout(_CANCEL_GRACE_S):
-                while not ended:
-                    chunk, _ = await queue.get()
-                    ended = chunk is _END
-                    if isinstance(chunk, dict) and chunk.get("token_ids"):
-                        context.notify_first_token()
-        except TimeoutError:
-            logger.warning(
-                "engine kept request %s running %gs after its cancellation; closing it",
-                context.id(),
-                _CANCEL_GRACE_S,
-            )
-        finally:
-            pump.cancel()
-            self._schedule_abort(context)
-
-    async def _fan_out(
-        self, request: dict[str, Any], parent: Context, n: int
-    ) -> AsyncGenerator[dict, None]:
-        """``n`` choices from an engine that yields one: n requests, merged as choices."""
-        self._marks_of(parent).finished = True
-        children = [parent.detached(f"{parent.id()}-{i}") for i in range(n)]
-        queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
-
-        async def run(index: int) -> None:
-            stream = self._generate_one(_choice_request(request, index), children[index], 1)
-            try:
-                async for chunk in stream:
-                    chunk["index"] = index
-                    await queue.put((chunk, None))
-            except Exception as exc:
-                await queue.put((_END, exc))
-                return
-            finally:
-                await stream.aclose()
-            await queue.put((_END, None))
-
-        async def propagate_stop() -> None:
-            await parent.async_killed_or_stopped()
-            for child in children:
-                if parent.is_killed():
-                    child.kill()
-                self.cancel(child)
-
-        watcher = self.spawn(propagate_stop())
-        runs = [self.spawn(run(i)) for i in range(n)]
-        remaining = n
-        try:
-            while remaining:
-                chunk, error = await queue.get()
-                if error is not None:
-                    raise error
-                if chunk is _END:
-                    remaining -= 1
-                    continue
-                yield chunk
-        finally:
-            watcher.cancel()
-            for task in runs:
-                task.cancel()
-
-    def _contract_violation(self, context: Context, what: str) -> None:
-        logger.error("engine contract violation (request %s): %s", context.id(), what)
-
-    async def _drain_after_terminal(
-        self,
-        pump: asyncio.Task[None],
-        queue: _Handoff,
-        context: Context,
-    ) -> None:
-        try:
-            async with asyncio.timeout(_DRAIN_AFTER_TERMINAL_S):
-                while True:
-                    chunk, error = await queue.get()
-                    if error is not None:
-                        logger.error(
-                            "engine raised after the terminal (request %s): %r",
-                            context.id(),
-                            error,
-                        )
-                        return
-                    if chunk is _END:
-                        return
-                    self._contract_violation(context, "chunk after the terminal dropped")
-        except TimeoutError:
-            self._contract_violation(context, "stream kept running after the terminal")
-        finally:
-            pump.cancel()
 
     # -- health canary ----------------------------------------------------------------
 
@@ -727,10 +510,7 @@ class EngineHost:
 
     async def stop_monitor(self) -> None:
         task, self._monitor_task = self._monitor_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _monitor_loop(self) -> None:
         interval = max(self.monitor.interval, 0.05)

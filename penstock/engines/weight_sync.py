@@ -21,8 +21,10 @@ one 1-D tensor, concatenated in ``names`` order.
 **Tensor payloads** (``update_weights_from_tensor``): each entry of
 ``serialized_named_tensors`` is base64 text of a safetensors file (the default and the
 only form accepted unless the operator trusts payloads). A pickled payload (what
-``MultiprocessingSerializer`` produces: a list of ``(name, tensor)`` pairs, or a dict;
-on the same host its tensors may live in shared memory) is unpickled only with
+``MultiprocessingSerializer`` produces with ``multiprocessing``'s ``ForkingPickler``: a
+list of ``(name, tensor)`` pairs, or a dict; on the same host its tensors may live in
+shared memory: CUDA tensors by IPC handle, CPU tensors by shared-memory file name under
+torch's ``file_system`` sharing strategy) is unpickled only with
 ``--trust-weight-payloads``, since unpickling runs code the sender chose.
 
 **NIXL pull** (``update_weights_from_nixl``): the trainer registers its tensors with a
@@ -295,11 +297,25 @@ def decode_payload(text: Any, *, trusted: bool) -> dict[str, torch.Tensor]:
 
 
 def _unpickle(raw: bytes) -> dict[str, torch.Tensor]:
+    # The pickler torch registers its tensor reducers with (torch.multiprocessing no
+    # longer re-exports it); the payload names torch's rebuild functions, which the
+    # unpickler imports.
+    from multiprocessing import AuthenticationError
+    from multiprocessing.reduction import ForkingPickler
+
     import torch
-    from torch.multiprocessing.reductions import ForkingPickler
 
     try:
         loaded = ForkingPickler.loads(raw)
+    except AuthenticationError as exc:
+        # torch's default "file_descriptor" strategy hands a CPU tensor over through the
+        # sender's resource sharer, which answers only processes of its own family.
+        raise WeightSyncError(
+            "cannot unpickle the payload: its CPU tensors are shared by file descriptor, "
+            "which only a process started by the sender can receive; pickle them after "
+            "torch.multiprocessing.set_sharing_strategy('file_system'), or send "
+            "safetensors bytes"
+        ) from exc
     except Exception as exc:
         raise WeightSyncError(f"cannot unpickle the payload: {exc}") from exc
     pairs = loaded.items() if isinstance(loaded, dict) else loaded

@@ -70,6 +70,29 @@ def readers_of(answer: Mapping[str, Any]) -> int:
     return 1
 
 
+def broadcast_body(
+    tensors: Mapping[str, torch.Tensor],
+    group_name: str = DEFAULT_GROUP_NAME,
+    *,
+    weight_version: str | None = None,
+    flattened: bool = False,
+) -> dict[str, Any]:
+    """The ``update_weights_from_distributed`` body announcing ``tensors``, in their order
+    (the order rank 0 broadcasts them in)."""
+    body: dict[str, Any] = {
+        "names": list(tensors),
+        "dtypes": [dtype_name(t.dtype) for t in tensors.values()],
+        "shapes": [list(t.shape) for t in tensors.values()],
+        "group_name": group_name,
+        "flush_cache": True,
+    }
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    if flattened:
+        body["load_format"] = "flattened_bucket"
+    return body
+
+
 class WeightPusher:
     def __init__(
         self, base_url: str, *, admin_key: str | None = None, timeout_s: float = 120.0
@@ -178,17 +201,9 @@ class WeightPusher:
         if self.group is None:
             raise RuntimeError("init_group first")
         items = [(name, t.detach().contiguous()) for name, t in tensors.items()]
-        body: dict[str, Any] = {
-            "names": [name for name, _ in items],
-            "dtypes": [dtype_name(t.dtype) for _, t in items],
-            "shapes": [list(t.shape) for _, t in items],
-            "group_name": self.group_name,
-            "flush_cache": True,
-        }
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        if flattened:
-            body["load_format"] = "flattened_bucket"
+        body = broadcast_body(
+            dict(items), self.group_name, weight_version=weight_version, flattened=flattened
+        )
         answered = self._pool.submit(self.post, "/update_weights_from_distributed", body)
         sends = (
             [torch.cat([t.reshape(-1) for _, t in items])] if flattened else [t for _, t in items]

@@ -141,48 +141,11 @@ def parse_sampling_params(
     sampling = _group(request, "sampling_options")
     stop = _group(request, "stop_conditions")
     output = _group(request, "output_options")
-    for key, reason in _UNSUPPORTED_SAMPLING.items():
-        if sampling.get(key) not in (None, False, {}, []):
-            raise ValueError(f"sampling_options.{key}: {reason}")
-    if output.get("prompt_logprobs") is not None:
-        raise ValueError(
-            "output_options.prompt_logprobs: prompt logprobs are not supported "
-            "by the transformers engine"
-        )
-    n = _integer(sampling, "n", "sampling_options", 1, 1)
-    if n > max_num_seqs:
-        raise ValueError(f"sampling_options.n must be <= {max_num_seqs} (--max-num-seqs), got {n}")
-    best_of = _integer(sampling, "best_of", "sampling_options", None, 1)
-    if best_of is not None and best_of != n:
-        raise ValueError("sampling_options.best_of: only best_of == n is supported")
+    _refuse_unsupported(sampling, output)
+    n = _choice_count(sampling, max_num_seqs)
     top_k = _integer(sampling, "top_k", "sampling_options", defaults.top_k, -1)
-    if prompt_len >= context_length:
-        raise ValueError(
-            f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
-            f"the context length of {context_length} tokens"
-        )
-    room = context_length - prompt_len
-    max_tokens = _integer(stop, "max_tokens", "stop_conditions", None, 1)
-    if max_tokens is None:
-        # A default bounds the answer but must not refuse a prompt that leaves less room.
-        max_tokens = room if defaults.max_tokens is None else min(defaults.max_tokens, room)
-    elif max_tokens > room:
-        raise ValueError(
-            f"stop_conditions.max_tokens: the prompt ({prompt_len} tokens) plus max_tokens "
-            f"({max_tokens}) exceeds the context length of {context_length} tokens"
-        )
-    min_tokens = _integer(stop, "min_tokens", "stop_conditions", 0, 0)
-    if min_tokens > max_tokens:
-        raise ValueError(
-            f"stop_conditions.min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})"
-        )
-    stop_ids = stop.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids
-    ):
-        raise ValueError(
-            f"stop_conditions.stop_token_ids must be a list of token ids in [0, {vocab_size})"
-        )
+    max_tokens, min_tokens = _token_bounds(stop, prompt_len, context_length, defaults)
+    stop_ids = _stop_token_ids(stop, vocab_size)
     ignore_eos = stop.get("ignore_eos")
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise ValueError("stop_conditions.ignore_eos must be a boolean")
@@ -213,10 +176,70 @@ def parse_sampling_params(
         ),
         max_tokens=max_tokens,
         min_tokens=min_tokens,
-        stop_token_ids=frozenset(stop_ids),
+        stop_token_ids=stop_ids,
         ignore_eos=bool(ignore_eos),
         logprobs=logprobs,
     )
+
+
+def _refuse_unsupported(sampling: dict[str, Any], output: dict[str, Any]) -> None:
+    for key, reason in _UNSUPPORTED_SAMPLING.items():
+        if sampling.get(key) not in (None, False, {}, []):
+            raise ValueError(f"sampling_options.{key}: {reason}")
+    if output.get("prompt_logprobs") is not None:
+        raise ValueError(
+            "output_options.prompt_logprobs: prompt logprobs are not supported "
+            "by the transformers engine"
+        )
+
+
+def _choice_count(sampling: dict[str, Any], max_num_seqs: int) -> int:
+    """``n``, each choice a row of the batch; ``best_of`` only as ``n``."""
+    n: int = _integer(sampling, "n", "sampling_options", 1, 1)
+    if n > max_num_seqs:
+        raise ValueError(f"sampling_options.n must be <= {max_num_seqs} (--max-num-seqs), got {n}")
+    best_of = _integer(sampling, "best_of", "sampling_options", None, 1)
+    if best_of is not None and best_of != n:
+        raise ValueError("sampling_options.best_of: only best_of == n is supported")
+    return n
+
+
+def _token_bounds(
+    stop: dict[str, Any], prompt_len: int, context_length: int, defaults: SamplingDefaults
+) -> tuple[int, int]:
+    """``(max_tokens, min_tokens)``, the answer fitting in the context after the prompt."""
+    if prompt_len >= context_length:
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
+            f"the context length of {context_length} tokens"
+        )
+    room = context_length - prompt_len
+    max_tokens = _integer(stop, "max_tokens", "stop_conditions", None, 1)
+    if max_tokens is None:
+        # A default bounds the answer but must not refuse a prompt that leaves less room.
+        max_tokens = room if defaults.max_tokens is None else min(defaults.max_tokens, room)
+    elif max_tokens > room:
+        raise ValueError(
+            f"stop_conditions.max_tokens: the prompt ({prompt_len} tokens) plus max_tokens "
+            f"({max_tokens}) exceeds the context length of {context_length} tokens"
+        )
+    min_tokens = _integer(stop, "min_tokens", "stop_conditions", 0, 0)
+    if min_tokens > max_tokens:
+        raise ValueError(
+            f"stop_conditions.min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})"
+        )
+    return max_tokens, min_tokens
+
+
+def _stop_token_ids(stop: dict[str, Any], vocab_size: int) -> frozenset[int]:
+    stop_ids = stop.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids
+    ):
+        raise ValueError(
+            f"stop_conditions.stop_token_ids must be a list of token ids in [0, {vocab_size})"
+        )
+    return frozenset(stop_ids)
 
 
 class PenaltyState:

@@ -4,25 +4,18 @@ Why a scheduler of our own: transformers' ``ContinuousBatchingManager`` fixes it
 setup per manager (only temperature/top-k/top-p have per-request variants, and only when
 the manager's GenerationConfig enables them); it has no per-request seed, min-p,
 penalties, min_tokens, top logprobs or ``n``. This scheduler keeps the model's own forward
-and adds what a server needs around it; decode steps of Llama-architecture models run
-:mod:`.llama_decode` instead, the same logits with far less Python per step.
+and adds what a server needs around it.
 
-Layout: every running sequence is one row of a batched :class:`.kv_cache.BatchKv`,
-right-aligned (left padding), so one decode step appends one column for all rows in
-place. Each row's real tokens are selected by an attention mask and its own position
-ids. Membership changes only at step boundaries: the requests admitted in a step are
-prefilled together, left-padded in one forward pass (a prompt's padding is masked out, so
-its first token depends on its neighbours only through the rounding of the matrix
-products, whose algorithm follows the batch's row count), then each one's KV is written
-into a free row of the batch; a finished or cancelled sequence's row is given to
-another, and padding columns no row needs any more are trimmed. The buffers are released
-when the batch empties, or reallocated smaller when rows leave most of them unused.
+The parts, one concept each: :mod:`.sequence` (a request and its choices),
+this module (admission, batch composition, the step loop, the chunks each token becomes),
+:mod:`.model_runner` (the forward passes and the KV cache they run over). Membership of
+the batch changes only at step boundaries: the requests admitted in a step are prefilled
+together (:func:`_prefill_groups`) and join the running rows, which decode one token per
+step until they finish or are cancelled.
 
-With LoRA adapters loaded, each row names its adapter (or none) in the forward pass, so
-requests for different adapters and for the base model share one batch.
-
-Admission reserves ``n * (prompt + max_tokens)`` tokens of the KV budget; a request that
-fits waits in FIFO order, so a running long request never blocks a short one from
+Admission reserves ``n * (prompt + max_tokens)`` tokens of the KV budget
+(``kv_capacity_tokens``, counted in ``KV_BLOCK_SIZE`` blocks for the metrics); a request
+that fits waits in FIFO order, so a running long request never blocks a short one from
 starting, and no running sequence is ever preempted.
 """
 
@@ -33,24 +26,16 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
-from penstock.engines.context import Context
-from penstock.engines.transformers.kv_cache import BatchKv, KvPair
-from penstock.engines.transformers.llama_decode import LlamaDecoder
-from penstock.engines.transformers.lora import BASE_ROW
-from penstock.engines.transformers.sampling import (
-    PenaltyState,
-    RowSampling,
-    SamplingParams,
-    TokenChoice,
-    choose_tokens,
-)
+from penstock.engines.transformers.kv_cache import KvPair
+from penstock.engines.transformers.model_runner import ModelRunner
+from penstock.engines.transformers.sampling import TokenChoice
+from penstock.engines.transformers.sequence import Sequence, Submission, completion_usage
 from penstock.metrics.forward_pass import (
     ForwardPassMetrics,
     WelfordAccumulator,
@@ -70,51 +55,6 @@ class StepFailure(Exception):
     """A forward pass failed; every request that was in it ends with this error."""
 
 
-Deliver = Callable[[list[Any]], None]
-
-
-@dataclass(eq=False)
-class Submission:
-    """One ``generate`` call: a prompt and ``n`` choices decoded as separate sequences."""
-
-    request_id: str
-    context: Context
-    prompt_ids: list[int]
-    params: SamplingParams
-    deliver: Deliver
-    # peft's name of the LoRA adapter the request runs with; None runs the base model.
-    adapter: str | None = None
-    # Builds the prompt's ``inputs_embeds`` from (model, prompt ids) at prefill, for
-    # prompts whose placeholder tokens stand for image features; None feeds the ids.
-    embed: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
-    cancelled: bool = False
-    # Arrived before a pause in "wait" mode: still runs, the pause waits for it.
-    drain: bool = False
-    done: bool = False
-    unfinished: int = 0
-
-    @property
-    def reserved_tokens(self) -> int:
-        return self.params.n * (len(self.prompt_ids) + self.params.max_tokens)
-
-    def should_stop(self) -> bool:
-        return self.cancelled or self.context.is_stopped()
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One choice of a submission: one row of the decode batch."""
-
-    submission: Submission
-    index: int
-    generator: torch.Generator | None
-    penalties: PenaltyState | None
-    output_ids: list[int] = field(default_factory=list)
-    kv_length: int = 0
-    next_token: int = 0
-    finished: bool = False
-
-
 @dataclass(frozen=True)
 class KvUsage:
     used_blocks: int
@@ -123,8 +63,29 @@ class KvUsage:
     waiting: int
 
 
+class _OnRunner:
+    """An attribute the engine sets on the scheduler, held by its model runner: set with
+    ``step_lock`` held, between two forward passes."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, scheduler: BatchScheduler, owner: type | None = None) -> Any:
+        return getattr(scheduler.runner, self.name)
+
+    def __set__(self, scheduler: BatchScheduler, value: Any) -> None:
+        setattr(scheduler.runner, self.name, value)
+
+
 class BatchScheduler:
     """Runs the decode loop on its own thread; every public method is thread-safe."""
+
+    # The model (a peft wrapper while LoRA adapters are loaded), whether it is one, and
+    # the Llama decoder that replaces its forward in decode steps (see
+    # :class:`.model_runner.ModelRunner`).
+    model = _OnRunner()
+    adapters_loaded = _OnRunner()
+    decoder = _OnRunner()
 
     def __init__(
         self,
@@ -140,31 +101,21 @@ class BatchScheduler:
         on_forward_pass: Callable[[ForwardPassMetrics, KvUsage], None],
         worker_id: str = "",
     ) -> None:
-        self.model = model
-        # True while ``model`` is a peft wrapper: every forward pass then names each
-        # row's adapter (set together with ``model``, under ``step_lock``).
-        self.adapters_loaded = False
-        # Decode steps run this instead of ``model``'s forward when set and no adapter is
-        # loaded (see :mod:`.llama_decode`); set together with ``model``.
-        self.decoder: LlamaDecoder | None = None
-        self.device = device
+        self.runner = ModelRunner(
+            model, device, seed=seed, rows=max_num_seqs, vocab=vocab_size, ends=eos_token_ids
+        )
         self.eos_token_ids = eos_token_ids
-        self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.kv_capacity_tokens = kv_capacity_tokens
         self.worker_id = worker_id
         self._engine_data = engine_data
         self._on_forward_pass = on_forward_pass
-        self._shared_generator = torch.Generator(device=device)
-        self._shared_generator.manual_seed(seed)
         self._cond = threading.Condition()
         # Held by the thread for a whole step; holders of it see no forward pass running.
         self.step_lock = threading.Lock()
         self._waiting: deque[Submission] = deque()
         self._admitted: list[Submission] = []
         self._running: list[Sequence] = []
-        self._cache: BatchKv | None = None
-        self._width = 0
         self._reserved_tokens = 0
         self._paused = False
         self._frozen = False
@@ -196,8 +147,7 @@ class BatchScheduler:
             self._waiting.clear()
             self._running.clear()
             self._admitted.clear()
-            self._cache = None
-            self._width = 0
+            self.runner.reset()
         with self._cond:
             for submission in pending:
                 self._finish_unstarted(submission, "cancelled")
@@ -303,8 +253,7 @@ class BatchScheduler:
 
     def move_kv(self, device: torch.device) -> None:
         """Move the KV of held sequences (call with ``step_lock`` held)."""
-        if self._cache is not None:
-            self._cache.to(device)
+        self.runner.move_kv(device)
 
     # -- the loop (scheduler thread) ------------------------------------------------------
 
@@ -404,34 +353,7 @@ class BatchScheduler:
         self._publish(admitted, decode_rows, queued, time.perf_counter() - started)
 
     def _decode(self, rows: list[Sequence], outbox: dict[Submission, list[Any]]) -> None:
-        width = self._width
-        kv_lengths = [seq.kv_length for seq in rows]
-        lengths = torch.tensor(kv_lengths, device=self.device)
-        token_ids = torch.tensor([seq.next_token for seq in rows], device=self.device)
-        cache = self._cache
-        assert cache is not None
-        cache.reserve(1, limit=max(self._remaining(seq) for seq in rows))
-        if self.decoder is not None and not self.adapters_loaded:
-            attention_mask = None
-            if min(kv_lengths) < width:
-                columns = torch.arange(width + 1, device=self.device)
-                attention_mask = (columns >= (width - lengths).unsqueeze(1))[:, None, None, :]
-            logits = self.decoder.decode(token_ids, lengths, cache, attention_mask)
-        else:
-            columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
-            output = self.model(
-                input_ids=token_ids.unsqueeze(1),
-                attention_mask=(columns >= (width - lengths).unsqueeze(1)).long(),
-                position_ids=lengths.unsqueeze(1),
-                cache=cache,
-                use_cache=True,
-                **self._adapter_names(seq.submission for seq in rows),
-            )
-            logits = output.logits[:, -1, :]
-        self._width = width + 1
-        for seq in rows:
-            seq.kv_length += 1
-        choices = choose_tokens(logits, [self._row(seq) for seq in rows], self._shared_generator)
+        choices = self.runner.decode(rows)
         for seq, choice in zip(rows, choices, strict=True):
             self._accept(seq, choice, outbox)
 
@@ -443,7 +365,7 @@ class BatchScheduler:
         live: list[tuple[Submission, list[Sequence]]] = []
         for submission in group:
             submission.unfinished = submission.params.n
-            sequences = [self._new_sequence(submission, i) for i in range(submission.params.n)]
+            sequences = self.runner.new_sequences(submission)
             if submission.should_stop():
                 for seq in sequences:
                     self._finish(seq, "cancelled", outbox, last_chunk=None)
@@ -451,85 +373,14 @@ class BatchScheduler:
                 live.append((submission, sequences))
         if not live:
             return []
-        submissions = [submission for submission, _ in live]
-        longest = max(len(s.prompt_ids) for s in submissions)
-        if len(live) == 1:
-            submission = submissions[0]
-            prompt = torch.tensor([submission.prompt_ids], device=self.device)
-            if submission.embed is None:
-                inputs: dict[str, Any] = {"input_ids": prompt}
-            else:
-                inputs = {"inputs_embeds": submission.embed(self.model, prompt)}
-        else:
-            # Left padding: every prompt's last token is in the last column, where the
-            # logits are kept. Padding positions are masked out and their KV dropped.
-            ids = torch.zeros((len(live), longest), dtype=torch.long)
-            attention_mask = torch.zeros((len(live), longest), dtype=torch.long)
-            for row, submission in enumerate(submissions):
-                length = len(submission.prompt_ids)
-                ids[row, longest - length :] = torch.tensor(submission.prompt_ids)
-                attention_mask[row, longest - length :] = 1
-            positions = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
-            inputs = {
-                "input_ids": ids.to(self.device),
-                "attention_mask": attention_mask.to(self.device),
-                "position_ids": positions.to(self.device),
-            }
-        output = self.model(
-            **inputs,
-            cache=DynamicCache(),
-            use_cache=True,
-            logits_to_keep=1,
-            **self._adapter_names(submissions),
-        )
         joined = []
-        for row, (submission, sequences) in enumerate(live):
-            length = len(submission.prompt_ids)
-            layers = [
-                (
-                    layer.keys[row : row + 1, :, longest - length :],
-                    layer.values[row : row + 1, :, longest - length :],
-                )
-                for layer in output.cache.layers
-            ]
-            logits = output.logits[row : row + 1, -1, :].expand(len(sequences), -1)
-            choices = choose_tokens(
-                logits, [self._row(seq) for seq in sequences], self._shared_generator
-            )
+        prefilled = self.runner.prefill(live)
+        for (_, sequences), (choices, layers) in zip(live, prefilled, strict=True):
             for seq, choice in zip(sequences, choices, strict=True):
-                seq.kv_length = length
                 self._accept(seq, choice, outbox)
                 if not seq.finished:
                     joined.append((seq, layers))
         return joined
-
-    @staticmethod
-    def _remaining(seq: Sequence) -> int:
-        """Decode steps the row may still take (its last token is never fed back)."""
-        return max(seq.submission.params.max_tokens - len(seq.output_ids), 1)
-
-    def _adapter_names(self, submissions: Iterable[Submission]) -> dict[str, Any]:
-        if not self.adapters_loaded:
-            return {}
-        return {"adapter_names": [s.adapter or BASE_ROW for s in submissions]}
-
-    def _new_sequence(self, submission: Submission, index: int) -> Sequence:
-        params = submission.params
-        generator = None
-        if params.seed is not None and not params.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed + index)
-        penalties = None
-        if params.has_penalties:
-            penalties = PenaltyState(submission.prompt_ids, self.vocab_size, self.device)
-        return Sequence(submission, index, generator, penalties)
-
-    def _row(self, seq: Sequence) -> RowSampling:
-        params = seq.submission.params
-        banned: list[int] = []
-        if len(seq.output_ids) < params.min_tokens:
-            banned = sorted(params.stop_token_ids | self.eos_token_ids)
-        return RowSampling(params, len(seq.output_ids), banned, seq.generator, seq.penalties)
 
     def _accept(
         self,
@@ -576,7 +427,9 @@ class BatchScheduler:
             "engine_data": self._engine_data(),
         }
         chunk["finish_reason"] = reason
-        chunk["completion_usage"] = _usage(len(submission.prompt_ids), len(seq.output_ids))
+        chunk["completion_usage"] = completion_usage(
+            len(submission.prompt_ids), len(seq.output_ids)
+        )
         outbox.setdefault(submission, []).append(chunk)
         submission.unfinished -= 1
         if submission.unfinished <= 0:
@@ -598,7 +451,7 @@ class BatchScheduler:
                     "token_ids": [],
                     "index": index,
                     "finish_reason": reason,
-                    "completion_usage": _usage(len(submission.prompt_ids), 0),
+                    "completion_usage": completion_usage(len(submission.prompt_ids), 0),
                     "engine_data": self._engine_data(),
                 }
                 for index in range(submission.params.n)
@@ -609,37 +462,17 @@ class BatchScheduler:
         with self._cond:
             failed = list(self._admitted)
             self._running = []
-        self._cache = None
-        self._width = 0
+        self.runner.reset()
         for submission in failed:
             outbox.setdefault(submission, []).append(error)
             self._retire(submission)
 
     def _rebuild_batch(self, joined: list[tuple[Sequence, list[KvPair]]]) -> None:
         """Drop finished rows, trim padding nobody needs, append newly prefilled rows."""
-        keep = [i for i, seq in enumerate(self._running) if not seq.finished]
-        if len(keep) == len(self._running) and not joined:
-            return
-        if self._cache is not None:
-            order = self._cache.keep_rows(keep) if len(keep) != len(self._running) else keep
-            survivors = [self._running[i] for i in order]
-        else:
-            survivors = []
-        rows = survivors + [seq for seq, _ in joined]
-        with self._cond:
-            self._running = rows
-        if not rows:
-            self._cache = None
-            self._width = 0
-            return
-        width = max(seq.kv_length for seq in rows)
-        headroom = max(self._remaining(seq) for seq in rows)
-        if self._cache is None:
-            self._cache = BatchKv(joined[0][1], row_capacity=len(joined))
-        self._cache.set_width(width, headroom=headroom)
-        if joined:
-            self._cache.add_rows([layers for _, layers in joined], self.max_num_seqs)
-        self._width = width
+        rows = self.runner.rebuild_batch(self._running, joined)
+        if rows is not None:
+            with self._cond:
+                self._running = rows
 
     def _send(self, outbox: dict[Submission, list[Any]]) -> None:
         for submission, items in outbox.items():
@@ -701,11 +534,3 @@ def _prefill_groups(admitted: list[Submission]) -> list[list[Submission]]:
             groups.append([submission])
             longest = length
     return groups
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }

@@ -3,17 +3,19 @@ verification.
 
 The wire formats and the checksum are in :mod:`penstock.engines.weight_sync`. Every push
 needs paused generation and is validated whole (names, shapes, dtypes) before the first
-byte is applied; a refused push leaves the old weights serving. A broadcast whose
+byte is received; a refused push leaves the old weights serving. A broadcast whose
 metadata is valid for the wire but not for this model is still received (into a scratch
 buffer, one tensor at a time, then dropped), so the trainer's collective completes and
-the group stays usable for its next push. Received tensors are copied into the
-parameters one by one, under the scheduler's step lock: no second copy of the model.
-A transfer that breaks midway (the trainer died) leaves the tensors received so far
-applied and the rest old; the update then fails, generation stays paused, and the
-trainer pushes again (or updates from disk). A NIXL pull READs straight into the
-parameters it can (same dtype, contiguous); the others land in a scratch buffer of at
-most ``NIXL_SCRATCH_BYTES`` at a time and are cast into place, so no second copy of the
-model is made either.
+the group stays usable for its next push.
+
+Weights are never served half-updated: every pushed tensor is staged in a buffer of its
+own (on the model's device, in the dtype it was sent in) until the whole push has
+arrived, and only then copied into the parameters, all of them under the scheduler's step
+lock. A transfer that breaks midway (the trainer died during a broadcast, a NIXL READ
+failed) drops what was staged and fails the update with a message saying so; the live
+tensors were never written, the weight version stays, and generation stays paused for
+the trainer to push again (after re-creating a broken group). Staging costs the pushed
+tensors' size once more while a push runs.
 
 Level-2 sleep drops pushed weights as it drops any (vLLM's rule): ``wake_up`` restores
 the last checkpoint read from disk, and the trainer pushes again.
@@ -46,7 +48,6 @@ from penstock.engines.weight_sync import (
 Body = dict[str, Any]
 DEFAULT_INIT_TIMEOUT_S = 30.0
 BACKENDS = ("gloo", "nccl")
-NIXL_SCRATCH_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
@@ -179,22 +180,20 @@ class WeightSync:
                 sink=lambda spec, tensor: None,
             )
             raise
-        written: dict[str, torch.Tensor] = {}
+        staged: dict[str, torch.Tensor] = {}
 
-        def apply(spec: TensorSpec, tensor: torch.Tensor) -> None:
-            target = live[spec.name]
-            with torch.no_grad():
-                target.copy_(tensor)
-            written[spec.name] = target
+        def stage(spec: TensorSpec, tensor: torch.Tensor) -> None:
+            staged[spec.name] = tensor
 
-        with lock:
-            try:
-                broadcast_specs(group.handle, specs, device=device, flattened=flattened, sink=apply)
-            except Exception as exc:
-                raise RuntimeError(
-                    f"the broadcast broke after {len(written)} of {len(specs)} tensors; "
-                    f"generation stays paused: push again: {exc}"
-                ) from exc
+        try:
+            broadcast_specs(group.handle, specs, device=device, flattened=flattened, sink=stage)
+        except Exception as exc:
+            raise WeightSyncError(
+                f"the broadcast broke after {len(staged)} of {len(specs)} tensors arrived "
+                f"({_first_line(exc)}); none was applied: re-create the weights update "
+                "group and push again"
+            ) from exc
+        written = _swap_in(staged, live, lock)
         return self._done(written, "distributed")
 
     def load_tensors(self, model: torch.nn.Module, body: Body, *, trusted: bool, lock: Any) -> Body:
@@ -223,57 +222,27 @@ class WeightSync:
         for name, tensor in tensors.items():
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise WeightSyncError(f"{name} holds NaN or infinite values")
-        with lock, torch.no_grad():
-            for name, tensor in tensors.items():
-                live[name].copy_(tensor)
-        return self._done({name: live[name] for name in tensors}, "tensor")
+        return self._done(_swap_in(tensors, live, lock), "tensor")
 
     def pull_nixl(self, model: torch.nn.Module, body: Body, *, lock: Any) -> Body:
         """``update_weights_from_nixl``: validate, then READ from the trainer's memory."""
         pull = parse_nixl_pull(body)
         live = checkpoint_state_dict(model)
         check_against(pull.specs, live)
-        # Runs of tensors read by one READ each: a run ends where its scratch would pass
-        # the bound, so only tensors the model holds in another dtype cost memory.
-        runs: list[list[int]] = [[]]
-        scratch = 0
-        for index, spec in enumerate(pull.specs):
-            target = live[spec.name]
-            direct = parse_dtype(spec.dtype) == target.dtype and target.is_contiguous()
-            size = 0 if direct else target.numel() * parse_dtype(spec.dtype).itemsize
-            if runs[-1] and scratch + size > NIXL_SCRATCH_BYTES:
-                runs.append([])
-                scratch = 0
-            runs[-1].append(index)
-            scratch += size
-        written: dict[str, torch.Tensor] = {}
-        with lock, torch.no_grad():
-            for number, run in enumerate(runs):
-                into = []
-                for index in run:
-                    spec = pull.specs[index]
-                    target = live[spec.name]
-                    sent = parse_dtype(spec.dtype)
-                    direct = sent == target.dtype and target.is_contiguous()
-                    into.append(
-                        target
-                        if direct
-                        else torch.empty(spec.shape, dtype=sent, device=target.device)
-                    )
-                try:
-                    self.puller.read(pull, run, into, last=number == len(runs) - 1)
-                except WeightSyncError:
-                    if written:
-                        raise RuntimeError(
-                            f"the NIXL pull broke after {len(written)} of {len(pull.specs)} "
-                            "tensors; generation stays paused: push again"
-                        ) from None
-                    raise
-                for index, landed in zip(run, into, strict=True):
-                    target = live[pull.specs[index].name]
-                    if landed is not target:
-                        target.copy_(landed)
-                    written[pull.specs[index].name] = target
+        staged = {
+            spec.name: torch.empty(
+                spec.shape, dtype=parse_dtype(spec.dtype), device=live[spec.name].device
+            )
+            for spec in pull.specs
+        }
+        try:
+            self.puller.read(pull, list(range(len(pull.specs))), list(staged.values()), last=True)
+        except RuntimeError as exc:
+            raise WeightSyncError(
+                f"the NIXL pull of {len(pull.specs)} tensors broke ({_first_line(exc)}); "
+                "none was applied: push again"
+            ) from exc
+        written = _swap_in(staged, live, lock)
         return self._done(written, "nixl")
 
     @staticmethod
@@ -286,6 +255,21 @@ class WeightSync:
             "tensors": len(written),
             "checksum": checksum,
         }
+
+
+def _swap_in(
+    staged: dict[str, torch.Tensor], live: dict[str, torch.Tensor], lock: Any
+) -> dict[str, torch.Tensor]:
+    """Copy every staged tensor into its live one, between two forward passes."""
+    with lock, torch.no_grad():
+        for name, tensor in staged.items():
+            live[name].copy_(tensor)
+    return {name: live[name] for name in staged}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def checksum_control(model: torch.nn.Module, body: Body) -> Body:

@@ -1,0 +1,205 @@
+"""The forward passes of the batch scheduler (:mod:`.scheduler`) and the KV cache they
+run over, with each row's next token chosen from their logits.
+
+Layout: every running sequence is one row of a batched :class:`.kv_cache.BatchKv`,
+right-aligned (left padding), so one decode step appends one column for all rows in
+place. Each row's real tokens are selected by an attention mask and its own position
+ids. The prompts admitted in a step are prefilled together, left-padded in one forward
+pass (a prompt's padding is masked out, so its first token depends on its neighbours
+only through the rounding of the matrix products, whose algorithm follows the batch's row
+count), then each one's KV is written into a free row of the batch; a finished or
+cancelled sequence's row is given to another, and padding columns no row needs any more
+are trimmed. The buffers are released when the batch empties, or reallocated smaller when
+rows leave most of them unused.
+
+With LoRA adapters loaded, each row names its adapter (or none) in the forward pass, so
+requests for different adapters and for the base model share one batch. Decode steps of
+Llama-architecture models run :mod:`.llama_decode` instead of the model's forward.
+
+Every method runs on the scheduler's thread with its step lock held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from penstock.engines.transformers.kv_cache import BatchKv, KvPair
+from penstock.engines.transformers.llama_decode import LlamaDecoder
+from penstock.engines.transformers.lora import BASE_ROW
+from penstock.engines.transformers.sampling import TokenChoice, choose_tokens
+from penstock.engines.transformers.sequence import Sequence, Submission
+
+# One prefilled prompt: the choices of its sequences' first tokens and its KV per layer.
+Prefilled = tuple[list[TokenChoice], list[KvPair]]
+
+
+class ModelRunner:
+    """The model, its decode batch's KV cache, and the forward passes over them."""
+
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        *,
+        seed: int,
+        rows: int,
+        vocab: int,
+        ends: frozenset[int],
+    ) -> None:
+        """``rows``: the batch's most rows; ``vocab``: the vocabulary size; ``ends``: the
+        end tokens, banned until a row's ``min_tokens``; ``seed``: of the generator that
+        unseeded rows sample from."""
+        self.model = model
+        # True while ``model`` is a peft wrapper: every forward pass then names each
+        # row's adapter.
+        self.adapters_loaded = False
+        # Decode steps run this instead of ``model``'s forward when set and no adapter is
+        # loaded (see :mod:`.llama_decode`).
+        self.decoder: LlamaDecoder | None = None
+        self.device, self.max_num_seqs = device, rows
+        self.vocab_size, self.eos_token_ids = vocab, ends
+        self._shared_generator = torch.Generator(device=device)
+        self._shared_generator.manual_seed(seed)
+        self._cache: BatchKv | None = None
+        self._width = 0
+
+    def new_sequences(self, submission: Submission) -> list[Sequence]:
+        return [
+            Sequence.start(submission, i, device=self.device, vocab_size=self.vocab_size)
+            for i in range(submission.params.n)
+        ]
+
+    def decode(self, rows: list[Sequence]) -> list[TokenChoice]:
+        """One decode step of the whole batch (``rows``, in batch order): each row's
+        next token."""
+        width = self._width
+        kv_lengths = [seq.kv_length for seq in rows]
+        lengths = torch.tensor(kv_lengths, device=self.device)
+        token_ids = torch.tensor([seq.next_token for seq in rows], device=self.device)
+        cache = self._cache
+        assert cache is not None
+        cache.reserve(1, limit=max(seq.remaining_steps for seq in rows))
+        if self.decoder is not None and not self.adapters_loaded:
+            attention_mask = None
+            if min(kv_lengths) < width:
+                columns = torch.arange(width + 1, device=self.device)
+                attention_mask = (columns >= (width - lengths).unsqueeze(1))[:, None, None, :]
+            logits = self.decoder.decode(token_ids, lengths, cache, attention_mask)
+        else:
+            columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
+            output = self.model(
+                input_ids=token_ids.unsqueeze(1),
+                attention_mask=(columns >= (width - lengths).unsqueeze(1)).long(),
+                position_ids=lengths.unsqueeze(1),
+                cache=cache,
+                use_cache=True,
+                **self._adapter_names(seq.submission for seq in rows),
+            )
+            logits = output.logits[:, -1, :]
+        self._width = width + 1
+        for seq in rows:
+            seq.kv_length += 1
+        return choose_tokens(
+            logits, [seq.sampling(self.eos_token_ids) for seq in rows], self._shared_generator
+        )
+
+    def prefill(self, live: list[tuple[Submission, list[Sequence]]]) -> list[Prefilled]:
+        """Prefill the prompts of ``live`` in one forward pass: per prompt, its
+        sequences' first tokens and its KV (its sequences' KV lengths set)."""
+        submissions = [submission for submission, _ in live]
+        longest = max(len(s.prompt_ids) for s in submissions)
+        output = self.model(
+            **self._prefill_inputs(submissions, longest),
+            cache=DynamicCache(),
+            use_cache=True,
+            logits_to_keep=1,
+            **self._adapter_names(submissions),
+        )
+        prefilled = []
+        for row, (submission, sequences) in enumerate(live):
+            length = len(submission.prompt_ids)
+            layers = [
+                (
+                    layer.keys[row : row + 1, :, longest - length :],
+                    layer.values[row : row + 1, :, longest - length :],
+                )
+                for layer in output.cache.layers
+            ]
+            logits = output.logits[row : row + 1, -1, :].expand(len(sequences), -1)
+            choices = choose_tokens(
+                logits,
+                [seq.sampling(self.eos_token_ids) for seq in sequences],
+                self._shared_generator,
+            )
+            for seq in sequences:
+                seq.kv_length = length
+            prefilled.append((choices, layers))
+        return prefilled
+
+    def _prefill_inputs(self, submissions: list[Submission], longest: int) -> dict[str, Any]:
+        if len(submissions) == 1:
+            submission = submissions[0]
+            prompt = torch.tensor([submission.prompt_ids], device=self.device)
+            if submission.embed is None:
+                return {"input_ids": prompt}
+            return {"inputs_embeds": submission.embed(self.model, prompt)}
+        # Left padding: every prompt's last token is in the last column, where the
+        # logits are kept. Padding positions are masked out and their KV dropped.
+        ids = torch.zeros((len(submissions), longest), dtype=torch.long)
+        attention_mask = torch.zeros((len(submissions), longest), dtype=torch.long)
+        for row, submission in enumerate(submissions):
+            length = len(submission.prompt_ids)
+            ids[row, longest - length :] = torch.tensor(submission.prompt_ids)
+            attention_mask[row, longest - length :] = 1
+        positions = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
+        return {
+            "input_ids": ids.to(self.device),
+            "attention_mask": attention_mask.to(self.device),
+            "position_ids": positions.to(self.device),
+        }
+
+    def rebuild_batch(
+        self, running: list[Sequence], joined: list[tuple[Sequence, list[KvPair]]]
+    ) -> list[Sequence] | None:
+        """Drop finished rows, trim padding nobody needs, append newly prefilled rows;
+        the batch's rows in their new order, or None when nothing changed."""
+        keep = [i for i, seq in enumerate(running) if not seq.finished]
+        if len(keep) == len(running) and not joined:
+            return None
+        if self._cache is not None:
+            order = self._cache.keep_rows(keep) if len(keep) != len(running) else keep
+            survivors = [running[i] for i in order]
+        else:
+            survivors = []
+        rows = survivors + [seq for seq, _ in joined]
+        if not rows:
+            self.reset()
+            return rows
+        width = max(seq.kv_length for seq in rows)
+        headroom = max(seq.remaining_steps for seq in rows)
+        if self._cache is None:
+            self._cache = BatchKv(joined[0][1], row_capacity=len(joined))
+        self._cache.set_width(width, headroom=headroom)
+        if joined:
+            self._cache.add_rows([layers for _, layers in joined], self.max_num_seqs)
+        self._width = width
+        return rows
+
+    def reset(self) -> None:
+        """Release the batch's KV cache (the batch emptied, or its step failed)."""
+        self._cache = None
+        self._width = 0
+
+    def move_kv(self, device: torch.device) -> None:
+        """Move the KV of held sequences."""
+        if self._cache is not None:
+            self._cache.to(device)
+
+    def _adapter_names(self, submissions: Iterable[Submission]) -> dict[str, Any]:
+        if not self.adapters_loaded:
+            return {}
+        return {"adapter_names": [s.adapter or BASE_ROW for s in submissions]}
