@@ -6,6 +6,11 @@ response and stream chunk (the engine weights that produced it); per choice
 ``prompt_token_ids`` and per-choice ``token_ids`` when ``return_token_ids`` is set.
 A choice whose request was cancelled (client, admin pause in abort mode) finishes with
 ``finish_reason: "abort"``, as vLLM and SGLang report it.
+
+Served on Penstock's own request path (:mod:`penstock.routers.hot`, which lists it, and
+:class:`penstock.app.hot.HotRoutes`, which answers it): the route below declares the
+operation, its body model and its endpoint, but FastAPI's parser, dependencies and error
+handlers never run for it.
 """
 
 from __future__ import annotations
@@ -14,11 +19,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from penstock.routers.deps import media_inputs
-from penstock.routers.json_body import FastJSONRoute
 from penstock.schemas.openai import ChatCompletionRequest
 from penstock.serving.chat import create_chat_completion as serve_chat_completion
 
-router = APIRouter(tags=["openai"], route_class=FastJSONRoute)
+router = APIRouter(tags=["openai"])
 
 
 @router.post("/v1/chat/completions", response_model=None)

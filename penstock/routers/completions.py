@@ -3,6 +3,11 @@
 A batch of prompts runs as one engine request per prompt, concurrently; choice ``index``
 is ``prompt_index * n + choice``. Response extensions as for chat (see
 :mod:`penstock.routers.chat`).
+
+Served on Penstock's own request path (:mod:`penstock.routers.hot`, which lists it, and
+:class:`penstock.app.hot.HotRoutes`, which answers it): the route below declares the
+operation, its body model and its endpoint, but FastAPI's parser, dependencies and error
+handlers never run for it.
 """
 
 from __future__ import annotations
@@ -10,11 +15,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from penstock.routers.json_body import FastJSONRoute
 from penstock.schemas.openai import CompletionRequest
 from penstock.serving.completions import create_completion as serve_completion
 
-router = APIRouter(tags=["openai"], route_class=FastJSONRoute)
+router = APIRouter(tags=["openai"])
 
 
 @router.post("/v1/completions", response_model=None)

@@ -4,6 +4,11 @@ Inference routes: the inference keys guard them like ``/v1/completions``. Bodies
 responses are documented in :mod:`penstock.serving.generate`. ``/health_generate`` answers
 200 ``{"status": "ok", "weight_version"}`` after a one-token generation, and 503 when the
 engine cannot generate now (paused, asleep, draining, unhealthy, or no token in time).
+
+Served on Penstock's own request path (:mod:`penstock.routers.hot`, which lists them, and
+:class:`penstock.app.hot.HotRoutes`, which answers them): the routes below declare the
+operations, its body model and its endpoint, but FastAPI's parser, dependencies and error
+handlers never run for them.
 """
 
 from __future__ import annotations
