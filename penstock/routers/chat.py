@@ -7,9 +7,8 @@ response and stream chunk (the engine weights that produced it); per choice
 A choice whose request was cancelled (client, admin pause in abort mode) finishes with
 ``finish_reason: "abort"``, as vLLM and SGLang report it.
 
-Served on Penstock's own request path (:mod:`penstock.routers.hot`, which lists it, and
-:class:`penstock.app.hot.HotRoutes`, which answers it): the route below declares the
-operation, its body model and its endpoint, but FastAPI's parser, dependencies and error
+This route is answered by :class:`penstock.app.hot.HotRoutes`, not FastAPI
+(:mod:`penstock.routers.hot` lists it): FastAPI's parser, dependencies and error
 handlers never run for it.
 """
 

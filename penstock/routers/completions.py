@@ -1,13 +1,9 @@
 """``POST /v1/completions``: string, strings, token ids or lists of token ids.
 
 A batch of prompts runs as one engine request per prompt, concurrently; choice ``index``
-is ``prompt_index * n + choice``. Response extensions as for chat (see
-:mod:`penstock.routers.chat`).
-
-Served on Penstock's own request path (:mod:`penstock.routers.hot`, which lists it, and
-:class:`penstock.app.hot.HotRoutes`, which answers it): the route below declares the
-operation, its body model and its endpoint, but FastAPI's parser, dependencies and error
-handlers never run for it.
+is ``prompt_index * n + choice``. Response extensions as for chat, and, as chat, this
+route is answered by :class:`penstock.app.hot.HotRoutes`, not FastAPI (see
+:mod:`penstock.routers.chat` and :mod:`penstock.routers.hot`).
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@ responses are documented in :mod:`penstock.serving.generate`. ``/health_generate
 200 ``{"status": "ok", "weight_version"}`` after a one-token generation, and 503 when the
 engine cannot generate now (paused, asleep, draining, unhealthy, or no token in time).
 
-Served on Penstock's own request path (:mod:`penstock.routers.hot`, which lists them, and
-:class:`penstock.app.hot.HotRoutes`, which answers them): the routes below declare the
-operations, its body model and its endpoint, but FastAPI's parser, dependencies and error
-handlers never run for them.
+``/generate`` is answered by :class:`penstock.app.hot.HotRoutes`, not FastAPI
+(:mod:`penstock.routers.hot` lists it): FastAPI's parser, dependencies and error
+handlers never run for it.
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@ and chat template the server applies. Input too long to fit the model's context 
 refused by its length before tokenizing, as on the generation routes; large inputs are
 tokenized (or decoded) off the event loop.
 
-Served on Penstock's own request path (:mod:`penstock.routers.hot`, which lists it, and
-:class:`penstock.app.hot.HotRoutes`, which answers it): the route below declares the
-operation, its body model and its endpoint, but FastAPI's parser, dependencies and error
-handlers never run for it.
+Both routes are answered by :class:`penstock.app.hot.HotRoutes`, not FastAPI
+(:mod:`penstock.routers.hot` lists them): FastAPI's parser, dependencies and error
+handlers never run for them.
 """
 
 from __future__ import annotations
