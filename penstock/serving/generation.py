@@ -100,7 +100,7 @@ class Generation:
         """
         pending = len(self.choices)
         choices = self.choices
-        recorder = RequestRecorder(self.gateway.metrics, self.model.name)
+        recorder = RequestRecorder(self.gateway.metrics, self.model.name, self.prompt_tokens)
         record_tokens = recorder.tokens
         stream = self.model.host.generate(self.request, self.context)
         tracing = active_tracing()
@@ -117,8 +117,9 @@ class Generation:
                 if chunk.get("finish_reason") == "error":
                     raise EngineError(chunk.get("error") or "the engine reported an error")
                 delta = choice.consume(chunk, self.weight_version)
-                if delta.token_ids:
-                    record_tokens(len(delta.token_ids), self.prompt_tokens)
+                token_ids = delta.token_ids
+                if token_ids:
+                    record_tokens(len(token_ids))
                 if delta.finish_reason is not None:
                     pending -= 1
                     self._record_usage(chunk)

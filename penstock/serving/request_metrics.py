@@ -48,11 +48,11 @@ class RequestRecorder:
 
     __slots__ = ("_finish", "error_type", "status", "tokens")
 
-    tokens: Callable[[int, int], None]
-    """``tokens(count, prompt_tokens)``: ``count`` tokens arrived in one chunk
-    (``prompt_tokens``: the prompt's length, recorded with the request's first token)."""
+    tokens: Callable[[int], None]
+    """``tokens(count)``: ``count`` tokens arrived in one chunk."""
 
-    def __init__(self, families: FrontendMetrics, model: str) -> None:
+    def __init__(self, families: FrontendMetrics, model: str, prompt_tokens: int) -> None:
+        """``prompt_tokens``: the prompt's length, recorded with the request's first token."""
         metrics = families.for_model(model)
         metrics.active.inc()
         metrics.queued.inc()
@@ -64,7 +64,7 @@ class RequestRecorder:
         self.status = "error"
         self.error_type = "internal"
 
-        def tokens(count: int, prompt_tokens: int) -> None:
+        def tokens(count: int) -> None:
             nonlocal first_token, last, unflushed_tokens
             now = perf_counter()
             if first_token:
@@ -74,12 +74,12 @@ class RequestRecorder:
                 metrics.input_tokens.observe(prompt_tokens)
             else:
                 itl.append((now - last) / count)
-                if len(itl) >= _FLUSH_EVERY:
-                    metrics.itl.observe_many(itl)
-                    itl.clear()
             last = now
             unflushed_tokens += count
+            # The latencies waiting are never more than the tokens: one flush for both.
             if unflushed_tokens >= _FLUSH_EVERY:
+                metrics.itl.observe_many(itl)
+                itl.clear()
                 metrics.output_tokens_total.inc(unflushed_tokens)
                 unflushed_tokens = 0
 

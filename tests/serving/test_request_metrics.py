@@ -20,11 +20,11 @@ def value(families: FrontendMetrics, name: str, **labels: str) -> float | None:
 
 def test_a_streamed_request_is_counted_token_by_token_and_once_at_its_end() -> None:
     families = FrontendMetrics()
-    recorder = RequestRecorder(families, "m")
+    recorder = RequestRecorder(families, "m", 7)
     assert value(families, "active_requests") == 1
     assert value(families, "queued_requests") == 1
     for _ in range(100):
-        recorder.tokens(2, 7)
+        recorder.tokens(2)
     assert value(families, "queued_requests") == 0
     assert value(families, "time_to_first_token_seconds_count") == 1
     assert value(families, "input_sequence_tokens_sum") == 7
@@ -43,7 +43,7 @@ def test_a_streamed_request_is_counted_token_by_token_and_once_at_its_end() -> N
 
 def test_a_request_that_fails_before_its_first_token_leaves_the_queue() -> None:
     families = FrontendMetrics()
-    recorder = RequestRecorder(families, "m")
+    recorder = RequestRecorder(families, "m", 7)
     recorder.failed(OverloadedError("busy"), None)
     recorder.finish(0, "completions", False)
     assert value(families, "queued_requests") == 0
@@ -54,7 +54,7 @@ def test_a_request_that_fails_before_its_first_token_leaves_the_queue() -> None:
 
 def test_a_request_never_told_how_it_ended_counts_as_an_internal_error() -> None:
     families = FrontendMetrics()
-    RequestRecorder(families, "m").finish(0, "completions", False)
+    RequestRecorder(families, "m", 7).finish(0, "completions", False)
     done = {"endpoint": "completions", "request_type": "unary", "status": "error"}
     assert value(families, "requests_total", **done, error_type="internal") == 1
 
