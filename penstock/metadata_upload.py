@@ -11,7 +11,8 @@ key relative to the operator's root (``--metadata-upload-url``) and builds the u
 with :func:`under_root`, whose :func:`upload_key` check keeps every accepted key strictly
 inside that root.
 
-msgpack and zstandard are imported with the first upload: most servers never upload.
+zstandard is imported with the first upload: most servers never upload. MessagePack is
+msgspec's codec, the one the engines' forward-pass metrics use too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from penstock.settings import local_path
 
@@ -115,21 +118,20 @@ def normalize(value: Any) -> Any:
 
 
 def encode_metadata(metadata: Mapping[str, Any]) -> bytes:
-    import msgpack
     import zstandard
 
-    packed = msgpack.packb(
-        {"schema_version": SCHEMA_VERSION, "metadata": normalize(metadata)}, use_bin_type=True
+    packed = msgspec.msgpack.encode(
+        {"schema_version": SCHEMA_VERSION, "metadata": normalize(metadata)}
     )
     return zstandard.ZstdCompressor().compress(packed)
 
 
 def decode_metadata(blob: bytes) -> dict[str, Any]:
     """Inverse of :func:`encode_metadata` (tensors stay in their dict form)."""
-    import msgpack
     import zstandard
 
-    return msgpack.unpackb(zstandard.ZstdDecompressor().decompress(blob), raw=False)
+    decoded: dict[str, Any] = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(blob))
+    return decoded
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fastapi import Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.telemetry import TelemetryConfig
@@ -18,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from penstock import __version__
 from penstock.app.handlers import install_error_handlers
-from penstock.app.hot import HotRoutes, hot_routes
+from penstock.app.hot import HotRoute, HotRoutes, hot_routes
 from penstock.app.middleware import GatewayMiddleware, OpenRequests
 from penstock.gateway import Gateway
 from penstock.http import create_http_client
@@ -44,11 +46,31 @@ from penstock.routers import (
     videos,
     vllm_compat,
 )
+from penstock.routers.hot import HOT_ROUTERS
 from penstock.routers.security import require_inference_key
 from penstock.settings import Settings
 from penstock.tracing import active as active_tracing
 
+if TYPE_CHECKING:
+    from penstock.tracing.otel import Tracing
+
 ALWAYS_OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})
+# Every router of the app, in the order their routes are matched.
+ROUTERS: tuple[APIRouter, ...] = (
+    health.router,
+    metrics.router,
+    models.router,
+    chat.router,
+    completions.router,
+    generate.router,
+    tokenize.router,
+    admin.router,
+    lora.router,
+    sglang_compat.router,
+    vllm_compat.router,
+    videos.router,
+    images.router,
+)
 _UNSAFE_RUN = re.compile(r"[^A-Za-z0-9._-]+")
 
 logger = logging.getLogger(__name__)
@@ -197,48 +219,48 @@ def create_app(gateway: Gateway) -> FastAPI:
     # The server cuts what is still open when the grace period of a shutdown ends.
     app.state.open_requests = OpenRequests()
     install_error_handlers(app)
-    app.include_router(health.router)
-    app.include_router(metrics.router)
-    app.include_router(models.router)
-    app.include_router(chat.router)
-    app.include_router(completions.router)
-    app.include_router(generate.router)
-    app.include_router(tokenize.router)
-    app.include_router(admin.router)
-    app.include_router(lora.router)
-    app.include_router(sglang_compat.router)
-    app.include_router(vllm_compat.router)
-    app.include_router(videos.router)
-    app.include_router(images.router)
-    hot = hot_routes(
-        [*chat.router.routes, *completions.router.routes, *generate.router.routes], settings
+    for router in ROUTERS:
+        app.include_router(router)
+    hot = hot_routes([route for router in HOT_ROUTERS for route in router.routes], settings)
+    app.middlewares = functools.partial(
+        _middlewares,
+        gateway=gateway,
+        hot=hot,
+        open_requests=app.state.open_requests,
+        tracing=active_tracing(),
     )
-    tracing = active_tracing()
-
-    def middlewares(fastapi_layers: ASGIApp) -> ASGIApp:
-        # Innermost: the hot inference routes, served without any of FastAPI's layers.
-        wrapped: ASGIApp = HotRoutes(fastapi_layers, routes=hot)
-        if tracing is not None:
-            # Inside the gateway middleware: the request id is known when the span starts.
-            from penstock.tracing.otel import TracingMiddleware
-
-            wrapped = TracingMiddleware(
-                wrapped,
-                tracing=tracing,
-                skip_paths=ALWAYS_OPEN_PATHS,
-                weight_version=lambda: gateway.weight_version,
-            )
-        wrapped = GatewayMiddleware(
-            wrapped,
-            gateway=gateway,
-            always_open_paths=ALWAYS_OPEN_PATHS,
-            open_requests=app.state.open_requests,
-        )
-        # Outermost, so refusals of the gateway middleware (413, 503 while draining) count.
-        return HttpMetricsMiddleware(wrapped, registry=gateway.metrics.registry)
-
-    app.middlewares = middlewares
     return app
+
+
+def _middlewares(
+    fastapi_layers: ASGIApp,
+    *,
+    gateway: Gateway,
+    hot: dict[tuple[str, str], HotRoute],
+    open_requests: OpenRequests,
+    tracing: Tracing | None,
+) -> ASGIApp:
+    """Penstock's middlewares around FastAPI's layers, innermost first."""
+    # Innermost: the hot operations, served without any of FastAPI's layers.
+    wrapped: ASGIApp = HotRoutes(fastapi_layers, routes=hot)
+    if tracing is not None:
+        # Inside the gateway middleware: the request id is known when the span starts.
+        from penstock.tracing.otel import TracingMiddleware
+
+        wrapped = TracingMiddleware(
+            wrapped,
+            tracing=tracing,
+            skip_paths=ALWAYS_OPEN_PATHS,
+            weight_version=lambda: gateway.weight_version,
+        )
+    wrapped = GatewayMiddleware(
+        wrapped,
+        gateway=gateway,
+        always_open_paths=ALWAYS_OPEN_PATHS,
+        open_requests=open_requests,
+    )
+    # Outermost, so refusals of the gateway middleware (413, 503 while draining) count.
+    return HttpMetricsMiddleware(wrapped, registry=gateway.metrics.registry)
 
 
 def _resolve_routes(app: FastAPI) -> None:

@@ -66,10 +66,6 @@ def validation_error_from(exc: RequestValidationError) -> InvalidRequestError:
     loc = tuple(first.get("loc", ()))
     field = _field_path(loc)
     kind = first.get("type", "")
-    if kind == "json_invalid":
-        return InvalidRequestError(
-            f"Invalid JSON body: {first.get('msg', '')}", code="invalid_json"
-        )
     if kind == "extra_forbidden":
         unknown = sorted(
             _field_path(tuple(e.get("loc", ()))) for e in errors if e.get("type") == kind

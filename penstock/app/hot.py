@@ -1,9 +1,9 @@
-"""The lean request path of the hot inference routes: chat, completions, SGLang ``/generate``.
+"""The lean request path of the operations of :data:`penstock.routers.hot.HOT_OPERATIONS`.
 
 FastAPI's request machinery (matching the path against every route, its exit stacks and
 exception wrappers, dependency solving, binding the endpoint's arguments) was about half
 of the server's CPU for a short request (``bench/README.md``). :class:`HotRoutes`, the
-innermost middleware, serves these routes itself when method and path match exactly;
+innermost middleware, serves these operations itself when method and path match exactly;
 everything else, and every other method or spelling of these paths (405, the trailing
 slash redirect), goes on to FastAPI. The routes stay declared on their routers, so the
 OpenAPI document lists them with their request models, and each request gets what
@@ -11,11 +11,12 @@ FastAPI gave it:
 
 * the inference-key rule of :func:`~penstock.routers.security.require_inference_key`,
   checked before the body is read;
-* the body as JSON when its content type is ``application/json`` (or ``+json``), read by
-  the parser of :mod:`penstock.routers.json_body`, validated into the endpoint's body model
-  with FastAPI's errors (an empty body is a missing field, a malformed one
-  ``json_invalid``), so the handlers turn them into the same 400 naming the field;
-* the endpoint called with the body and the request, its response sent;
+* the body read by :func:`~penstock.schemas.json_body.read_json_body` (its one
+  content-type rule), validated into the endpoint's body model with FastAPI's errors (an
+  empty body is a missing field), so the handlers turn them into the same 400 naming the
+  field;
+* the endpoint called with the body and the request, its response sent (a plain value as
+  JSON, as FastAPI sends it);
 * an error raised before the response begins answered by the app's handlers
   (:func:`~penstock.app.handlers.handle_error`): the same envelopes and statuses.
 
@@ -25,43 +26,25 @@ connection's :class:`~penstock.serving.sse.FrameWriter`.
 
 from __future__ import annotations
 
-import json
 from typing import Any, get_type_hints
 
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from penstock.app.handlers import handle_error
-from penstock.routers.json_body import parse_json
+from penstock.routers.hot import HOT_OPERATIONS
 from penstock.routers.security import check_inference_key
+from penstock.schemas.json_body import NO_BODY, read_json_body
 from penstock.serving.sse import FRAME_WRITER_KEY
 from penstock.settings import Settings
 
-# The (method, path) of the operations served here; each endpoint is ``(body, request)``.
-HOT_OPERATIONS = frozenset(
-    {
-        ("POST", "/v1/chat/completions"),
-        ("POST", "/v1/completions"),
-        ("POST", "/generate"),
-        ("PUT", "/generate"),
-    }
-)
-
-_NO_BODY = object()
 # Responses that send their whole body right after their start, with nothing between.
 _WHOLE_BODY_RESPONSES = (Response, JSONResponse)
-
-
-def _is_json(content_type: str) -> bool:
-    """FastAPI's test: main type ``application``, subtype ``json`` or ``*+json``."""
-    media_type = content_type.partition(";")[0].strip().lower()
-    main, _, subtype = media_type.partition("/")
-    return main == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 class HotRoute:
@@ -82,7 +65,10 @@ class HotRoute:
         request = Request(scope, receive, send)
         try:
             check_inference_key(request, scope["path"], self.settings)
-            response = await self.endpoint(self._validate(await self._parse(request)), request)
+            body = self._validate(await read_json_body(request))
+            response = await self.endpoint(body, request)
+            if not isinstance(response, Response):
+                response = JSONResponse(jsonable_encoder(response))
         except Exception as exc:
             response = await handle_error(request, exc)
         # Neither the request nor its body (raw and validated) is needed while the response
@@ -93,31 +79,8 @@ class HotRoute:
             writer.hold_start()
         await response(scope, receive, send)
 
-    async def _parse(self, request: Request) -> Any:
-        try:
-            raw = await request.body()
-            if not raw:
-                return _NO_BODY
-            content_type = request.headers.get("content-type")
-            if content_type and _is_json(content_type):
-                return parse_json(raw)
-            return raw
-        except json.JSONDecodeError as exc:
-            error = {
-                "type": "json_invalid",
-                "loc": ("body", exc.pos),
-                "msg": "JSON decode error",
-                "input": {},
-                "ctx": {"error": exc.msg},
-            }
-            raise RequestValidationError([error], body=exc.doc) from exc
-        except HTTPException:
-            raise
-        except Exception as exc:
-            raise HTTPException(400, "There was an error parsing the body") from exc
-
     def _validate(self, value: Any) -> Any:
-        if value is _NO_BODY:
+        if value is NO_BODY:
             missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
             raise RequestValidationError([missing])
         try:

@@ -119,8 +119,12 @@ class HfCacheSource:
         return folder
 
 
+S3_INSTALL_HINT = "pip install 'penstock[s3]'"
+
+
 class S3Source:
-    """``s3://bucket/prefix``: every object under the prefix, fetched with boto3.
+    """``s3://bucket/prefix``: every object under the prefix, fetched with boto3 (the
+    ``s3`` extra, imported on first use).
 
     The client is built on first use from the usual AWS environment (credentials,
     region, ``AWS_ENDPOINT_URL`` for S3-compatible stores) unless one is given.
@@ -133,8 +137,12 @@ class S3Source:
 
     def client(self) -> Any:
         def build() -> Any:
-            import boto3
-
+            try:
+                import boto3
+            except ImportError as exc:
+                raise ImportError(
+                    f"s3:// LoRA adapters need boto3, which is not installed: {S3_INSTALL_HINT}"
+                ) from exc
             return boto3.client("s3")
 
         return self._client.get_or_init(build)

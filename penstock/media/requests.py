@@ -12,7 +12,6 @@ import asyncio
 import re
 from typing import Any, TypeVar
 
-import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
@@ -27,6 +26,7 @@ from penstock.multimodal.encoding import (
     image_data_url,
 )
 from penstock.multimodal.inputs import MediaInputs, MediaRef
+from penstock.schemas.json_body import read_json_body
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -57,7 +57,8 @@ def _place(body: dict[str, Any], path: list[str], value: Any) -> None:
 
 
 async def read_media_body(request: Request, *, file_fields: frozenset[str]) -> dict[str, Any]:
-    """The request body as a dict; uploaded files (only ``file_fields``) as bytes."""
+    """The request body as a dict; uploaded files (only ``file_fields``) as bytes. A body
+    that is not a form is read by :func:`~penstock.schemas.json_body.read_json_body`."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
         form = await request.form()
@@ -70,19 +71,10 @@ async def read_media_body(request: Request, *, file_fields: frozenset[str]) -> d
                 value = await value.read()
             _place(body, path, value)
         return body
-    if content_type in ("application/json", ""):
-        raw = await request.body()
-        try:
-            body = orjson.loads(raw) if raw else None
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequestError(f"Invalid JSON body: {exc}", code="invalid_json") from exc
-        if not isinstance(body, dict):
-            raise InvalidRequestError("The request body must be a JSON object")
-        return body
-    raise UnsupportedMediaTypeError(
-        f"Content-Type '{content_type}' is not supported: send application/json "
-        "or multipart/form-data"
-    )
+    body = await read_json_body(request, accepted="application/json or multipart/form-data")
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object")
+    return body
 
 
 def validate_body(schema: type[ModelT], body: dict[str, Any]) -> ModelT:

@@ -18,6 +18,14 @@ request back into a tensor of the same shape, dtype and bytes, and is told with
 
 NIXL runs over UCX (the agent and its import: :mod:`penstock.nixl_agent`). Nothing here
 is thread-safe; each object belongs to one event loop.
+
+This is engine-author API, kept with the names of ``dynamo.common.multimodal``
+(``AbstractEmbeddingSender`` / ``Receiver``, ``Local*``, ``NixlWrite*``, ``NixlRead*``,
+``TransferRequest``; ``EmbeddingTransferMode`` from ``dynamo.common.constants``): an
+engine whose encoder runs in another process moves embeddings with it. The gateway's own
+request path never sends any; its image and audio loaders only receive an item a NIXL
+peer decoded (``NixlReadEmbeddingReceiver``). :func:`create_embedding_sender` and
+:func:`create_embedding_receiver` pick the class of a mode.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-import msgpack
+import msgspec
 import torch
 from pydantic import BaseModel
 from safetensors.torch import load_file, save_file
@@ -303,10 +311,10 @@ class NixlWriteEmbeddingSender(_NixlSender):
 
     async def _on_notification(self, agent: NixlAgent, remote: str, message: bytes) -> None:
         try:
-            tensor_id, (address, size, device_id, kind), slot_id, metadata = msgpack.unpackb(
+            tensor_id, (address, size, device_id, kind), slot_id, metadata = msgspec.msgpack.decode(
                 message
             )
-        except (ValueError, TypeError, msgpack.UnpackException):
+        except (ValueError, TypeError, msgspec.DecodeError):
             logger.warning("ignoring a malformed NIXL notification from %s", remote)
             return
         if metadata:
@@ -417,7 +425,7 @@ class NixlWriteEmbeddingReceiver(AbstractEmbeddingReceiver):
         metadata = b"" if sender in self._told_metadata else agent.metadata()
         agent.agent.send_notif(
             sender,
-            msgpack.packb(
+            msgspec.msgpack.encode(
                 [
                     nixl_request.tensor_id,
                     [slot.data_ptr(), size, device_id, kind],

@@ -4,25 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import Request
 
 from penstock.errors import InvalidRequestError, RLAdminValidationError
 from penstock.rl.state import PAUSE_MODES, SLEEP_TAGS
+from penstock.schemas.json_body import NO_BODY, read_json_body
 
 _MISSING = object()
 
 
 async def json_object_body(request: Request) -> dict[str, Any]:
-    """The body as a dict: empty means ``{}``; invalid JSON or a non-object is a 400."""
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequestError(f"Invalid JSON body: {exc}", code="invalid_json") from exc
-    return require_object(body)
+    """The body as a dict: empty means ``{}``; a body that is not JSON
+    (:func:`~penstock.schemas.json_body.read_json_body`) or not an object is a 400."""
+    body = await read_json_body(request)
+    return {} if body is NO_BODY else require_object(body)
 
 
 def require_object(body: Any) -> dict[str, Any]:

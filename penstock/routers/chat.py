@@ -6,6 +6,10 @@ response and stream chunk (the engine weights that produced it); per choice
 ``prompt_token_ids`` and per-choice ``token_ids`` when ``return_token_ids`` is set.
 A choice whose request was cancelled (client, admin pause in abort mode) finishes with
 ``finish_reason: "abort"``, as vLLM and SGLang report it.
+
+This route is answered by :class:`penstock.app.hot.HotRoutes`, not FastAPI
+(:mod:`penstock.routers.hot` lists it): FastAPI's parser, dependencies and error
+handlers never run for it.
 """
 
 from __future__ import annotations
@@ -14,11 +18,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from penstock.routers.deps import media_inputs
-from penstock.routers.json_body import FastJSONRoute
 from penstock.schemas.openai import ChatCompletionRequest
 from penstock.serving.chat import create_chat_completion as serve_chat_completion
 
-router = APIRouter(tags=["openai"], route_class=FastJSONRoute)
+router = APIRouter(tags=["openai"])
 
 
 @router.post("/v1/chat/completions", response_model=None)

@@ -4,6 +4,10 @@ Inference routes: the inference keys guard them like ``/v1/completions``. Bodies
 responses are documented in :mod:`penstock.serving.generate`. ``/health_generate`` answers
 200 ``{"status": "ok", "weight_version"}`` after a one-token generation, and 503 when the
 engine cannot generate now (paused, asleep, draining, unhealthy, or no token in time).
+
+``/generate`` is answered by :class:`penstock.app.hot.HotRoutes`, not FastAPI
+(:mod:`penstock.routers.hot` lists it): FastAPI's parser, dependencies and error
+handlers never run for it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ RL trainers use them to build and check token-level rollouts with exactly the to
 and chat template the server applies. Input too long to fit the model's context is
 refused by its length before tokenizing, as on the generation routes; large inputs are
 tokenized (or decoded) off the event loop.
+
+Both routes are answered by :class:`penstock.app.hot.HotRoutes`, not FastAPI
+(:mod:`penstock.routers.hot` lists them): FastAPI's parser, dependencies and error
+handlers never run for them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from pydantic import ConfigDict, Field, model_validator
 from penstock.errors import InvalidRequestError
 from penstock.gateway import ServedModel
 from penstock.preprocess import Preprocessor
-from penstock.routers.json_body import FastJSONRoute
 from penstock.schemas.openai import ChatMessage, NonNegativeInt
 from penstock.schemas.unicode import RequestModel
 from penstock.serving.requests import (
@@ -27,7 +30,7 @@ from penstock.serving.requests import (
     render_and_tokenize,
 )
 
-router = APIRouter(tags=["tokenize"], route_class=FastJSONRoute)
+router = APIRouter(tags=["tokenize"])
 
 
 class TokenizeRequest(RequestModel):

@@ -18,6 +18,8 @@ from penstock.serving.sse import DONE_FRAME, disconnect_signal
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# A choice or a usage object, as a frame carries it.
+JSONObject = dict[str, Any]
 
 
 # Stands for the text in a choice template of :meth:`ChunkEncoder.text_frame`.
@@ -45,10 +47,7 @@ class ChunkEncoder:
         self._texts: dict[tuple[int, str | None], tuple[bytes, bytes]] | None = None
 
     def frame(
-        self,
-        choices: list[dict[str, Any]],
-        weight_version: str | None,
-        usage: dict[str, Any] | None = None,
+        self, choices: list[JSONObject], weight_version: str | None, usage: JSONObject | None = None
     ) -> bytes:
         body = self._head + orjson.dumps(choices) + _version_tail(weight_version)
         if usage is not None:

@@ -1,4 +1,6 @@
-"""One engine request: drives ``host.generate``, feeds each choice, records metrics and usage.
+"""One engine request: drives ``host.generate``, feeds each choice, keeps its usage.
+
+Its per-request metrics are recorded by :class:`~penstock.serving.request_metrics.RequestRecorder`.
 
 Completions with several prompts run one :class:`Generation` per prompt and interleave
 their deltas with :func:`merge`; chat runs one.
@@ -9,16 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from penstock.engines.context import Context
 from penstock.engines.contract import GenerateRequest
-from penstock.errors import EngineError, MetadataUploadError, OverloadedError, PenstockError
+from penstock.errors import EngineError, MetadataUploadError
 from penstock.metadata_upload import MetadataUploader
 from penstock.serving.choice import ChoiceState, Delta
 from penstock.serving.deadline import Deadline
+from penstock.serving.request_metrics import RequestRecorder
 from penstock.tracing import active as active_tracing
 
 if TYPE_CHECKING:
@@ -27,10 +29,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
-
-# Chunks whose inter-token latency and token count a stream keeps before recording them:
-# one histogram observation a token was ~13% of a streamed chunk's CPU.
-_FLUSH_EVERY = 64
 
 
 class Generation:
@@ -102,18 +100,8 @@ class Generation:
         """
         pending = len(self.choices)
         choices = self.choices
-        families = self.gateway.metrics
-        metrics = families.for_model(self.model.name)
-        metrics.active.inc()
-        metrics.queued.inc()
-        started = last = time.perf_counter()
-        first_token = True
-        perf_counter = time.perf_counter
-        # Per-token observations wait here and reach the families in batches (exact
-        # counts; a scrape sees a stream's tokens at most ``_FLUSH_EVERY`` late).
-        itl: list[float] = []
-        unflushed_tokens = 0
-        status, error_type = "error", "internal"
+        recorder = RequestRecorder(self.gateway.metrics, self.model.name, self.prompt_tokens)
+        record_tokens = recorder.tokens
         stream = self.model.host.generate(self.request, self.context)  # type: ignore[arg-type]
         tracing = active_tracing()
         if tracing is not None:
@@ -131,57 +119,20 @@ class Generation:
                 delta = choice.consume(chunk, self.weight_version)
                 token_ids = delta.token_ids
                 if token_ids:
-                    now = perf_counter()
-                    if first_token:
-                        first_token = False
-                        metrics.queued.dec()
-                        metrics.ttft.observe(now - started)
-                        metrics.input_tokens.observe(self.prompt_tokens)
-                    else:
-                        itl.append((now - last) / len(token_ids))
-                        if len(itl) >= _FLUSH_EVERY:
-                            metrics.itl.observe_many(itl)
-                            itl.clear()
-                    last = now
-                    unflushed_tokens += len(token_ids)
-                    if unflushed_tokens >= _FLUSH_EVERY:
-                        metrics.output_tokens_total.inc(unflushed_tokens)
-                        unflushed_tokens = 0
+                    record_tokens(len(token_ids))
                 if delta.finish_reason is not None:
                     pending -= 1
                     self._record_usage(chunk)
                 yield delta
                 if pending == 0:
-                    status, error_type = "success", ""
+                    recorder.succeeded()
                     return
-        except (asyncio.CancelledError, GeneratorExit):
-            deadline = self.deadline
-            # Dynamo's label for a response that ran out of time.
-            error_type = "response_timeout" if deadline and deadline.expired else "cancelled"
-            raise
-        except OverloadedError:
-            error_type = "overload"
-            raise
-        except PenstockError as exc:
-            error_type = "validation" if exc.status_code < 500 else "internal"
+        except BaseException as exc:
+            recorder.failed(exc, self.deadline)
             raise
         finally:
-            metrics.itl.observe_many(itl)
-            if unflushed_tokens:
-                metrics.output_tokens_total.inc(unflushed_tokens)
-            if first_token:
-                metrics.queued.dec()
-            metrics.active.dec()
-            metrics.duration.observe(time.perf_counter() - started)
-            metrics.output_tokens.observe(self.completion_tokens)
+            recorder.finish(self.completion_tokens, self.endpoint, self.streaming)
             self._count_version_tokens()
-            families.requests.labels(
-                self.model.name,
-                self.endpoint,
-                "stream" if self.streaming else "unary",
-                status,
-                error_type,
-            ).inc()
             if pending:
                 self.model.host.cancel(self.context)
             with contextlib.suppress(Exception):

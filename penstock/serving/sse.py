@@ -187,28 +187,33 @@ class EventStreamResponse(Response):
             if not self.disconnected or task.uncancel() > 0:
                 raise
         finally:
-            signal.watch(None)
-            if keepalive_s > 0:
-                _KeepAlive.leave(self, keepalive_s)
-            ping, self._ping = self._ping, None
-            if ping is not None:
-                ping.cancel()
-                with contextlib.suppress(asyncio.CancelledError, OSError):
-                    await ping
-            if self.disconnected or self.completed:
-                # Stopped before the producer's end: it must still end the engine's work.
-                aclose = getattr(self.frames, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-            if watcher is not None:
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+            await self._stop(signal, watcher)
         if self.disconnected:
             return
         last = DONE_FRAME if self.completed else b""
         with contextlib.suppress(OSError):
             await send({"type": "http.response.body", "body": last, "more_body": False})
+
+    async def _stop(self, signal: DisconnectSignal, watcher: asyncio.Future[None] | None) -> None:
+        """Stop what the stream started: the disconnect watch, the keep-alive, a comment
+        still being written, the producer (when stopped before its end) and the watcher."""
+        signal.watch(None)
+        if self.keepalive_s > 0:
+            _KeepAlive.leave(self, self.keepalive_s)
+        ping, self._ping = self._ping, None
+        if ping is not None:
+            ping.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await ping
+        if self.disconnected or self.completed:
+            # Stopped before the producer's end: it must still end the engine's work.
+            aclose = getattr(self.frames, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
 
     def ping(self, now: float) -> None:
         """Send a keep-alive comment (in a short task: the check that calls this is a

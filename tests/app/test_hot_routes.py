@@ -44,7 +44,7 @@ async def test_the_key_is_checked_before_the_body_is_read(client: httpx.AsyncCli
     [
         (b"", {"content-type": "application/json"}, "Field required"),
         (b"{not json", {"content-type": "application/json"}, "Invalid JSON body"),
-        (b'{"model": "m"}', {"content-type": "text/plain"}, "valid dictionary"),
+        (b'{"model": "m"}', {"content-type": "text/plain"}, "Content-Type 'text/plain'"),
         (b'{"a": "\xc3\x28"}', {"content-type": "application/json"}, "error parsing the body"),
     ],
     ids=["empty", "malformed", "not-json-type", "not-utf8"],
@@ -153,3 +153,37 @@ async def test_a_response_start_is_held_for_the_bytes_that_follow_it() -> None:
     assert b'"role":"assistant"' in opening
     assert opening.count(b"data: ") == 2
     assert stream[-1] == "http.response.body"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"content-type": "application/json; charset=utf-8"},
+        {"content-type": "application/vnd.x+json"},
+    ],
+    ids=["no-type", "charset", "plus-json"],
+)
+async def test_a_json_body_is_read_without_a_type_or_with_any_json_type(
+    client: httpx.AsyncClient, headers: dict[str, str]
+) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "hello"}).encode()
+    for path in ("/v1/completions", "/tokenize"):
+        response = await client.post(path, content=body, headers={**KEY, **headers})
+        assert response.status_code == 200, (path, response.text)
+
+
+async def test_every_json_route_refuses_a_body_of_another_type_alike(
+    client: httpx.AsyncClient,
+) -> None:
+    """The typed routes, the admin routes and the media routes read JSON by one rule."""
+    for path in ("/v1/chat/completions", "/tokenize", "/engine/flush_cache", "/v1/videos"):
+        response = await client.post(
+            path,
+            content=b"{}",
+            headers={**KEY, "content-type": "application/x-www-form-urlencoded"},
+        )
+        assert response.status_code == 400, path
+        error = response.json()["error"]
+        assert error["code"] == "invalid_body", path
+        assert "Content-Type 'application/x-www-form-urlencoded'" in error["message"], path

@@ -6,7 +6,7 @@ from tests.support.snippet import run_snippet
 
 # Imported where a media fetch, a metadata upload, a job store, a media store or an image
 # first needs them.
-ON_FIRST_USE = ["httpx", "httpcore", "msgpack", "zstandard", "sqlalchemy", "fsspec", "PIL"]
+ON_FIRST_USE = ["httpx", "httpcore", "zstandard", "sqlalchemy", "fsspec", "PIL"]
 
 
 def test_a_text_server_imports_none_of_what_only_media_or_uploads_need() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -104,3 +105,13 @@ async def test_the_s3_client_is_built_only_when_an_s3_adapter_is_loaded(
     assert result["local_path"] == str(fetched)
     assert {p.name: p.read_bytes() for p in fetched.iterdir()} == ADAPTER_FILES
     assert built == [("s3",)]
+
+
+async def test_without_boto3_an_s3_adapter_fails_naming_the_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A None entry makes ``import boto3`` fail as it does where boto3 is not installed.
+    monkeypatch.setitem(sys.modules, "boto3", None)
+    result = await LoRAManager(tmp_path).download_lora(f"s3://{BUCKET}/{PREFIX}")
+    assert result["status"] == "error"
+    assert "pip install 'penstock[s3]'" in result["message"]
