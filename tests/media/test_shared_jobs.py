@@ -11,7 +11,15 @@ import pytest
 
 from penstock.errors import JobDatabaseError, JobStoreUnavailableError
 from penstock.media.jobs import JobStore
-from penstock.media.records import COMPLETED, FAILED, IN_PROGRESS, QUEUED, Owner, VideoJob
+from penstock.media.records import (
+    COMPLETED,
+    FAILED,
+    IN_PROGRESS,
+    QUEUED,
+    Owner,
+    PageQuery,
+    VideoJob,
+)
 from tests.support.server import free_port
 
 
@@ -29,7 +37,7 @@ def test_every_gateway_computes_the_same_owner_tags(job_db: Path | str) -> None:
     other = Owner(second.owner_tag("sk-b"))
     assert second.get("mine", Owner(second.owner_tag("sk-a"))) is not None
     assert second.get("mine", other) is None
-    assert [j.id for j in second.page(limit=10, owner=other)[0]] == ["shared"]
+    assert [j.id for j in second.page(PageQuery(10, owner=other))[0]] == ["shared"]
     first.close()
     second.close()
 
@@ -108,7 +116,7 @@ def test_a_database_from_before_owners_and_runners_is_migrated(job_db: Path | st
     old = store.get("old", Owner(store.owner_tag("sk-a")))
     assert old is not None and (old.owner, old.runner) == ("", None)
     store.add(job("new"))
-    assert [j.id for j in store.page(limit=5)[0]] == ["new", "old"]
+    assert [j.id for j in store.page(PageQuery(5))[0]] == ["new", "old"]
     store.close()
 
 
