@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from penstock.errors import JobStoreUnavailableError
 from penstock.media.records import Owner, PageQuery, VideoJob, is_database_url
 
 if TYPE_CHECKING:
@@ -111,7 +113,13 @@ class AsyncJobStore:
     # -- what the media service writes -------------------------------------------------
 
     async def add(self, job: VideoJob) -> None:
-        await self._call(self.sync.add, job)
+        """Store a new job; one whose caller gets 503 is not left behind in the store."""
+        given_up = threading.Event()
+        try:
+            await self._call(self.sync.add, job, given_up)
+        except JobStoreUnavailableError:
+            given_up.set()
+            raise
 
     async def add_image(self, image_id: str, owner: str) -> None:
         await self._call(self.sync.add_image, image_id, owner)

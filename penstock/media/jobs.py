@@ -36,6 +36,7 @@ import hashlib
 import hmac
 import json
 import secrets
+import threading
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import fields
@@ -298,11 +299,15 @@ class JobStore:
     def close(self) -> None:
         self._engine.dispose()
 
-    def add(self, job: VideoJob) -> None:
+    def add(self, job: VideoJob, given_up: threading.Event | None = None) -> None:
+        """Store a new job; rolled back if ``given_up`` is set by the time the row is in
+        (its caller was answered 503: no one would run it)."""
         values = {name: getattr(job, name) for name in _COLUMNS}
         values["request"] = json.dumps(job.request)
         with self._tx() as conn:
             conn.execute(insert(video_jobs).values(**values))
+            if given_up is not None and given_up.is_set():
+                raise unavailable("answered too late")
 
     def get(self, job_id: str, owner: Owner | None = None) -> VideoJob | None:
         """The job, or None when there is none or ``owner`` (if given) may not see it."""

@@ -4,6 +4,7 @@ PostgreSQL; older databases are migrated on open; bad URLs fail in one line."""
 from __future__ import annotations
 
 import sqlite3
+import threading
 from pathlib import Path
 
 import psycopg
@@ -62,6 +63,19 @@ def test_the_jobs_of_a_dead_gateway_are_adopted_once_or_failed(job_db: Path | st
     assert store.get("waiting").status == IN_PROGRESS  # type: ignore[union-attr]
     store.close()
     rival.close()
+
+
+def test_a_job_whose_caller_was_refused_meanwhile_is_rolled_back(job_db: Path | str) -> None:
+    store = JobStore(job_db)
+    given_up = threading.Event()
+    given_up.set()
+    with pytest.raises(JobStoreUnavailableError) as refused:
+        store.add(job("late"), given_up)
+    assert refused.value.headers["Retry-After"]
+    assert store.get("late") is None
+    store.add(job("on-time"), threading.Event())
+    assert store.get("on-time") is not None
+    store.close()
 
 
 def test_only_the_runner_finishes_a_job(job_db: Path | str) -> None:
