@@ -291,6 +291,10 @@ class JobStore:
         except (OperationalError, PoolTimeoutError) as exc:
             # The server is gone, too slow or the file is locked, not a statement that is wrong.
             raise unavailable("cannot be reached") from exc
+        except DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise unavailable("dropped the connection") from exc
+            raise
 
     def owner_tag(self, api_key: str) -> str:
         """What the rows of ``api_key``'s jobs store: a keyed hash, so the key never is."""

@@ -245,9 +245,9 @@ class MediaService:
             await asyncio.sleep(self.lease_s / 3)
             try:
                 beats = await self.jobs.beat(self.runner)
-            except PenstockError as exc:
+            except Exception as exc:
                 self._beat_failed = True
-                logger.warning("video job upkeep skipped: %s", exc.message)
+                logger.warning("video job upkeep skipped: the beat failed: %s", exc)
                 continue
             try:
                 live = {self.runner, *self._observe(beats)}
