@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import logging
+import queue
 import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from penstock.errors import JobStoreUnavailableError
 from penstock.media.records import Owner, PageQuery, VideoJob, is_database_url
@@ -37,6 +40,53 @@ CALL_TIMEOUT_S = 5.0
 SCRAPE_WAIT_S = 0.1
 
 T = TypeVar("T")
+P = ParamSpec("P")
+_Call = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
+
+
+class _DaemonThreads(concurrent.futures.Executor):
+    """A fixed set of daemon threads taking calls in order. The standard pool's threads
+    are joined when the interpreter exits; one stuck on a database that hangs would keep
+    a stopped gateway from exiting."""
+
+    def __init__(self, count: int, name: str) -> None:
+        self._count = count
+        self._closed = False
+        self._work: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        for index in range(count):
+            threading.Thread(target=self._serve, name=f"{name}-{index}", daemon=True).start()
+
+    def submit(
+        self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
+    ) -> concurrent.futures.Future[T]:
+        if self._closed:
+            raise RuntimeError("the job store is closed")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._work.put((future, functools.partial(fn, *args, **kwargs)))
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop taking calls; the ones waiting are cancelled. Never waits."""
+        self._closed = True
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self._work.get_nowait()
+                if item is not None:
+                    item[0].cancel()
+        for _ in range(self._count):
+            self._work.put(None)
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, call = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = call()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
 
 
 def check_database(location: str | None) -> None:
@@ -65,9 +115,7 @@ class AsyncJobStore:
         self._unavailable = unavailable
         # One thread for SQLite, whose writes take turns anyway (and whose in-memory
         # database is one connection); on PostgreSQL one per pooled connection.
-        self._threads = concurrent.futures.ThreadPoolExecutor(
-            POOL_CONNECTIONS if self.sync.shared else 1, thread_name_prefix="job-store"
-        )
+        self._threads = _DaemonThreads(POOL_CONNECTIONS if self.sync.shared else 1, "job-store")
         self._counts: dict[str, int] = {}
         self._counting: concurrent.futures.Future[dict[str, int]] | None = None
 
@@ -93,7 +141,7 @@ class AsyncJobStore:
 
     def close(self) -> None:
         """Close the store; calls stuck on a database that hangs are left to end alone."""
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown()
         self.sync.close()
 
     # -- what routes read --------------------------------------------------------------

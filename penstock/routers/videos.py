@@ -352,7 +352,11 @@ async def generate_video(request: Request) -> Any:
     service = media_service(request)
     gateway: Gateway = request.app.state.gateway
     events = service.subscribe(job.id)
-    await service.submit_video(job)
+    try:
+        await service.submit_video(job)
+    except PenstockError:
+        service.unsubscribe(job.id, events)
+        raise
 
     def cancel_if_unfinished() -> None:
         service.unsubscribe(job.id, events)
