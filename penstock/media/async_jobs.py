@@ -109,10 +109,9 @@ class AsyncJobStore:
     """
 
     def __init__(self, location: Path | str | None) -> None:
-        from penstock.media.jobs import POOL_CONNECTIONS, JobStore, unavailable
+        from penstock.media.jobs import POOL_CONNECTIONS, JobStore
 
         self.sync: JobStore = JobStore(location)
-        self._unavailable = unavailable
         # One thread for SQLite, whose writes take turns anyway (and whose in-memory
         # database is one connection); on PostgreSQL one per pooled connection.
         self._threads = _DaemonThreads(POOL_CONNECTIONS if self.sync.shared else 1, "job-store")
@@ -137,7 +136,9 @@ class AsyncJobStore:
             # On timeout the call is cancelled: one not started yet never runs.
             return await asyncio.wait_for(pending, CALL_TIMEOUT_S)
         except TimeoutError:
-            raise self._unavailable(f"did not answer within {CALL_TIMEOUT_S:g}s") from None
+            from penstock.media.jobs import unavailable
+
+            raise unavailable(f"did not answer within {CALL_TIMEOUT_S:g}s") from None
 
     def close(self) -> None:
         """Close the store; calls stuck on a database that hangs are left to end alone."""

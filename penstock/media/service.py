@@ -63,11 +63,11 @@ DEFAULT_LEASE_S = 30.0
 INTERRUPTED_REASON = "the server stopped while this job was running; create it again"
 SHUTDOWN_REASON = "the server shut down while this job was running; create it again"
 _PROGRESS_STATUSES = frozenset({QUEUED, IN_PROGRESS})
-T = TypeVar("T")
 CANCELLED = "cancelled"
 _FORMAT_RE = re.compile(r"^[a-z0-9]{1,8}$")
 # How often a call the store could not take is made again, while it stays away.
 STORE_RETRY_S = 1.0
+T = TypeVar("T")
 
 
 def is_progress(chunk: dict[str, Any]) -> bool:
@@ -102,6 +102,7 @@ class _Outcome:
 
     @property
     def status(self) -> str:
+        """How the metrics count its end: completed, failed or cancelled."""
         return CANCELLED if self.changes.get("error_code") == CANCELLED else self.changes["status"]
 
 
