@@ -32,7 +32,7 @@ from penstock.engines.metric_outlets import bridge_engine_metrics
 from penstock.errors import ListenError
 from penstock.gateway import Gateway, ServedModel
 from penstock.media.artifacts import check_location
-from penstock.media.records import check_database
+from penstock.media.async_jobs import check_database
 from penstock.media.requests import generates_media
 from penstock.preprocess import Preprocessor
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS

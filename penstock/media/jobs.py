@@ -7,9 +7,12 @@ where a store is opened.
 Two backends, one store: SQLite (a file, or memory) is the embedded default, for one
 gateway process; PostgreSQL (a ``postgresql+psycopg://`` URL) lets several gateways, on
 any nodes, share one set of jobs. Every write commits at once; SQLite runs in WAL mode, so
-readers never wait. Calls block (a round trip to PostgreSQL); they are short, and made from
-the event loop like the SQLite ones always were. A database that cannot be reached gives
-:class:`~penstock.errors.JobStoreUnavailableError` (503) to the request that needed it.
+readers never wait. Calls block (a round trip to PostgreSQL): the gateway makes them on
+threads (:class:`~penstock.media.async_jobs.AsyncJobStore`), never on its event loop. Each
+is bounded on PostgreSQL: connecting, every statement and every unacknowledged send have a
+time limit, so a server that went away fails the call rather than holding it. A database
+that cannot be reached gives :class:`~penstock.errors.JobStoreUnavailableError` (503, with
+``Retry-After``) to the request that needed it.
 
 The engine request of each job is stored too, so a job still queued when its gateway
 stopped can run later, on that gateway after a restart or on another one sharing the
@@ -33,6 +36,7 @@ import hashlib
 import hmac
 import json
 import secrets
+import threading
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import fields
@@ -64,14 +68,39 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.pool import StaticPool
 
 from penstock.errors import JobDatabaseError, JobStoreUnavailableError
-from penstock.media.records import FAILED, IN_PROGRESS, QUEUED, UNFINISHED, Owner, VideoJob
+from penstock.media.records import (
+    FAILED,
+    IN_PROGRESS,
+    QUEUED,
+    UNFINISHED,
+    Owner,
+    PageQuery,
+    VideoJob,
+)
 
 BACKENDS = ("sqlite", "postgresql")
 # Held while one gateway creates or migrates the tables, so two starting at once don't race.
 _SCHEMA_LOCK_KEY = 0x70656E73
+# What a client is told to wait before trying a job route again while the store is away.
+RETRY_AFTER_S = 5
+# Connections at most, to PostgreSQL, of one gateway; as many threads make its calls.
+POOL_CONNECTIONS = 8
+# The bounds of one call on PostgreSQL, unless the URL sets them: seconds to connect,
+# milliseconds per statement (lock waits included), milliseconds a send may go
+# unacknowledged, and TCP keepalives to find a peer that vanished while idle.
+_CONNECTION_BOUNDS: dict[str, Any] = {
+    "connect_timeout": 5,
+    "tcp_user_timeout": 10_000,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 3,
+    "keepalives_count": 3,
+}
+_STATEMENT_TIMEOUT_MS = 5_000
 
 # INTEGER in SQLite, where only ``INTEGER PRIMARY KEY`` is the row id; 64-bit elsewhere.
 _Int = BigInteger().with_variant(Integer(), "sqlite")
@@ -186,12 +215,21 @@ def _open(url: str) -> Engine:
             cursor.close()
 
         return engine
-    # Calls run on the event loop: a server that stopped answering must fail them soon.
-    connect_args = {} if "connect_timeout" in parsed.query else {"connect_timeout": 5}
+    # A server that stopped answering must fail the calls soon, not hold their threads.
+    connect_args = {k: v for k, v in _CONNECTION_BOUNDS.items() if k not in parsed.query}
+    if "options" not in parsed.query:
+        connect_args["options"] = (
+            f"-c statement_timeout={_STATEMENT_TIMEOUT_MS} -c lock_timeout={_STATEMENT_TIMEOUT_MS}"
+        )
     try:
         # pre_ping: a database restarted under a running gateway costs one retry, not errors.
         return create_engine(
-            url, pool_pre_ping=True, pool_size=4, max_overflow=4, connect_args=connect_args
+            url,
+            pool_pre_ping=True,
+            pool_size=POOL_CONNECTIONS // 2,
+            max_overflow=POOL_CONNECTIONS - POOL_CONNECTIONS // 2,
+            pool_timeout=connect_args.get("connect_timeout", 5),
+            connect_args=connect_args,
         )
     except NoSuchModuleError as exc:
         raise JobDatabaseError(f"--media-db {_redacted(url)}: {exc}") from exc
@@ -250,11 +288,13 @@ class JobStore:
         try:
             with self._engine.begin() as conn:
                 yield conn
-        except OperationalError as exc:
-            # The server is gone or the file is locked, not a statement that is wrong.
-            raise JobStoreUnavailableError(
-                "the video job database cannot be reached; try again"
-            ) from exc
+        except (OperationalError, PoolTimeoutError) as exc:
+            # The server is gone, too slow or the file is locked, not a statement that is wrong.
+            raise unavailable("cannot be reached") from exc
+        except DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise unavailable("dropped the connection") from exc
+            raise
 
     def owner_tag(self, api_key: str) -> str:
         """What the rows of ``api_key``'s jobs store: a keyed hash, so the key never is."""
@@ -263,11 +303,15 @@ class JobStore:
     def close(self) -> None:
         self._engine.dispose()
 
-    def add(self, job: VideoJob) -> None:
+    def add(self, job: VideoJob, given_up: threading.Event | None = None) -> None:
+        """Store a new job; rolled back if ``given_up`` is set by the time the row is in
+        (its caller was answered 503: no one would run it)."""
         values = {name: getattr(job, name) for name in _COLUMNS}
         values["request"] = json.dumps(job.request)
         with self._tx() as conn:
             conn.execute(insert(video_jobs).values(**values))
+            if given_up is not None and given_up.is_set():
+                raise unavailable("answered too late")
 
     def get(self, job_id: str, owner: Owner | None = None) -> VideoJob | None:
         """The job, or None when there is none or ``owner`` (if given) may not see it."""
@@ -298,19 +342,12 @@ class JobStore:
         with self._tx() as conn:
             return conn.execute(delete(video_jobs).where(video_jobs.c.id == job_id)).rowcount > 0
 
-    def page(
-        self,
-        *,
-        limit: int,
-        after: str | None = None,
-        newest_first: bool = True,
-        owner: Owner | None = None,
-    ) -> tuple[list[VideoJob], bool]:
-        """Up to ``limit`` jobs ``owner`` sees after the cursor job ``after``; and whether
-        more follow.
+    def page(self, query: PageQuery) -> tuple[list[VideoJob], bool]:
+        """The jobs of ``query``'s page, and whether more follow.
 
-        An ``after`` that names no job ``owner`` sees gives :class:`KeyError`.
+        An ``after`` that names no job its owner sees gives :class:`KeyError`.
         """
+        after, newest_first, owner = query.after, query.newest_first, query.owner
         seq = video_jobs.c.seq
         statement = select(video_jobs).order_by(seq.desc() if newest_first else seq.asc())
         tags = owner.tags() if owner is not None else None
@@ -324,8 +361,8 @@ class JobStore:
                 if cursor is None or (owner is not None and not owner.sees(cursor.owner)):
                     raise KeyError(after)
                 statement = statement.where(seq < cursor.seq if newest_first else seq > cursor.seq)
-            rows = conn.execute(statement.limit(limit + 1)).all()
-        return [_row_to_job(r) for r in rows[:limit]], len(rows) > limit
+            rows = conn.execute(statement.limit(query.limit + 1)).all()
+        return [_row_to_job(r) for r in rows[: query.limit]], len(rows) > query.limit
 
     def count_by_status(self) -> dict[str, int]:
         with self._tx() as conn:
@@ -462,6 +499,14 @@ class JobStore:
                 select(stored_images.c.owner).where(stored_images.c.id == image_id)
             ).first()
         return row is None or owner.sees(row.owner)
+
+
+def unavailable(why: str) -> JobStoreUnavailableError:
+    """The 503 of a job store call that failed for want of the database, not of the call."""
+    return JobStoreUnavailableError(
+        f"the video job database {why}; try again in {RETRY_AFTER_S} seconds",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 def _first_line(exc: BaseException) -> str:

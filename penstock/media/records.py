@@ -93,23 +93,28 @@ class VideoJob:
         return body
 
 
+@dataclass(frozen=True)
+class PageQuery:
+    """One page of a job listing: up to ``limit`` jobs ``owner`` (all, if None) sees after
+    the cursor job ``after``, newest or oldest first."""
+
+    limit: int
+    after: str | None = None
+    newest_first: bool = True
+    owner: Owner | None = None
+
+
 class JobRecords(Protocol):
-    """The lookups of jobs and stored images that routes make before they hold a job."""
+    """The lookups of jobs and stored images that routes make before they hold a job;
+    each may wait on the database, so none blocks the event loop."""
 
     def owner_tag(self, api_key: str) -> str: ...
 
-    def get(self, job_id: str, owner: Owner | None = None) -> VideoJob | None: ...
+    async def get(self, job_id: str, owner: Owner | None = None) -> VideoJob | None: ...
 
-    def page(
-        self,
-        *,
-        limit: int,
-        after: str | None = None,
-        newest_first: bool = True,
-        owner: Owner | None = None,
-    ) -> tuple[list[VideoJob], bool]: ...
+    async def page(self, query: PageQuery) -> tuple[list[VideoJob], bool]: ...
 
-    def image_visible(self, image_id: str, owner: Owner) -> bool: ...
+    async def image_visible(self, image_id: str, owner: Owner) -> bool: ...
 
 
 class _NoJobs:
@@ -118,22 +123,15 @@ class _NoJobs:
     def owner_tag(self, api_key: str) -> str:
         return SHARED_OWNER
 
-    def get(self, job_id: str, owner: Owner | None = None) -> VideoJob | None:
+    async def get(self, job_id: str, owner: Owner | None = None) -> VideoJob | None:
         return None
 
-    def page(
-        self,
-        *,
-        limit: int,
-        after: str | None = None,
-        newest_first: bool = True,
-        owner: Owner | None = None,
-    ) -> tuple[list[VideoJob], bool]:
-        if after is not None:
-            raise KeyError(after)
+    async def page(self, query: PageQuery) -> tuple[list[VideoJob], bool]:
+        if query.after is not None:
+            raise KeyError(query.after)
         return [], False
 
-    def image_visible(self, image_id: str, owner: Owner) -> bool:
+    async def image_visible(self, image_id: str, owner: Owner) -> bool:
         return False
 
 
@@ -143,15 +141,3 @@ NO_JOBS: JobRecords = _NoJobs()
 def is_database_url(location: str | None) -> bool:
     """Whether a ``--media-db`` value is a database URL rather than a SQLite file path."""
     return bool(location) and "://" in str(location)
-
-
-def check_database(location: str | None) -> None:
-    """Open (creating or migrating its tables) the database a ``--media-db`` URL names, so
-    a wrong URL or a server that is down fails before a model loads, in one line.
-
-    SQLAlchemy is imported only for a URL: a file path is checked where it is opened.
-    """
-    if location is not None and is_database_url(location.strip()):
-        from penstock.media.jobs import JobStore
-
-        JobStore(location.strip()).close()

@@ -2,7 +2,8 @@
 
 Job counts and queue sizes are read at scrape time from callables the media service
 gives (:meth:`MediaMetrics.watch`): the job store outlives the process, so a counter
-kept in memory would not match it after a restart.
+kept in memory would not match it after a restart. A job store that is slow or away
+gives the counts it gave last rather than holding the scrape.
 """
 
 from __future__ import annotations

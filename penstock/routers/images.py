@@ -102,7 +102,7 @@ async def generate_images(request: Request) -> dict[str, Any]:
             continue
         name = f"{image_id}-{index}"
         # Recorded first: a stored image without its row would be shared.
-        service.jobs.add_image(name, owner)
+        await service.jobs.add_image(name, owner)
         await asyncio.to_thread(service.artifacts.put, f"images/{name}.{output_format}", payload)
         data.append(ImageData(url=str(request.url_for("download_image_content", image_id=name))))
     created = terminal.get("created")
@@ -122,7 +122,7 @@ async def download_image_content(image_id: str, request: Request) -> Response:
     if not _IMAGE_ID_RE.match(image_id):
         raise missing
     jobs = media_jobs(request)
-    if not jobs.image_visible(image_id, media_owner(request, jobs.owner_tag)):
+    if not await jobs.image_visible(image_id, media_owner(request, jobs.owner_tag)):
         raise missing
     service = media_service(request)
     for extension, content_type in IMAGE_CONTENT_TYPES.items():

@@ -44,7 +44,14 @@ from penstock.errors import (
     clip,
 )
 from penstock.gateway import Gateway
-from penstock.media.records import COMPLETED, FAILED, QUEUED, JobRecords, Owner, VideoJob
+from penstock.media.records import (
+    COMPLETED,
+    FAILED,
+    JobRecords,
+    Owner,
+    PageQuery,
+    VideoJob,
+)
 from penstock.media.requests import (
     fill_default_model,
     read_media_body,
@@ -74,10 +81,10 @@ def _owner(request: Request, jobs: JobRecords) -> Owner:
     return media_owner(request, jobs.owner_tag)
 
 
-def _job_or_404(request: Request, video_id: str) -> VideoJob:
+async def _job_or_404(request: Request, video_id: str) -> VideoJob:
     """The job if the caller may see it; another key's job is as missing as no job."""
     jobs = media_jobs(request)
-    job = jobs.get(video_id, _owner(request, jobs))
+    job = await jobs.get(video_id, _owner(request, jobs))
     if job is None:
         raise NotFoundError(
             f"No video found with id '{clip(video_id)}'", param="video_id", code="video_not_found"
@@ -165,8 +172,8 @@ async def create_video(request: Request) -> dict[str, Any]:
             param="stream",
         )
     service = media_service(request)
-    service.submit_video(job)
-    return service.video_object(job)
+    await service.submit_video(job)
+    return await service.video_object(job)
 
 
 @router.get("/v1/videos")
@@ -178,17 +185,14 @@ async def list_videos(
 ) -> dict[str, Any]:
     records = media_jobs(request)
     try:
-        jobs, has_more = records.page(
-            limit=limit,
-            after=after,
-            newest_first=order == "desc",
-            owner=_owner(request, records),
+        jobs, has_more = await records.page(
+            PageQuery(limit, after, order == "desc", _owner(request, records))
         )
     except KeyError as exc:
         raise InvalidRequestError(
             f"after: no video with id '{clip(after)}'", param="after", code="invalid_cursor"
         ) from exc
-    data = [media_service(request).video_object(job) for job in jobs]
+    data = [await media_service(request).video_object(job) for job in jobs]
     return {
         "object": "list",
         "data": data,
@@ -200,13 +204,13 @@ async def list_videos(
 
 @router.get("/v1/videos/{video_id}")
 async def retrieve_video(video_id: str, request: Request) -> dict[str, Any]:
-    job = _job_or_404(request, video_id)
-    return media_service(request).video_object(job)
+    job = await _job_or_404(request, video_id)
+    return await media_service(request).video_object(job)
 
 
 @router.delete("/v1/videos/{video_id}")
 async def delete_video(video_id: str, request: Request) -> dict[str, Any]:
-    _job_or_404(request, video_id)
+    await _job_or_404(request, video_id)
     await media_service(request).delete_video(video_id)
     return {"id": video_id, "object": "video.deleted", "deleted": True}
 
@@ -240,7 +244,7 @@ def _byte_range(header: str | None, size: int) -> tuple[int, int] | None:
 async def download_video_content(
     video_id: str, request: Request, variant: str = "video"
 ) -> Response:
-    job = _job_or_404(request, video_id)
+    job = await _job_or_404(request, video_id)
     service = media_service(request)
     if variant != "video":
         raise InvalidRequestError(
@@ -318,7 +322,7 @@ async def _final_response(
     return response.wire()
 
 
-def _event_frame(service: MediaService, event: JobEvent) -> bytes:
+def _event_frame(event: JobEvent) -> bytes:
     job = event.job
     body: dict[str, Any] = {
         "id": job.id,
@@ -328,9 +332,7 @@ def _event_frame(service: MediaService, event: JobEvent) -> bytes:
         "progress": job.progress,
         "created": job.created_at,
     }
-    if job.status == QUEUED:
-        body["queue_position"] = service.queue_position(job)
-    for name in ("step", "total_steps", "eta_s"):
+    for name in ("queue_position", "step", "total_steps", "eta_s"):
         value = getattr(event, name)
         if value is not None:
             body[name] = value
@@ -350,12 +352,15 @@ async def generate_video(request: Request) -> Any:
     service = media_service(request)
     gateway: Gateway = request.app.state.gateway
     events = service.subscribe(job.id)
-    service.submit_video(job)
+    try:
+        await service.submit_video(job)
+    except PenstockError:
+        service.unsubscribe(job.id, events)
+        raise
 
     def cancel_if_unfinished() -> None:
         service.unsubscribe(job.id, events)
-        current = service.jobs.get(job.id)
-        if current is not None and not current.finished:
+        if service.holds(job.id):
             gateway.host.spawn(service.cancel_video(job.id))
 
     if not stream:
@@ -369,9 +374,9 @@ async def generate_video(request: Request) -> Any:
 
     async def frames() -> AsyncIterator[bytes]:
         try:
-            queued = service.jobs.get(job.id)
-            if queued is not None and queued.status == QUEUED:
-                yield _event_frame(service, JobEvent(queued))
+            position = service.pool.position(job.id)
+            if position is not None:
+                yield _event_frame(JobEvent(job, queue_position=position))
             while True:
                 event = await events.get()
                 if event.final:
@@ -379,7 +384,7 @@ async def generate_video(request: Request) -> Any:
                     yield data_frame(orjson.dumps(final))
                     yield DONE_FRAME
                     return
-                yield _event_frame(service, event)
+                yield _event_frame(event)
         finally:
             cancel_if_unfinished()
 

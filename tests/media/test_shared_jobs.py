@@ -4,6 +4,7 @@ PostgreSQL; older databases are migrated on open; bad URLs fail in one line."""
 from __future__ import annotations
 
 import sqlite3
+import threading
 from pathlib import Path
 
 import psycopg
@@ -11,7 +12,15 @@ import pytest
 
 from penstock.errors import JobDatabaseError, JobStoreUnavailableError
 from penstock.media.jobs import JobStore
-from penstock.media.records import COMPLETED, FAILED, IN_PROGRESS, QUEUED, Owner, VideoJob
+from penstock.media.records import (
+    COMPLETED,
+    FAILED,
+    IN_PROGRESS,
+    QUEUED,
+    Owner,
+    PageQuery,
+    VideoJob,
+)
 from tests.support.server import free_port
 
 
@@ -29,7 +38,7 @@ def test_every_gateway_computes_the_same_owner_tags(job_db: Path | str) -> None:
     other = Owner(second.owner_tag("sk-b"))
     assert second.get("mine", Owner(second.owner_tag("sk-a"))) is not None
     assert second.get("mine", other) is None
-    assert [j.id for j in second.page(limit=10, owner=other)[0]] == ["shared"]
+    assert [j.id for j in second.page(PageQuery(10, owner=other))[0]] == ["shared"]
     first.close()
     second.close()
 
@@ -54,6 +63,19 @@ def test_the_jobs_of_a_dead_gateway_are_adopted_once_or_failed(job_db: Path | st
     assert store.get("waiting").status == IN_PROGRESS  # type: ignore[union-attr]
     store.close()
     rival.close()
+
+
+def test_a_job_whose_caller_was_refused_meanwhile_is_rolled_back(job_db: Path | str) -> None:
+    store = JobStore(job_db)
+    given_up = threading.Event()
+    given_up.set()
+    with pytest.raises(JobStoreUnavailableError) as refused:
+        store.add(job("late"), given_up)
+    assert refused.value.headers["Retry-After"]
+    assert store.get("late") is None
+    store.add(job("on-time"), threading.Event())
+    assert store.get("on-time") is not None
+    store.close()
 
 
 def test_only_the_runner_finishes_a_job(job_db: Path | str) -> None:
@@ -108,7 +130,7 @@ def test_a_database_from_before_owners_and_runners_is_migrated(job_db: Path | st
     old = store.get("old", Owner(store.owner_tag("sk-a")))
     assert old is not None and (old.owner, old.runner) == ("", None)
     store.add(job("new"))
-    assert [j.id for j in store.page(limit=5)[0]] == ["new", "old"]
+    assert [j.id for j in store.page(PageQuery(5))[0]] == ["new", "old"]
     store.close()
 
 

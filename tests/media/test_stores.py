@@ -11,7 +11,7 @@ import pytest
 from penstock.media.artifacts import ArtifactStore, local_folder
 from penstock.media.jobs import JobStore
 from penstock.media.pool import WorkerPool
-from penstock.media.records import COMPLETED, IN_PROGRESS, VideoJob
+from penstock.media.records import COMPLETED, IN_PROGRESS, PageQuery, VideoJob
 
 
 def job(job_id: str, **fields: object) -> VideoJob:
@@ -41,14 +41,14 @@ def test_pages_are_newest_first_with_a_cursor(job_db: Path | str) -> None:
     store = JobStore(job_db)
     for name in "abcde":
         store.add(job(name))
-    first, more = store.page(limit=2)
+    first, more = store.page(PageQuery(2))
     assert [j.id for j in first] == ["e", "d"] and more
-    rest, more = store.page(limit=5, after="d")
+    rest, more = store.page(PageQuery(5, after="d"))
     assert [j.id for j in rest] == ["c", "b", "a"] and not more
-    oldest, _ = store.page(limit=2, newest_first=False)
+    oldest, _ = store.page(PageQuery(2, newest_first=False))
     assert [j.id for j in oldest] == ["a", "b"]
     with pytest.raises(KeyError):
-        store.page(limit=2, after="nope")
+        store.page(PageQuery(2, after="nope"))
 
 
 def test_unfinished_jobs_are_found_in_submission_order(job_db: Path | str) -> None:

@@ -12,6 +12,7 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -47,51 +48,95 @@ def _as_server_user() -> list[str]:
     return ["setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups", "--"]
 
 
+class PostgresServer:
+    """One server on a data folder of its own, which a test may stop and start again (an
+    outage) or pause with SIGSTOP (a server that hangs: connections stay open, nothing
+    answers)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = (self.folder / "server.log").open("ab")
+        command = [*_as_server_user(), _binary("postgres"), "-D", str(self.folder / "data")]
+        command += ["-p", str(self.port), "-k", str(self.folder), *OPTIONS]
+        self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        _wait_ready(self.port, self._process, self.folder)
+
+    def stop(self) -> None:
+        """Fast shutdown: open sessions are cut, as when a server goes down."""
+        if self._process is None:
+            return
+        self._process.send_signal(signal.SIGINT)
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Every process of the server stopped (SIGSTOP) inside the block: the postmaster
+        first, so it forks no more, then each of its children (each in a session of its
+        own, so no process group holds them all)."""
+        assert self._process is not None
+        postmaster = self._process.pid
+        os.kill(postmaster, signal.SIGSTOP)
+        processes = [postmaster, *_children(postmaster)]
+        for child in processes[1:]:
+            os.kill(child, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for process in processes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process, signal.SIGCONT)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            # The command may hold spaces; the fields after its closing parenthesis don't.
+            fields = stat.read_text().rpartition(")")[2].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
 @contextlib.contextmanager
-def running_postgres() -> Iterator[str]:
-    """Start a server; yields the SQLAlchemy URL of its ``postgres`` database."""
-    initdb, postgres = _binary("initdb"), _binary("postgres")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A started server, stopped and removed at the end."""
     folder = Path(tempfile.mkdtemp(prefix="penstock-pg-"))
     if os.geteuid() == 0:
         user = pwd.getpwnam("postgres")
         os.chown(folder, user.pw_uid, user.pw_gid)
-    data = folder / "data"
+    initdb = [_binary("initdb"), "-D", str(folder / "data"), "-U", "postgres", "-A", "trust"]
     subprocess.run(
-        [*_as_server_user(), initdb, "-D", str(data), "-U", "postgres", "-A", "trust", *FAST_INIT],
+        [*_as_server_user(), *initdb, *FAST_INIT],
         check=True,
         capture_output=True,
         timeout=120,
     )
-    port = free_port()
-    log = (folder / "server.log").open("wb")
-    server = subprocess.Popen(
-        [
-            *_as_server_user(),
-            postgres,
-            "-D",
-            str(data),
-            "-p",
-            str(port),
-            "-k",
-            str(folder),
-            *OPTIONS,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+    server = PostgresServer(folder)
     try:
-        _wait_ready(port, server, folder)
-        yield url
+        server.start()
+        yield server
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
+        server.stop()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running_postgres() -> Iterator[str]:
+    """Start a server; yields the SQLAlchemy URL of its ``postgres`` database."""
+    with postgres_server() as server:
+        yield server.url
 
 
 def _wait_ready(port: int, server: subprocess.Popen[bytes], folder: Path) -> None:
