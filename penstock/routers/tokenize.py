@@ -19,13 +19,8 @@ from penstock.preprocess import Preprocessor
 from penstock.routers.json_body import FastJSONRoute
 from penstock.schemas.openai import ChatMessage, NonNegativeInt
 from penstock.schemas.unicode import RequestModel
-from penstock.serving.requests import (
-    body_size,
-    check_prompt_length,
-    check_token_ids,
-    off_loop,
-    render_and_tokenize,
-)
+from penstock.serving.limits import body_size, check_prompt_length, check_token_ids
+from penstock.serving.prompts import off_loop, render_and_tokenize
 
 router = APIRouter(tags=["tokenize"], route_class=FastJSONRoute)
 

@@ -1,8 +1,9 @@
 """Request models of the OpenAI chat and completions APIs, validated at the edge.
 
-Unknown top-level fields are kept (``extra="allow"``) so the router can reject them by
-name, or ignore them when the operator allows it. Responses are plain dicts built on the
-hot path, not models.
+Unknown fields are kept at every depth (``extra="allow"``) so the serving layer can
+reject them by their full path, or ignore them when the operator allows it
+(:mod:`penstock.schemas.fields`). Responses are plain dicts built on the hot path, not
+models.
 """
 
 from __future__ import annotations
@@ -29,42 +30,45 @@ MAX_STOP_LENGTH = 1024
 limit keeps the stop matcher's memory, which grows with their total length, small."""
 
 
-class _Strict(RequestModel):
-    model_config = ConfigDict(extra="forbid")
+class _Nested(RequestModel):
+    """A nested object: its undeclared fields are kept for the unknown-field check."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
 
-class TextPart(_Strict):
+class TextPart(_Nested):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(_Strict):
+class ImageURL(_Nested):
     url: str
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImagePart(_Strict):
+class ImagePart(_Nested):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class InputAudio(_Strict):
+class InputAudio(_Nested):
     # Base64 audio bytes, as OpenAI's input_audio part sends them.
     data: str
     # The container: wav and mp3 in OpenAI's API; any PyAV can open is accepted.
     format: Annotated[str, Field(pattern=r"^[A-Za-z0-9.+-]{1,32}$")]
 
 
-class InputAudioPart(_Strict):
+class InputAudioPart(_Nested):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
 
-class AudioURL(_Strict):
+class AudioURL(_Nested):
     url: str
 
 
-class AudioURLPart(_Strict):
+class AudioURLPart(_Nested):
     """vLLM's audio reference part, for audio at a URL."""
 
     type: Literal["audio_url"]
@@ -89,18 +93,18 @@ MessageContent = Annotated[
 ]
 
 
-class FunctionCall(_Strict):
+class FunctionCall(_Nested):
     name: str
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(_Nested):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Nested):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: MessageContent | None = None
     name: str | None = None
@@ -120,19 +124,19 @@ class ChatMessage(_Strict):
         return self
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Nested):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(_Nested):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(_Nested):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -143,14 +147,14 @@ class ResponseFormat(_Strict):
         return self
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(_Nested):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(_Nested):
     type: Literal["function"]
     function: FunctionDefinition
 

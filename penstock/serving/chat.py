@@ -20,14 +20,9 @@ from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import request_deadline
 from penstock.serving.framing import TEXT_SLOT
 from penstock.serving.generation import Generation
-from penstock.serving.requests import (
-    chat_prompt,
-    check_budget,
-    engine_context,
-    generate_request,
-    metadata_uploader,
-    served_model,
-)
+from penstock.serving.limits import check_budget, served_model
+from penstock.serving.prompts import chat_prompt
+from penstock.serving.requests import engine_context, generate_request, metadata_uploader
 from penstock.serving.stream import ResponsePlan, respond, shows_anything
 
 

@@ -42,12 +42,9 @@ from penstock.schemas.unicode import JSONValue, RequestModel
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import Deadline, request_deadline
 from penstock.serving.generation import Generation
-from penstock.serving.requests import (
-    completion_prompts,
-    engine_context,
-    generate_request,
-    served_model,
-)
+from penstock.serving.limits import served_model
+from penstock.serving.prompts import completion_prompts
+from penstock.serving.requests import engine_context, generate_request
 from penstock.serving.stream import ResponsePlan, respond
 
 DEFAULT_MAX_NEW_TOKENS = 128
