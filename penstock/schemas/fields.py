@@ -8,7 +8,7 @@ every unknown field by its full path (``sampling_params.foo``, ``messages[0].bar
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -54,3 +54,24 @@ def refuse_unknown(model: BaseModel, allowed: bool, prefix: str = "") -> None:
     paths = unknown_fields(model, prefix)
     if paths:
         raise unknown_field_error(paths)
+
+
+def refuse_unsupported(model: BaseModel, defaults: Mapping[str, Any], prefix: str = "") -> None:
+    """400 ``unsupported_parameter`` for a field of the upstream request model this server
+    cannot honour, unless it holds the value that asks for nothing (``defaults[name]``,
+    or None); such a field is accepted and leaves the unknown-field check."""
+    extra = model.__pydantic_extra__
+    if not extra:
+        return
+    for name, default in defaults.items():
+        if name not in extra:
+            continue
+        value = extra[name]
+        if value is not None and value != default:
+            path = f"{prefix}.{name}" if prefix else name
+            raise InvalidRequestError(
+                f"{path} is not supported by this server; got {clip(repr(value))}",
+                param=path,
+                code="unsupported_parameter",
+            )
+        del extra[name]

@@ -8,7 +8,7 @@ models.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     ConfigDict,
@@ -159,11 +159,39 @@ class Tool(_Nested):
     function: FunctionDefinition
 
 
+# vLLM's extra sampling fields this server cannot honour, each with the value that asks for
+# nothing (accepted as such; any other value is a 400 naming the field).
+VLLM_UNSUPPORTED: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "truncate_prompt_tokens": None,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "prompt_logprobs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "structured_outputs": None,
+    "logits_processors": None,
+    "return_tokens_as_token_ids": False,
+    "priority": 0,
+    "request_id": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "mm_processor_kwargs": None,
+}
+
+
 class SamplingFields(RequestModel):
     """Fields shared by chat and completions."""
 
     model_config = ConfigDict(extra="allow")
     __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
+    # Upstream fields refused unless they ask for nothing (see ``VLLM_UNSUPPORTED``).
+    unsupported: ClassVar[dict[str, Any]] = VLLM_UNSUPPORTED
 
     model: str
     n: PositiveInt = 1
@@ -183,6 +211,14 @@ class SamplingFields(RequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    # vLLM's output options: special tokens in the text, and the matched stop string kept.
+    skip_special_tokens: bool = True
+    # Penstock's tokenizers decode as a fast tokenizer does, which places special tokens
+    # the same way whichever value is asked for.
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Keeps requests from sharing cached KV; no engine shares KV between requests.
+    cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None
     nvext: dict[str, Any] | None = None
 
@@ -225,6 +261,14 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    unsupported: ClassVar[dict[str, Any]] = {
+        **VLLM_UNSUPPORTED,
+        "add_special_tokens": False,
+        "continue_final_message": False,
+        "echo": False,
+        "documents": None,
+        "chat_template": None,
+    }
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -267,6 +311,13 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: PositiveInt | None = None
     suffix: str | None = None
+    # Text prompts: the tokenizer's BOS token first (as vLLM's ``add_special_tokens``).
+    add_special_tokens: bool = False
+    unsupported: ClassVar[dict[str, Any]] = {
+        **VLLM_UNSUPPORTED,
+        "response_format": None,
+        "prompt_embeds": None,
+    }
 
     @field_validator("prompt")
     @classmethod

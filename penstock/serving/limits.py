@@ -14,7 +14,7 @@ from penstock.errors import InvalidRequestError
 from penstock.gateway import Gateway, ServedModel
 from penstock.multimodal.inputs import MediaRef
 from penstock.preprocess import Preprocessor, check_prompt_chars
-from penstock.schemas.fields import refuse_unknown
+from penstock.schemas.fields import refuse_unknown, refuse_unsupported
 from penstock.schemas.openai import SamplingFields
 from penstock.serving.deadline import header
 from penstock.settings import Settings
@@ -38,6 +38,7 @@ def served_model(
 
 
 def check_common_limits(body: SamplingFields, settings: Settings, model: ServedModel) -> None:
+    refuse_unsupported(body, body.unsupported)
     refuse_unknown(body, settings.allow_unknown_fields)
     if body.n > settings.max_n:
         raise InvalidRequestError(

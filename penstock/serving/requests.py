@@ -111,7 +111,18 @@ def _stop_conditions(body: SamplingFields, max_tokens: int | None) -> dict[str, 
         conditions["stop_token_ids"] = list(body.stop_token_ids)
     if body.ignore_eos:
         conditions["ignore_eos"] = True
+    if body.include_stop_str_in_output:
+        conditions["include_stop_str_in_output"] = True
     return conditions
+
+
+def _output_options(body: SamplingFields, logprobs: int | None) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if logprobs is not None:
+        options["logprobs"] = logprobs
+    if not body.skip_special_tokens:
+        options["skip_special_tokens"] = False
+    return options
 
 
 def generate_request(
@@ -131,7 +142,7 @@ def generate_request(
         model=model.name,
         sampling_options=_sampling_options(body),
         stop_conditions=_stop_conditions(body, max_tokens),
-        output_options={"logprobs": logprobs} if logprobs is not None else {},
+        output_options=_output_options(body, logprobs),
     )
     if body.nvext:
         request["nvext"] = _engine_nvext(body.nvext, uploader)
