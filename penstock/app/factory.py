@@ -41,6 +41,7 @@ from penstock.routers import (
     models,
     sglang_compat,
     tokenize,
+    trainer_compat,
     videos,
     vllm_compat,
 )
@@ -208,6 +209,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.include_router(lora.router)
     app.include_router(sglang_compat.router)
     app.include_router(vllm_compat.router)
+    app.include_router(trainer_compat.router)
     app.include_router(videos.router)
     app.include_router(images.router)
     hot = hot_routes(

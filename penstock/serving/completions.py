@@ -14,9 +14,10 @@ from starlette.responses import Response
 
 from penstock.errors import InvalidRequestError
 from penstock.gateway import Gateway, ServedModel
+from penstock.metadata_upload import MetadataUploader
 from penstock.schemas.openai import CompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
-from penstock.serving.deadline import request_deadline
+from penstock.serving.deadline import Deadline, request_deadline
 from penstock.serving.framing import TEXT_SLOT
 from penstock.serving.generation import Generation
 from penstock.serving.limits import served_model
@@ -166,16 +167,20 @@ def _echoes(
     return echoes
 
 
-async def create_completion(
-    gateway: Gateway, body: CompletionRequest, request: Request
-) -> Response:
-    deadline = request_deadline(request, gateway.settings)
-    model = served_model(gateway, body, "completions", "completions")
+async def completion_generations(
+    gateway: Gateway,
+    body: CompletionRequest,
+    request: Request,
+    deadline: Deadline | None,
+    endpoint: str,
+    uploader: MetadataUploader | None = None,
+) -> tuple[ServedModel, list[Generation]]:
+    """One :class:`Generation` per prompt of ``body``, every check passed; none started."""
+    model = served_model(gateway, body, "completions", endpoint)
     _check_unsupported(body)
-    uploader = metadata_uploader(body, gateway.settings)
     prompts = await completion_prompts(gateway, body, model, deadline)
     _check_batch_fits(prompts, model)
-    generations = [
+    return model, [
         Generation(
             gateway,
             model,
@@ -191,13 +196,23 @@ async def create_completion(
             stops=body.stop_list,
             keep_text=not body.stream,
             want_logprobs=body.logprobs is not None,
-            endpoint="completions",
+            endpoint=endpoint,
             streaming=body.stream,
             index_offset=i * body.n,
             deadline=deadline,
         )
         for i, ids in enumerate(prompts)
     ]
+
+
+async def create_completion(
+    gateway: Gateway, body: CompletionRequest, request: Request
+) -> Response:
+    deadline = request_deadline(request, gateway.settings)
+    uploader = metadata_uploader(body, gateway.settings)
+    model, generations = await completion_generations(
+        gateway, body, request, deadline, "completions", uploader
+    )
     completion_format = CompletionFormat(
         model, _echoes(body, model, generations), return_token_ids=body.return_token_ids
     )
