@@ -65,6 +65,13 @@ class TransportUnavailableError(PenstockError):
     default_code = "transport_unavailable"
 
 
+def _not_offered(message: str) -> JSONResponse:
+    # Answered here rather than raised: a refusal the client can act on, not a failure of
+    # the server, so it is no error in the log.
+    error = TransportUnavailableError(message)
+    return JSONResponse(error.envelope(), error.status_code)
+
+
 class TokensGenerateBody(RequestModel):
     """vLLM's ``GenerateRequest`` (``/inference/v1/generate``)."""
 
@@ -185,30 +192,30 @@ async def get_world_size() -> dict[str, int]:
     return {"world_size": WORLD_SIZE}
 
 
-def _nccl_unavailable(route: str, framework: str) -> TransportUnavailableError:
-    return TransportUnavailableError(
+def _nccl_unavailable(route: str, framework: str) -> JSONResponse:
+    return _not_offered(
         f"{route} needs {framework}'s NCCL communicator (CUDA), which this server does not "
         "offer; broadcast weights through a torch process group instead "
         "(/init_weights_update_group or /init_weight_transfer_engine, gloo on the CPU)"
     )
 
 
-@admin_router.post("/init_communicator/")
-async def init_communicator(request: Request) -> dict[str, Any]:
+@admin_router.post("/init_communicator/", response_model=None)
+async def init_communicator(request: Request) -> JSONResponse:
     await json_object_body(request)
-    raise _nccl_unavailable("/init_communicator/", "vLLM")
+    return _nccl_unavailable("/init_communicator/", "vLLM")
 
 
-@admin_router.post("/update_named_param/")
-async def update_named_param(request: Request) -> dict[str, Any]:
+@admin_router.post("/update_named_param/", response_model=None)
+async def update_named_param(request: Request) -> JSONResponse:
     await json_object_body(request)
-    raise _nccl_unavailable("/update_named_param/", "vLLM")
+    return _nccl_unavailable("/update_named_param/", "vLLM")
 
 
-@admin_router.post("/init_broadcaster")
-async def init_broadcaster(request: Request) -> dict[str, Any]:
+@admin_router.post("/init_broadcaster", response_model=None)
+async def init_broadcaster(request: Request) -> JSONResponse:
     await json_object_body(request)
-    raise _nccl_unavailable("/init_broadcaster", "prime-rl")
+    return _nccl_unavailable("/init_broadcaster", "prime-rl")
 
 
 @admin_router.post("/close_communicator/")
@@ -264,7 +271,7 @@ async def _skyrl_finish(request: Request, kwargs: dict[str, Any]) -> Any:
 
 
 async def _cuda_ipc(request: Request, kwargs: dict[str, Any]) -> Any:
-    raise TransportUnavailableError(
+    return _not_offered(
         "update_weights_ipc sends CUDA IPC handles, which need CUDA on this server; "
         "use update_weights_nccl with a gloo group on the CPU"
     )
@@ -280,8 +287,8 @@ _RPC_METHODS = {
 }
 
 
-@admin_router.post("/collective_rpc")
-async def collective_rpc(request: Request) -> dict[str, Any]:
+@admin_router.post("/collective_rpc", response_model=None)
+async def collective_rpc(request: Request) -> dict[str, Any] | JSONResponse:
     body = await json_object_body(request)
     method = required_str(body, "method")
     run = _RPC_METHODS.get(method)
@@ -289,7 +296,10 @@ async def collective_rpc(request: Request) -> dict[str, Any]:
         raise invalid(
             "method", f"must be one of {', '.join(_RPC_METHODS)}; got {clip(repr(method))}"
         )
-    return {"results": [await run(request, _kwargs(body))]}
+    result = await run(request, _kwargs(body))
+    if isinstance(result, JSONResponse):
+        return result
+    return {"results": [result]}
 
 
 router.include_router(inference_router)
