@@ -82,7 +82,8 @@ class TokensGenerateBody(RequestModel):
     sampling_params: dict[str, JSONValue] = Field(default_factory=dict)
     model: str | None = None
     stream: bool = False
-    # Keeps requests from sharing cached KV; no engine shares KV between requests.
+    # Keeps requests from reusing cached KV: a cached prefix only saves work here (every
+    # weight update clears it), so the output is the same with or without it.
     cache_salt: str | None = None
 
 

@@ -217,7 +217,8 @@ class SamplingFields(RequestModel):
     # the same way whichever value is asked for.
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Keeps requests from sharing cached KV; no engine shares KV between requests.
+    # Keeps requests from reusing cached KV: a cached prefix only saves work here (every
+    # weight update clears it), so the output is the same with or without it.
     cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None
     nvext: dict[str, Any] | None = None

@@ -147,7 +147,8 @@ class ChoiceState:
             text, matched = self.stop.feed(text)
             if matched:
                 reason = "stop"
-                if self.include_stop:
+                # Once: after the match the matcher answers every chunk with no text.
+                if self.include_stop and self.finish_reason is None:
                     text += self.stop.matched
             elif reason:
                 text += self.stop.flush()
