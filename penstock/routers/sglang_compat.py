@@ -195,15 +195,29 @@ async def update_weights_from_nixl(request: Request) -> dict[str, Any]:
     return await _push(request, "update_weights_from_nixl", "descriptors")
 
 
-async def _group(request: Request, update: str, message: str) -> dict[str, Any]:
+async def _group(
+    request: Request, update: str, message: str, body: dict[str, Any] | None = None
+) -> dict[str, Any]:
     plane = admin_plane(request)
-    result = await plane.state.run_update(update, await json_object_body(request))
+    if body is None:
+        body = await json_object_body(request)
+    result = await plane.state.run_update(update, body)
     return {"success": True, "message": result.get("message", message)}
+
+
+def group_body(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with a port sent as digits (AReaL sends ``"29500"``) as the number, as
+    SGLang's request model reads it."""
+    port = body.get("master_port")
+    if isinstance(port, str) and port.isdigit():
+        return {**body, "master_port": int(port)}
+    return body
 
 
 @router.post("/init_weights_update_group")
 async def init_weights_update_group(request: Request) -> dict[str, Any]:
-    return await _group(request, "init_weights_update_group", "Succeeded to init group.")
+    body = group_body(await json_object_body(request))
+    return await _group(request, "init_weights_update_group", "Succeeded to init group.", body)
 
 
 @router.post("/destroy_weights_update_group")

@@ -29,6 +29,14 @@ Admin routes (the admin key, as every admin dialect):
   vLLM's ``StatelessProcessGroup`` and ``PyNcclCommunicator`` (prime-rl: its own NCCL
   or NIXL broadcaster), which needs CUDA; Penstock's broadcast joins a torch process
   group instead (``/init_weights_update_group``, ``/init_weight_transfer_engine``).
+* AReaL's vLLM server routes, each -> ``{"success": true, "message"}``:
+  ``/areal_pause_generation`` (abort), ``/areal_continue_generation``,
+  ``/areal_init_weights_update_group`` (as ``/init_weights_update_group``; a port in
+  digits is a number), ``/areal_set_update_weight_meta {names, dtypes, shapes,
+  group_name}`` then ``/areal_update_weights_xccl`` (one broadcast of those tensors),
+  ``/areal_update_weights {model_path}`` (from disk); both updates pause, aborting, when
+  generation is not paused already. Its LoRA broadcast and in-place reload routes are a
+  501: adapters load from a folder here.
 """
 
 from __future__ import annotations
@@ -39,10 +47,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
-from penstock.errors import InvalidRequestError, PenstockError, clip
+from penstock.errors import ConflictError, InvalidRequestError, PenstockError, clip
 from penstock.rl.fields import bool_field, invalid, json_object_body, required_str, tags_field
 from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
+from penstock.routers.sglang_compat import group_body
 from penstock.routers.vllm_compat import begin_weight_update, end_weight_update, receive_bucket
 from penstock.schemas.fields import refuse_unknown, refuse_unsupported
 from penstock.schemas.openai import NonNegativeInt
@@ -301,6 +310,91 @@ async def collective_rpc(request: Request) -> dict[str, Any] | JSONResponse:
     if isinstance(result, JSONResponse):
         return result
     return {"results": [result]}
+
+
+# AReaL's vLLM server routes (``areal/engine/vllm_ext/areal_vllm_server.py``); each
+# answers ``{"success", "message"}``. AReaL declares a broadcast's tensors first
+# (``/areal_set_update_weight_meta``), then asks for them (``/areal_update_weights_xccl``).
+_AREAL_META = "areal_weight_meta"
+
+
+def _areal(message: str) -> dict[str, Any]:
+    return {"success": True, "message": message}
+
+
+async def _paused_for_update(request: Request) -> None:
+    # AReaL's server pauses (aborting what runs) inside each update call.
+    state = admin_plane(request).state
+    if not state.is_paused:
+        await state.pause("abort")
+
+
+@admin_router.post("/areal_pause_generation")
+async def areal_pause_generation(request: Request) -> dict[str, Any]:
+    await admin_plane(request).state.pause("abort")
+    return _areal("Generation paused and all requests aborted")
+
+
+@admin_router.post("/areal_continue_generation")
+async def areal_continue_generation(request: Request) -> dict[str, Any]:
+    await admin_plane(request).state.resume()
+    return _areal("Generation continued")
+
+
+@admin_router.post("/areal_init_weights_update_group")
+async def areal_init_weights_update_group(request: Request) -> dict[str, Any]:
+    body = group_body(await json_object_body(request))
+    await admin_plane(request).state.run_update("init_weights_update_group", body)
+    return _areal("Weight update group initialized")
+
+
+@admin_router.post("/areal_set_update_weight_meta")
+async def areal_set_update_weight_meta(request: Request) -> dict[str, Any]:
+    body = await json_object_body(request)
+    for field in ("names", "dtypes", "shapes"):
+        if not isinstance(body.get(field), list):
+            raise invalid(field, "must be a list")
+    setattr(request.app.state, _AREAL_META, body)
+    return _areal("Weight update meta set")
+
+
+@admin_router.post("/areal_update_weights_xccl")
+async def areal_update_weights_xccl(request: Request) -> dict[str, Any]:
+    await json_object_body(request)
+    meta = getattr(request.app.state, _AREAL_META, None)
+    if meta is None:
+        raise ConflictError(
+            "no tensors declared: POST /areal_set_update_weight_meta first",
+            code="invalid_state_transition",
+        )
+    await _paused_for_update(request)
+    await admin_plane(request).state.update_weights("update_weights_from_distributed", meta, None)
+    return _areal("Weights updated")
+
+
+@admin_router.post("/areal_update_weights")
+async def areal_update_weights(request: Request) -> dict[str, Any]:
+    model_path = required_str(await json_object_body(request), "model_path")
+    await _paused_for_update(request)
+    await admin_plane(request).state.update_weights(
+        "update_weights_from_disk", {"model_path": model_path}, None, param="model_path"
+    )
+    return _areal("Weights updated")
+
+
+@admin_router.post(
+    "/areal_set_update_weight_meta_lora", response_model=None, operation_id="areal_meta_lora"
+)
+@admin_router.post(
+    "/areal_update_weights_lora_xccl", response_model=None, operation_id="areal_lora_xccl"
+)
+@admin_router.post("/areal_update_weights_lora", response_model=None, operation_id="areal_lora")
+async def areal_lora_update(request: Request) -> JSONResponse:
+    await json_object_body(request)
+    return _not_offered(
+        "LoRA adapters load from a folder on this server (POST /v1/load_lora_adapter); "
+        "they are not broadcast or reloaded in place"
+    )
 
 
 router.include_router(inference_router)

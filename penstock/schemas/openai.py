@@ -176,7 +176,6 @@ VLLM_UNSUPPORTED: dict[str, Any] = {
     "guided_whitespace_pattern": None,
     "structured_outputs": None,
     "logits_processors": None,
-    "return_tokens_as_token_ids": False,
     "priority": 0,
     "request_id": None,
     "kv_transfer_params": None,
@@ -217,6 +216,8 @@ class SamplingFields(RequestModel):
     # the same way whichever value is asked for.
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Logprob tokens named ``token_id:N`` instead of their text.
+    return_tokens_as_token_ids: bool = False
     # Keeps requests from reusing cached KV: a cached prefix only saves work here (every
     # weight update clears it), so the output is the same with or without it.
     cache_salt: str | None = None
