@@ -20,12 +20,13 @@ Admin routes (the admin key, as every admin dialect):
   ``skyrl_wake_for_weight_sync {tags}`` (sleep level 1 keeping paused requests; wake the
   tags), ``skyrl_start_weight_update``, ``update_weights_nccl {update_info}`` and
   ``skyrl_finish_weight_update`` (vLLM's bucketed broadcast update, see
-  :mod:`penstock.routers.vllm_compat`); ``update_weights_ipc`` (CUDA IPC handles) is a
-  501, another method a 400 naming it
+  :mod:`penstock.routers.vllm_compat`); ``update_weights_ipc`` (CUDA IPC handles) is
+  refused (below), another method a 400 naming it
 * ``POST /reset_prefix_cache/`` (TRL) -> ``{"message"}``; ``POST /close_communicator/``
   -> ``{"message"}`` (no communicator is ever open)
 * ``POST /init_communicator/`` and ``POST /update_named_param/`` (TRL) and
-  ``POST /init_broadcaster`` (prime-rl): 501. These trainers broadcast over NCCL through
+  ``POST /init_broadcaster`` (prime-rl): 400 ``transport_unavailable`` naming what is
+  missing, as every transfer this server cannot make. These trainers broadcast over NCCL through
   vLLM's ``StatelessProcessGroup`` and ``PyNcclCommunicator`` (prime-rl: its own NCCL
   or NIXL broadcaster), which needs CUDA; Penstock's broadcast joins a torch process
   group instead (``/init_weights_update_group``, ``/init_weight_transfer_engine``).
@@ -35,19 +36,19 @@ Admin routes (the admin key, as every admin dialect):
   digits is a number), ``/areal_set_update_weight_meta {names, dtypes, shapes,
   group_name}`` then ``/areal_update_weights_xccl`` (one broadcast of those tensors),
   ``/areal_update_weights {model_path}`` (from disk); both updates pause, aborting, when
-  generation is not paused already. Its LoRA broadcast and in-place reload routes are a
-  501: adapters load from a folder here.
+  generation is not paused already. Its LoRA broadcast and in-place reload routes are
+  refused: adapters load from a folder here.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
-from penstock.errors import ConflictError, InvalidRequestError, PenstockError, clip
+from penstock.errors import ConflictError, InvalidRequestError, clip
 from penstock.rl.fields import bool_field, invalid, json_object_body, required_str, tags_field
 from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
@@ -66,19 +67,11 @@ router = APIRouter()
 WORLD_SIZE = 1
 
 
-class TransportUnavailableError(PenstockError):
-    """A weight transfer that needs hardware or a library this server does not have."""
+class TransportUnavailableError(InvalidRequestError):
+    """A weight transfer that needs hardware or a library this server does not have: a
+    request this server can never serve, so a 400 naming what is missing."""
 
-    status_code = 501
-    error_type = "not_implemented"
     default_code = "transport_unavailable"
-
-
-def _not_offered(message: str) -> JSONResponse:
-    # Answered here rather than raised: a refusal the client can act on, not a failure of
-    # the server, so it is no error in the log.
-    error = TransportUnavailableError(message)
-    return JSONResponse(error.envelope(), error.status_code)
 
 
 class TokensGenerateBody(RequestModel):
@@ -202,8 +195,8 @@ async def get_world_size() -> dict[str, int]:
     return {"world_size": WORLD_SIZE}
 
 
-def _nccl_unavailable(route: str, framework: str) -> JSONResponse:
-    return _not_offered(
+def _nccl_unavailable(route: str, framework: str) -> TransportUnavailableError:
+    return TransportUnavailableError(
         f"{route} needs {framework}'s NCCL communicator (CUDA), which this server does not "
         "offer; broadcast weights through a torch process group instead "
         "(/init_weights_update_group or /init_weight_transfer_engine, gloo on the CPU)"
@@ -211,21 +204,21 @@ def _nccl_unavailable(route: str, framework: str) -> JSONResponse:
 
 
 @admin_router.post("/init_communicator/", response_model=None)
-async def init_communicator(request: Request) -> JSONResponse:
+async def init_communicator(request: Request) -> NoReturn:
     await json_object_body(request)
-    return _nccl_unavailable("/init_communicator/", "vLLM")
+    raise _nccl_unavailable("/init_communicator/", "vLLM")
 
 
 @admin_router.post("/update_named_param/", response_model=None)
-async def update_named_param(request: Request) -> JSONResponse:
+async def update_named_param(request: Request) -> NoReturn:
     await json_object_body(request)
-    return _nccl_unavailable("/update_named_param/", "vLLM")
+    raise _nccl_unavailable("/update_named_param/", "vLLM")
 
 
 @admin_router.post("/init_broadcaster", response_model=None)
-async def init_broadcaster(request: Request) -> JSONResponse:
+async def init_broadcaster(request: Request) -> NoReturn:
     await json_object_body(request)
-    return _nccl_unavailable("/init_broadcaster", "prime-rl")
+    raise _nccl_unavailable("/init_broadcaster", "prime-rl")
 
 
 @admin_router.post("/close_communicator/")
@@ -281,7 +274,7 @@ async def _skyrl_finish(request: Request, kwargs: dict[str, Any]) -> Any:
 
 
 async def _cuda_ipc(request: Request, kwargs: dict[str, Any]) -> Any:
-    return _not_offered(
+    raise TransportUnavailableError(
         "update_weights_ipc sends CUDA IPC handles, which need CUDA on this server; "
         "use update_weights_nccl with a gloo group on the CPU"
     )
@@ -298,7 +291,7 @@ _RPC_METHODS = {
 
 
 @admin_router.post("/collective_rpc", response_model=None)
-async def collective_rpc(request: Request) -> dict[str, Any] | JSONResponse:
+async def collective_rpc(request: Request) -> dict[str, Any]:
     body = await json_object_body(request)
     method = required_str(body, "method")
     run = _RPC_METHODS.get(method)
@@ -306,10 +299,7 @@ async def collective_rpc(request: Request) -> dict[str, Any] | JSONResponse:
         raise invalid(
             "method", f"must be one of {', '.join(_RPC_METHODS)}; got {clip(repr(method))}"
         )
-    result = await run(request, _kwargs(body))
-    if isinstance(result, JSONResponse):
-        return result
-    return {"results": [result]}
+    return {"results": [await run(request, _kwargs(body))]}
 
 
 # AReaL's vLLM server routes (``areal/engine/vllm_ext/areal_vllm_server.py``); each
@@ -389,9 +379,9 @@ async def areal_update_weights(request: Request) -> dict[str, Any]:
     "/areal_update_weights_lora_xccl", response_model=None, operation_id="areal_lora_xccl"
 )
 @admin_router.post("/areal_update_weights_lora", response_model=None, operation_id="areal_lora")
-async def areal_lora_update(request: Request) -> JSONResponse:
+async def areal_lora_update(request: Request) -> NoReturn:
     await json_object_body(request)
-    return _not_offered(
+    raise TransportUnavailableError(
         "LoRA adapters load from a folder on this server (POST /v1/load_lora_adapter); "
         "they are not broadcast or reloaded in place"
     )

@@ -41,10 +41,10 @@ def _walk(value: Any, path: str) -> Iterator[str]:
             child = value.__dict__.get(name)
             if child is not None and not isinstance(child, str | int | float | bool):
                 yield from _walk(child, f"{path}.{name}" if path else name)
-    elif isinstance(value, list):
+    elif isinstance(value, list) and value and isinstance(value[0], BaseModel | list):
+        # A list holds one kind of item: a list of token ids is not walked id by id.
         for index, item in enumerate(value):
-            if isinstance(item, BaseModel | list):
-                yield from _walk(item, f"{path}[{index}]")
+            yield from _walk(item, f"{path}[{index}]")
 
 
 def refuse_unknown(model: BaseModel, allowed: bool, prefix: str = "") -> None:

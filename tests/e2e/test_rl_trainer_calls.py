@@ -123,7 +123,8 @@ def test_skyrl_sleeps_and_wakes_around_a_weight_sync(admin: httpx.Client) -> Non
 def test_skyrl_cuda_ipc_is_refused_by_name(admin: httpx.Client) -> None:
     rpc = {"method": "update_weights_ipc", "kwargs": {"update_info": {"names": ["w"]}}}
     response = admin.post("/collective_rpc", json=rpc)
-    assert response.status_code == 501
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "transport_unavailable"
     assert "CUDA IPC" in response.json()["error"]["message"]
     unknown = admin.post("/collective_rpc", json={"method": "reload_everything"})
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "method"
@@ -163,14 +164,15 @@ def test_prime_rl_filesystem_weight_update(admin: httpx.Client, tmp_path: Path) 
 def test_prime_rl_nccl_broadcaster_is_refused(admin: httpx.Client) -> None:
     body = {
         "host": "127.0.0.1",
-        "port": 29501,
+        "port": 29400,
         "rank_offset": 0,
         "inference_world_size": 1,
         "timeout": 60,
         "quantize_in_weight_transfer": False,
     }
     response = admin.post("/init_broadcaster", json=body)
-    assert response.status_code == 501
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "transport_unavailable"
     assert "NCCL" in response.json()["error"]["message"]
     null_dir = admin.post("/update_weights", json={"weight_dir": None})
     assert null_dir.status_code == 400 and null_dir.json()["error"]["param"] == "weight_dir"
@@ -224,9 +226,9 @@ def test_trl_top_logprobs_are_ranked_and_hold_the_sampled_token(admin: httpx.Cli
 def test_trl_weight_sync_routes(admin: httpx.Client) -> None:
     body = {"host": "0.0.0.0", "port": 51216, "world_size": 2, "client_device_uuid": "42"}
     refused = admin.post("/init_communicator/", json=body)
-    assert refused.status_code == 501 and "NCCL" in refused.json()["error"]["message"]
+    assert refused.status_code == 400 and "NCCL" in refused.json()["error"]["message"]
     param = {"name": "model.embed_tokens.weight", "dtype": "torch.float32", "shape": [4, 2]}
-    assert admin.post("/update_named_param/", json=param).status_code == 501
+    assert admin.post("/update_named_param/", json=param).status_code == 400
     assert "resetting prefix cache" in ok(admin.post("/reset_prefix_cache/"))["message"]
     assert "closing communicator" in ok(admin.post("/close_communicator/", json={}))["message"]
 
@@ -289,7 +291,7 @@ def test_areal_vllm_routes_update_from_disk(admin: httpx.Client, tmp_path: Path)
     assert ok(admin.post("/areal_continue_generation", json={}))["success"] is True
     assert len(generated(admin)) == 4
     lora = admin.post("/areal_update_weights_lora_xccl", json={})
-    assert lora.status_code == 501
+    assert lora.status_code == 400
 
 
 # -- verl ----------------------------------------------------------------------------
