@@ -181,7 +181,7 @@ def _echoes(
         raise InvalidRequestError(
             "echo needs a tokenizer to render the prompt; none is configured", param="echo"
         )
-    echoes = {}
+    echoes: dict[int, str] = {}
     for generation in generations:
         text = model.preprocessor.decode(generation.request["token_ids"], skip_special_tokens=False)
         echoes.update((choice.index, text) for choice in generation.choices)
