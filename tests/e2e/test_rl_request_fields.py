@@ -9,12 +9,16 @@ The sample engine answers prompt ``p`` with the ordinary tokens after its rotati
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from penstock.engines.sample import SAMPLE_TOKENIZER_DIR
 from tests.support.server import ServerProcess, running_server
 
 MODEL = "sample-model"
@@ -48,6 +52,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def lenient(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     args = ["--engine", "sample", "--allow-unknown-fields"]
     with running_server(args, tmp_path_factory.mktemp("lenient")) as running:
+        with httpx.Client(base_url=running.base_url, timeout=60) as http:
+            yield http
+
+
+@pytest.fixture(scope="module")
+def with_bos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    """A server whose tokenizer names a BOS token (``<|im_start|>``, id 1)."""
+    folder = Path(shutil.copytree(SAMPLE_TOKENIZER_DIR, tmp_path_factory.mktemp("bos") / "tok"))
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "bos_token": "<|im_start|>"}))
+    args = ["--engine", "sample", "--tokenizer", str(folder)]
+    with running_server(args, tmp_path_factory.mktemp("bos-serve")) as running:
         with httpx.Client(base_url=running.base_url, timeout=60) as http:
             yield http
 
@@ -213,6 +230,22 @@ def test_tokenize_takes_skyrls_body(client: httpx.Client) -> None:
     assert (error["param"], error["code"]) == ("chat_template", "unsupported_parameter")
     error = error_of(client.post("/tokenize", json={**body, "truncate": 3}))
     assert (error["param"], error["code"]) == ("truncate", "unknown_field")
+
+
+def test_add_special_tokens_puts_the_bos_token_first(with_bos: httpx.Client) -> None:
+    def tokens(**fields: Any) -> list[int]:
+        body = {"model": MODEL, "prompt": "hello world", **fields}
+        return list(with_bos.post("/tokenize", json=body).json()["tokens"])
+
+    plain = tokens()
+    assert plain[0] != 1
+    assert tokens(add_special_tokens=True) == [1, *plain]
+
+    def prompt_tokens(**fields: Any) -> int:
+        body = {"model": MODEL, "prompt": "hello world", "max_tokens": 1, **fields}
+        return int(with_bos.post("/v1/completions", json=body).json()["usage"]["prompt_tokens"])
+
+    assert prompt_tokens(add_special_tokens=True) == prompt_tokens() + 1
 
 
 def test_allow_unknown_fields_reaches_every_depth(lenient: httpx.Client) -> None:
