@@ -43,6 +43,7 @@ from penstock.routers import (
     models,
     sglang_compat,
     tokenize,
+    trainer_compat,
     videos,
     vllm_compat,
 )
@@ -68,6 +69,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     lora.router,
     sglang_compat.router,
     vllm_compat.router,
+    trainer_compat.router,
     videos.router,
     images.router,
 )

@@ -20,6 +20,7 @@ from penstock.errors import (
     PenstockError,
     clip,
 )
+from penstock.schemas.fields import unknown_field_error
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +68,8 @@ def validation_error_from(exc: RequestValidationError) -> InvalidRequestError:
     field = _field_path(loc)
     kind = first.get("type", "")
     if kind == "extra_forbidden":
-        unknown = sorted(
-            _field_path(tuple(e.get("loc", ()))) for e in errors if e.get("type") == kind
-        )
-        return InvalidRequestError(
-            f"Unknown field(s): {', '.join(clip(name) for name in unknown)}",
-            param=unknown[0],
-            code="unknown_field",
+        return unknown_field_error(
+            [_field_path(tuple(e.get("loc", ()))) for e in errors if e.get("type") == kind]
         )
     message = first.get("msg", "invalid value")
     if kind == "missing":

@@ -81,7 +81,7 @@ class StopStringMatcher:
     text that is a prefix of some stop, which is exactly the tail to hold back.
     """
 
-    __slots__ = ("_automaton", "_held", "_matched", "_state")
+    __slots__ = ("_automaton", "_held", "_matched", "_state", "matched")
 
     def __init__(self, stops: list[str]) -> None:
         unique = tuple(dict.fromkeys(stop for stop in stops if stop))
@@ -89,6 +89,8 @@ class StopStringMatcher:
         self._state = 0
         self._held = ""
         self._matched = False
+        # The stop string that matched ("" before a match), for output that keeps it.
+        self.matched = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit now, matched). After a match the emitted text ends
@@ -107,7 +109,9 @@ class StopStringMatcher:
             if match_length[state]:
                 self._matched = True
                 end = len(self._held) + index + 1
-                emitted = (self._held + text[: index + 1])[: end - match_length[state]]
+                through = self._held + text[: index + 1]
+                emitted = through[: end - match_length[state]]
+                self.matched = through[end - match_length[state] : end]
                 self._held = ""
                 self._state = 0
                 return emitted, True

@@ -12,15 +12,19 @@ handlers never run for it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from penstock.errors import ServiceUnavailableError
 from penstock.serving.generate import GenerateBody
 from penstock.serving.generate import generate as serve_generate
 from penstock.serving.generate import health_generate as serve_health_generate
 
+logger = logging.getLogger(__name__)
 router = APIRouter(tags=["sglang"])
 
 
@@ -31,6 +35,16 @@ async def generate(body: GenerateBody, request: Request) -> Response:
     return await serve_generate(request.app.state.gateway, body, request)
 
 
-@router.get("/health_generate")
-async def health_generate(request: Request) -> dict[str, Any]:
-    return await serve_health_generate(request.app.state.gateway, request)
+@router.get("/health_generate", response_model=None)
+async def health_generate(request: Request) -> dict[str, Any] | Response:
+    try:
+        return await serve_health_generate(request.app.state.gateway, request)
+    except ServiceUnavailableError as exc:
+        # Expected while paused, asleep or draining: a warning, not a failed request.
+        logger.warning("health_generate: %s", exc.message)
+        return Response(
+            orjson.dumps(exc.envelope()),
+            status_code=exc.status_code,
+            media_type="application/json",
+            headers=exc.headers or None,
+        )

@@ -46,8 +46,13 @@ responses:
 * ``GET /get_model_info`` -> ``{"model_path", "tokenizer_path", "is_generation",
   "preferred_sampling_params", "weight_version", "has_image_understanding",
   "has_audio_understanding"}``
-* ``GET /get_server_info`` -> ``{"model_path", "served_model_name", "tokenizer_path",
-  "context_length", "weight_version", "version", "admin", "internal_states"}``
+* ``GET /server_info`` and ``GET /get_server_info`` -> SGLang's server arguments
+  (``tp_size``, ``dp_size``, ``pp_size``, ``ep_size``, ``enable_memory_saver``, ``dtype``,
+  ``disaggregation_mode``, ...) and ``{"model_path", "served_model_name",
+  "tokenizer_path", "context_length", "host", "port", "weight_version", "version",
+  "admin", "internal_states"}``
+* ``GET /v1/loads`` -> ``{"loads": [{"dp_rank", "num_running_reqs", "num_waiting_reqs",
+  "num_reqs"}]}``
 """
 
 from __future__ import annotations
@@ -190,15 +195,29 @@ async def update_weights_from_nixl(request: Request) -> dict[str, Any]:
     return await _push(request, "update_weights_from_nixl", "descriptors")
 
 
-async def _group(request: Request, update: str, message: str) -> dict[str, Any]:
+async def _group(
+    request: Request, update: str, message: str, body: dict[str, Any] | None = None
+) -> dict[str, Any]:
     plane = admin_plane(request)
-    result = await plane.state.run_update(update, await json_object_body(request))
+    if body is None:
+        body = await json_object_body(request)
+    result = await plane.state.run_update(update, body)
     return {"success": True, "message": result.get("message", message)}
+
+
+def group_body(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with a port sent as digits (AReaL sends ``"29500"``) as the number, as
+    SGLang's request model reads it."""
+    port = body.get("master_port")
+    if isinstance(port, str) and port.isdigit():
+        return {**body, "master_port": int(port)}
+    return body
 
 
 @router.post("/init_weights_update_group")
 async def init_weights_update_group(request: Request) -> dict[str, Any]:
-    return await _group(request, "init_weights_update_group", "Succeeded to init group.")
+    body = group_body(await json_object_body(request))
+    return await _group(request, "init_weights_update_group", "Succeeded to init group.", body)
 
 
 @router.post("/destroy_weights_update_group")
@@ -343,14 +362,64 @@ async def get_model_info(request: Request) -> dict[str, Any]:
     }
 
 
-@router.get("/get_server_info")
+# The server arguments SGLang reports that a trainer compares with its own (slime checks
+# every one it would have launched an engine with): one process, one device, no
+# disaggregation. ``enable_memory_saver`` is False as on an SGLang server started without
+# it, which is what slime expects of an engine it did not launch; release and resume work
+# regardless.
+_SERVER_ARGS: dict[str, Any] = {
+    "tp_size": 1,
+    "dp_size": 1,
+    "pp_size": 1,
+    "ep_size": 1,
+    "moe_dp_size": 1,
+    "nnodes": 1,
+    "node_rank": 0,
+    "enable_memory_saver": False,
+    "enable_return_routed_experts": False,
+    "enable_draft_weights_cpu_backup": False,
+    "enable_metrics": True,
+    "skip_server_warmup": True,
+    "disaggregation_mode": "null",
+    "encoder_only": False,
+    "dtype": "auto",
+    "trust_remote_code": False,
+}
+
+
+# ``/server_info`` is the newer name; slime asks for it first.
+@router.get("/server_info", operation_id="server_info")
+@router.get("/get_server_info", operation_id="get_server_info")
 async def get_server_info(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
     state = plane.state
+    settings = request.app.state.gateway.settings
     return {
+        **_SERVER_ARGS,
         **_model_facts(request),
+        "host": settings.host,
+        "port": settings.port,
+        "api_key": None,
         "weight_version": state.weight_version,
         "version": _penstock_version(),
         "admin": state.describe(),
         "internal_states": [{"weight_version": state.weight_version, "state": state.name}],
+    }
+
+
+@router.get("/v1/loads")
+async def loads(request: Request) -> dict[str, Any]:
+    """Requests running and waiting, in SGLang's per-rank shape (one rank here)."""
+    gate = request.app.state.gateway.host.admission
+    running = gate.active if gate is not None else 0
+    waiting = gate.queued if gate is not None else 0
+    return {
+        "loads": [
+            {
+                "dp_rank": 0,
+                "num_running_reqs": running,
+                "num_waiting_reqs": waiting,
+                "num_reqs": running + waiting,
+            }
+        ]
     }

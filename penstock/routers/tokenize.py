@@ -20,27 +20,37 @@ from pydantic import ConfigDict, Field, model_validator
 from penstock.errors import InvalidRequestError
 from penstock.gateway import ServedModel
 from penstock.preprocess import Preprocessor
+from penstock.schemas.fields import refuse_unknown, refuse_unsupported
 from penstock.schemas.openai import ChatMessage, NonNegativeInt
-from penstock.schemas.unicode import RequestModel
-from penstock.serving.requests import (
-    body_size,
-    check_prompt_length,
-    check_token_ids,
-    off_loop,
-    render_and_tokenize,
-)
+from penstock.schemas.unicode import JSONValue, RequestModel
+from penstock.serving.limits import body_size, check_prompt_length, check_token_ids
+from penstock.serving.prompts import off_loop, render_and_tokenize, with_bos
 
 router = APIRouter(tags=["tokenize"])
 
 
+# vLLM's tokenize fields this server cannot honour, with the value that asks for nothing.
+TOKENIZE_UNSUPPORTED: dict[str, Any] = {
+    "continue_final_message": False,
+    "chat_template": None,
+    "tools": None,
+    "mm_processor_kwargs": None,
+}
+
+
 class TokenizeRequest(RequestModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # The tokenizer's BOS token first, as vLLM's ``add_special_tokens``.
+    add_special_tokens: bool = False
+    # ``token_strs`` are always in the answer.
+    return_token_strs: bool | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -67,6 +77,8 @@ def _preprocessor(model: ServedModel, param: str) -> Preprocessor:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     gateway = request.app.state.gateway
+    refuse_unsupported(body, TOKENIZE_UNSUPPORTED)
+    refuse_unknown(body, gateway.settings.allow_unknown_fields)
     model = gateway.resolve(body.model)
     param = "prompt" if body.prompt is not None else "messages"
     pre = _preprocessor(model, param)
@@ -91,6 +103,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         text = body.prompt or ""
         check_prompt_length(settings, model, pre, len(text), param)
         tokens = await off_loop(gateway, None, len(text), pre.encode, text)
+    if body.add_special_tokens:
+        tokens = with_bos(pre, tokens)
     token_strs = await off_loop(gateway, None, len(tokens), _token_strs, pre, tokens)
     return {
         "count": len(tokens),

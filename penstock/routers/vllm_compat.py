@@ -22,7 +22,9 @@ in the query string wins over the same field in the body:
   paused state) -> ``{"message": "Weight update started"}``; ``POST /update_weights
   {update_info: {names, dtype_names, shapes, packed?}}`` (repeatable, one bucket each;
   ``packed`` is SGLang's ``flattened_bucket``) -> ``{"message": "Weights updated",
-  "checksum"}``; ``POST /finish_weight_update {weight_version?}`` publishes the version
+  "checksum"}``, or prime-rl's ``{weight_dir}`` (paused state; the checkpoint in that
+  folder, as ``update_weights_from_disk``) -> ``{"status": "ok", "weight_version"}``;
+  ``POST /finish_weight_update {weight_version?}`` publishes the version
   -> ``{"message": "Weight update finished"}``
 * ``POST /weight_checker {action, baseline?}``: as SGLang's ``/weights_checker``
 
@@ -167,13 +169,18 @@ async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
     return {"message": "Weight transfer initialized"}
 
 
-@router.post("/start_weight_update")
-async def start_weight_update(request: Request) -> dict[str, Any]:
+def begin_weight_update(request: Request) -> None:
+    """Open a bucketed weight update (paused state only); buckets follow."""
     plane = admin_plane(request)
-    await json_object_body(request)
     if not plane.state.is_paused:
         raise plane.state.conflict("pause generation (POST /pause) before a weight update")
     request.app.state.vllm_weight_update = True
+
+
+@router.post("/start_weight_update")
+async def start_weight_update(request: Request) -> dict[str, Any]:
+    await json_object_body(request)
+    begin_weight_update(request)
     return {"message": "Weight update started"}
 
 
@@ -187,8 +194,35 @@ def _require_started(request: Request) -> None:
 
 @router.post("/update_weights")
 async def update_weights(request: Request) -> dict[str, Any]:
+    """vLLM's bucket ``{update_info}``, or prime-rl's reload ``{weight_dir}``."""
+    body = await json_object_body(request)
+    if "weight_dir" in body and "update_info" not in body:
+        return await reload_weight_dir(request, body)
+    info = _object_field(body, "update_info")
+    return await receive_bucket(request, info)
+
+
+async def reload_weight_dir(request: Request, body: dict[str, Any]) -> dict[str, Any]:
+    """prime-rl's filesystem update: the checkpoint in ``weight_dir``, while paused. Its
+    NCCL mode (``weight_dir`` null) needs ``/init_broadcaster``, which this server refuses."""
     plane = admin_plane(request)
-    info = _object_field(await json_object_body(request), "update_info")
+    weight_dir = str_field(body, "weight_dir")
+    if weight_dir is None:
+        raise invalid(
+            "weight_dir",
+            "must name a checkpoint folder; a null weight_dir asks for prime-rl's NCCL "
+            "broadcast, which this server does not offer (see /init_broadcaster)",
+        )
+    await plane.state.update_weights(
+        "update_weights_from_disk", {"model_path": weight_dir}, None, param="weight_dir"
+    )
+    return {"status": "ok", "weight_version": plane.state.weight_version}
+
+
+async def receive_bucket(request: Request, info: dict[str, Any]) -> dict[str, Any]:
+    """One broadcast bucket (``names``, ``dtype_names``, ``shapes``, ``packed``) of an
+    update opened by :func:`begin_weight_update`."""
+    plane = admin_plane(request)
     _require_started(request)
     body: dict[str, Any] = {
         "group_name": info.get("group_name", VLLM_GROUP_NAME),
@@ -202,16 +236,22 @@ async def update_weights(request: Request) -> dict[str, Any]:
     return {"message": "Weights updated", "checksum": outcome.engine.get("checksum")}
 
 
+async def end_weight_update(request: Request, version: str | None) -> None:
+    """Close the update :func:`begin_weight_update` opened, publishing ``version``."""
+    _require_started(request)
+    if version is not None:
+        await admin_plane(request).state.set_weight_version(version)
+    request.app.state.vllm_weight_update = False
+
+
 @router.post("/finish_weight_update")
 async def finish_weight_update(request: Request) -> dict[str, Any]:
-    plane = admin_plane(request)
     body = await json_object_body(request)
-    _require_started(request)
-    version = str_field(body, "weight_version")
-    if version is not None:
-        await plane.state.set_weight_version(version)
-    request.app.state.vllm_weight_update = False
-    return {"message": "Weight update finished", "weight_version": plane.state.weight_version}
+    await end_weight_update(request, str_field(body, "weight_version"))
+    return {
+        "message": "Weight update finished",
+        "weight_version": admin_plane(request).state.weight_version,
+    }
 
 
 @router.post("/weight_checker")

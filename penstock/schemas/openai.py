@@ -1,13 +1,14 @@
 """Request models of the OpenAI chat and completions APIs, validated at the edge.
 
-Unknown top-level fields are kept (``extra="allow"``) so the router can reject them by
-name, or ignore them when the operator allows it. Responses are plain dicts built on the
-hot path, not models.
+Unknown fields are kept at every depth (``extra="allow"``) so the serving layer can
+reject them by their full path, or ignore them when the operator allows it
+(:mod:`penstock.schemas.fields`). Responses are plain dicts built on the hot path, not
+models.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     ConfigDict,
@@ -29,42 +30,45 @@ MAX_STOP_LENGTH = 1024
 limit keeps the stop matcher's memory, which grows with their total length, small."""
 
 
-class _Strict(RequestModel):
-    model_config = ConfigDict(extra="forbid")
+class _Nested(RequestModel):
+    """A nested object: its undeclared fields are kept for the unknown-field check."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
 
-class TextPart(_Strict):
+class TextPart(_Nested):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(_Strict):
+class ImageURL(_Nested):
     url: str
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImagePart(_Strict):
+class ImagePart(_Nested):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class InputAudio(_Strict):
+class InputAudio(_Nested):
     # Base64 audio bytes, as OpenAI's input_audio part sends them.
     data: str
     # The container: wav and mp3 in OpenAI's API; any PyAV can open is accepted.
     format: Annotated[str, Field(pattern=r"^[A-Za-z0-9.+-]{1,32}$")]
 
 
-class InputAudioPart(_Strict):
+class InputAudioPart(_Nested):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
 
-class AudioURL(_Strict):
+class AudioURL(_Nested):
     url: str
 
 
-class AudioURLPart(_Strict):
+class AudioURLPart(_Nested):
     """vLLM's audio reference part, for audio at a URL."""
 
     type: Literal["audio_url"]
@@ -89,18 +93,18 @@ MessageContent = Annotated[
 ]
 
 
-class FunctionCall(_Strict):
+class FunctionCall(_Nested):
     name: str
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(_Nested):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Nested):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: MessageContent | None = None
     name: str | None = None
@@ -120,19 +124,19 @@ class ChatMessage(_Strict):
         return self
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Nested):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(_Nested):
     name: str
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(_Nested):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -143,16 +147,41 @@ class ResponseFormat(_Strict):
         return self
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(_Nested):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(_Nested):
     type: Literal["function"]
     function: FunctionDefinition
+
+
+# vLLM's extra sampling fields this server cannot honour, each with the value that asks for
+# nothing (accepted as such; any other value is a 400 naming the field).
+VLLM_UNSUPPORTED: dict[str, Any] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "truncate_prompt_tokens": None,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "prompt_logprobs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "structured_outputs": None,
+    "logits_processors": None,
+    "priority": 0,
+    "request_id": None,
+    "kv_transfer_params": None,
+    "vllm_xargs": None,
+    "mm_processor_kwargs": None,
+}
 
 
 class SamplingFields(RequestModel):
@@ -160,6 +189,8 @@ class SamplingFields(RequestModel):
 
     model_config = ConfigDict(extra="allow")
     __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
+    # Upstream fields refused unless they ask for nothing (see ``VLLM_UNSUPPORTED``).
+    unsupported: ClassVar[dict[str, Any]] = VLLM_UNSUPPORTED
 
     model: str
     n: PositiveInt = 1
@@ -179,6 +210,17 @@ class SamplingFields(RequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    # vLLM's output options: special tokens in the text, and the matched stop string kept.
+    skip_special_tokens: bool = True
+    # Penstock's tokenizers decode as a fast tokenizer does, which places special tokens
+    # the same way whichever value is asked for.
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Logprob tokens named ``token_id:N`` instead of their text.
+    return_tokens_as_token_ids: bool = False
+    # Keeps requests from reusing cached KV: a cached prefix only saves work here (every
+    # weight update clears it), so the output is the same with or without it.
+    cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None
     nvext: dict[str, Any] | None = None
 
@@ -221,6 +263,14 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    unsupported: ClassVar[dict[str, Any]] = {
+        **VLLM_UNSUPPORTED,
+        "add_special_tokens": False,
+        "continue_final_message": False,
+        "echo": False,
+        "documents": None,
+        "chat_template": None,
+    }
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -263,6 +313,13 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: PositiveInt | None = None
     suffix: str | None = None
+    # Text prompts: the tokenizer's BOS token first (as vLLM's ``add_special_tokens``).
+    add_special_tokens: bool = False
+    unsupported: ClassVar[dict[str, Any]] = {
+        **VLLM_UNSUPPORTED,
+        "response_format": None,
+        "prompt_embeds": None,
+    }
 
     @field_validator("prompt")
     @classmethod

@@ -20,24 +20,24 @@ from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import request_deadline
 from penstock.serving.framing import TEXT_SLOT
 from penstock.serving.generation import Generation
-from penstock.serving.requests import (
-    chat_prompt,
-    check_budget,
-    engine_context,
-    generate_request,
-    metadata_uploader,
-    served_model,
-)
+from penstock.serving.limits import check_budget, served_model
+from penstock.serving.prompts import chat_prompt
+from penstock.serving.requests import engine_context, generate_request, metadata_uploader
 from penstock.serving.stream import ResponsePlan, respond, shows_anything
 
 
-def chat_logprobs(model: ServedModel, entries: list[LogprobEntry]) -> dict[str, Any]:
+def chat_logprobs(
+    model: ServedModel, entries: list[LogprobEntry], *, tokens_as_ids: bool = False
+) -> dict[str, Any]:
+    """``tokens_as_ids``: each ``token`` is ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``); its ``bytes`` stay the token's own."""
     pre = model.preprocessor
 
     def token(token_id: int) -> tuple[str, list[int]]:
         if pre is None:
             return f"token_id:{token_id}", []
-        return pre.token_text(token_id), pre.token_bytes(token_id)
+        text = f"token_id:{token_id}" if tokens_as_ids else pre.token_text(token_id)
+        return text, pre.token_bytes(token_id)
 
     content = []
     for entry in entries:
@@ -53,15 +53,18 @@ def chat_logprobs(model: ServedModel, entries: list[LogprobEntry]) -> dict[str, 
 class ChatFormat:
     """Chat's choices: a ``delta``/``message`` per choice, token ids of the prompt on top."""
 
-    __slots__ = ("model", "return_token_ids")
+    __slots__ = ("model", "return_token_ids", "tokens_as_ids")
 
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
     response_object = "chat.completion"
 
-    def __init__(self, model: ServedModel, *, return_token_ids: bool) -> None:
+    def __init__(
+        self, model: ServedModel, *, return_token_ids: bool, tokens_as_ids: bool = False
+    ) -> None:
         self.model = model
         self.return_token_ids = return_token_ids
+        self.tokens_as_ids = tokens_as_ids
 
     def prelude(self, generations: Sequence[Generation]) -> list[dict[str, Any]]:
         (generation,) = generations
@@ -107,7 +110,9 @@ class ChatFormat:
         item: dict[str, Any] = {
             "index": delta.choice.index,
             "delta": message,
-            "logprobs": chat_logprobs(self.model, delta.logprobs) if delta.logprobs else None,
+            "logprobs": chat_logprobs(self.model, delta.logprobs, tokens_as_ids=self.tokens_as_ids)
+            if delta.logprobs
+            else None,
             "finish_reason": delta.finish_reason,
         }
         if self.return_token_ids:
@@ -122,7 +127,7 @@ class ChatFormat:
         item: dict[str, Any] = {
             "index": choice.index,
             "message": message,
-            "logprobs": chat_logprobs(self.model, choice.logprobs)
+            "logprobs": chat_logprobs(self.model, choice.logprobs, tokens_as_ids=self.tokens_as_ids)
             if choice.logprobs is not None
             else None,
             "finish_reason": choice.finish_reason,
@@ -181,6 +186,10 @@ async def create_chat_completion(
         parse_tool_calls=_parse_tool_calls(body, model),
         deadline=deadline,
     )
-    chat_format = ChatFormat(model, return_token_ids=body.return_token_ids)
+    chat_format = ChatFormat(
+        model,
+        return_token_ids=body.return_token_ids,
+        tokens_as_ids=body.return_tokens_as_token_ids,
+    )
     plan = ResponsePlan(chat_format, [generation], body, uploader, deadline)
     return await respond(request, plan)

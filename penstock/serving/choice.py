@@ -72,6 +72,7 @@ class ChoiceState:
     __slots__ = (
         "detokenizer",
         "finish_reason",
+        "include_stop",
         "index",
         "keep_text",
         "logprobs",
@@ -93,6 +94,8 @@ class ChoiceState:
         keep_text: bool,
         want_logprobs: bool,
         parse_tool_calls: bool = False,
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self.index = index
         self.tool_stream = ToolCallStream() if parse_tool_calls else None
@@ -100,9 +103,12 @@ class ChoiceState:
         # Primed with the prompt so a decoder that treats the first token specially (a
         # SentencePiece leading space) decodes the completion as it continues the prompt.
         self.detokenizer: IncrementalDetokenizer | None = (
-            preprocessor.new_detokenizer(prompt_token_ids) if preprocessor is not None else None
+            preprocessor.new_detokenizer(prompt_token_ids, skip_special_tokens=skip_special_tokens)
+            if preprocessor is not None
+            else None
         )
         self.stop = StopStringMatcher(stops) if stops else None
+        self.include_stop = include_stop
         self.keep_text = keep_text
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
@@ -141,6 +147,9 @@ class ChoiceState:
             text, matched = self.stop.feed(text)
             if matched:
                 reason = "stop"
+                # Once: after the match the matcher answers every chunk with no text.
+                if self.include_stop and self.finish_reason is None:
+                    text += self.stop.matched
             elif reason:
                 text += self.stop.flush()
         tool_calls: tuple[ParsedToolCall, ...] = ()

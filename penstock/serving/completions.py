@@ -14,38 +14,39 @@ from starlette.responses import Response
 
 from penstock.errors import InvalidRequestError
 from penstock.gateway import Gateway, ServedModel
+from penstock.metadata_upload import MetadataUploader
 from penstock.schemas.openai import CompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
-from penstock.serving.deadline import request_deadline
+from penstock.serving.deadline import Deadline, request_deadline
 from penstock.serving.framing import TEXT_SLOT
 from penstock.serving.generation import Generation
-from penstock.serving.requests import (
-    completion_prompts,
-    engine_context,
-    generate_request,
-    metadata_uploader,
-    served_model,
-)
+from penstock.serving.limits import served_model
+from penstock.serving.prompts import completion_prompts
+from penstock.serving.requests import engine_context, generate_request, metadata_uploader
 from penstock.serving.stream import ResponsePlan, respond, shows_anything
 
 
 def completion_logprobs(
-    model: ServedModel, entries: list[LogprobEntry], text_offset: int
+    model: ServedModel, entries: list[LogprobEntry], text_offset: int, tokens_as_ids: bool = False
 ) -> dict[str, Any]:
+    """``tokens_as_ids``: each token is named ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``); the text offsets stay those of the text."""
     pre = model.preprocessor
 
     def text_of(token_id: int) -> str:
         return pre.token_text(token_id) if pre is not None else f"token_id:{token_id}"
 
+    def label(token_id: int) -> str:
+        return f"token_id:{token_id}" if tokens_as_ids else text_of(token_id)
+
     tokens, values, tops, offsets = [], [], [], []
     offset = text_offset
     for entry in entries:
-        text = text_of(entry.token_id)
-        tokens.append(text)
+        tokens.append(label(entry.token_id))
         values.append(entry.logprob)
-        tops.append({text_of(alt.token_id): alt.logprob for alt in entry.top} or None)
+        tops.append({label(alt.token_id): alt.logprob for alt in entry.top} or None)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(text_of(entry.token_id))
     return {
         "tokens": tokens,
         "token_logprobs": values,
@@ -57,18 +58,31 @@ def completion_logprobs(
 class CompletionFormat:
     """Completions' choices: ``text`` per choice, the prompt's token ids on each choice."""
 
-    __slots__ = ("_echoes", "_text_offsets", "_unsent_echoes", "model", "return_token_ids")
+    __slots__ = (
+        "_echoes",
+        "_text_offsets",
+        "_unsent_echoes",
+        "model",
+        "return_token_ids",
+        "tokens_as_ids",
+    )
 
     id_prefix = "cmpl-"
     chunk_object = "text_completion"
     response_object = "text_completion"
 
     def __init__(
-        self, model: ServedModel, echoes: dict[int, str], *, return_token_ids: bool
+        self,
+        model: ServedModel,
+        echoes: dict[int, str],
+        *,
+        return_token_ids: bool,
+        tokens_as_ids: bool = False,
     ) -> None:
         """``echoes``: the prompt text each choice (by index) opens with."""
         self.model = model
         self.return_token_ids = return_token_ids
+        self.tokens_as_ids = tokens_as_ids
         self._echoes = echoes
         self._unsent_echoes = dict(echoes)
         # Where each choice's next text starts within the whole choice text, echo included.
@@ -106,7 +120,9 @@ class CompletionFormat:
         }
         if delta.logprobs:
             start = self._text_offsets.get(index, 0)
-            item["logprobs"] = completion_logprobs(self.model, delta.logprobs, start)
+            item["logprobs"] = completion_logprobs(
+                self.model, delta.logprobs, start, self.tokens_as_ids
+            )
             self._text_offsets[index] = start + len(delta.text)
         if self.return_token_ids:
             item["token_ids"] = delta.token_ids
@@ -117,7 +133,9 @@ class CompletionFormat:
         item: dict[str, Any] = {
             "index": choice.index,
             "text": echo + choice.text,
-            "logprobs": completion_logprobs(self.model, choice.logprobs, len(echo))
+            "logprobs": completion_logprobs(
+                self.model, choice.logprobs, len(echo), self.tokens_as_ids
+            )
             if choice.logprobs is not None
             else None,
             "finish_reason": choice.finish_reason,
@@ -170,16 +188,20 @@ def _echoes(
     return echoes
 
 
-async def create_completion(
-    gateway: Gateway, body: CompletionRequest, request: Request
-) -> Response:
-    deadline = request_deadline(request, gateway.settings)
-    model = served_model(gateway, body, "completions", "completions")
+async def completion_generations(
+    gateway: Gateway,
+    body: CompletionRequest,
+    request: Request,
+    deadline: Deadline | None,
+    endpoint: str,
+    uploader: MetadataUploader | None = None,
+) -> tuple[ServedModel, list[Generation]]:
+    """One :class:`Generation` per prompt of ``body``, every check passed; none started."""
+    model = served_model(gateway, body, "completions", endpoint)
     _check_unsupported(body)
-    uploader = metadata_uploader(body, gateway.settings)
     prompts = await completion_prompts(gateway, body, model, deadline)
     _check_batch_fits(prompts, model)
-    generations = [
+    return model, [
         Generation(
             gateway,
             model,
@@ -195,15 +217,28 @@ async def create_completion(
             stops=body.stop_list,
             keep_text=not body.stream,
             want_logprobs=body.logprobs is not None,
-            endpoint="completions",
+            endpoint=endpoint,
             streaming=body.stream,
             index_offset=i * body.n,
             deadline=deadline,
         )
         for i, ids in enumerate(prompts)
     ]
+
+
+async def create_completion(
+    gateway: Gateway, body: CompletionRequest, request: Request
+) -> Response:
+    deadline = request_deadline(request, gateway.settings)
+    uploader = metadata_uploader(body, gateway.settings)
+    model, generations = await completion_generations(
+        gateway, body, request, deadline, "completions", uploader
+    )
     completion_format = CompletionFormat(
-        model, _echoes(body, model, generations), return_token_ids=body.return_token_ids
+        model,
+        _echoes(body, model, generations),
+        return_token_ids=body.return_token_ids,
+        tokens_as_ids=body.return_tokens_as_token_ids,
     )
     plan = ResponsePlan(completion_format, generations, body, uploader, deadline)
     return await respond(request, plan)

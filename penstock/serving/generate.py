@@ -4,11 +4,17 @@ serving path of completions (one :class:`Generation`, :func:`respond`).
 Request: exactly one of ``text`` (tokenized without a chat template) or ``input_ids``;
 ``sampling_params`` (``max_new_tokens`` default 128, ``min_new_tokens``, ``temperature``
 default 1.0, ``top_p``, ``top_k``, ``min_p``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
-``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``, ``seed``; an unknown
-key is a 400 naming it); ``stream``; ``return_logprob`` with ``top_logprobs_num``;
-``model`` (optional: a served model or adapter name; default the first served model);
-``rid`` (optional: the engine request id, for ``/abort_request``). One prompt per
-request: a batch is a 400.
+``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``, ``seed`` (or SGLang's
+``sampling_seed``), ``skip_special_tokens``, ``spaces_between_special_tokens``,
+``no_stop_trim``, ``custom_params``); ``stream``; ``return_logprob`` with
+``top_logprobs_num`` and ``return_text_in_logprobs``; ``model`` (optional: a served model
+or adapter name, else ``lora_path``; default the first served model); ``rid`` (optional:
+the engine request id, for ``/abort_request``); ``log_metrics``, ``no_logs`` and
+``extra_key`` change no output. The other fields of SGLang's ``SamplingParams`` and
+``GenerateReqInput`` (:data:`SAMPLING_UNSUPPORTED`, :data:`GENERATE_UNSUPPORTED`) are
+accepted only at the value that asks for nothing, else a 400 naming them; a field
+neither defines is a 400 ``unknown_field`` naming its path, at any depth, unless
+``--allow-unknown-fields``. One prompt per request: a batch is a 400.
 
 Response (and each stream event, ``data: {...}`` then ``data: [DONE]``)::
 
@@ -20,13 +26,14 @@ Stream events are cumulative, as SGLang streams them by default: each carries th
 text and every output id so far. ``finish_reason`` is None until the last event, then
 ``{"type": "stop", "matched": null}``, ``{"type": "length", "length": n}`` or
 ``{"type": "abort", "message"}``. ``output_token_logprobs`` are ``[logprob, token_id,
-null]`` triples. ``weight_version`` is the version that produced the latest token.
+text]`` triples (``text`` null unless ``return_text_in_logprobs``). ``weight_version`` is
+the version that produced the latest token.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 import orjson
@@ -37,25 +44,64 @@ from starlette.responses import Response
 from penstock.engines.context import Context
 from penstock.errors import InvalidRequestError, PenstockError, ServiceUnavailableError
 from penstock.gateway import Gateway, ServedModel
+from penstock.schemas.fields import refuse_unknown, refuse_unsupported
 from penstock.schemas.openai import CompletionRequest, NonNegativeInt, PositiveInt
 from penstock.schemas.unicode import JSONValue, RequestModel
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import Deadline, request_deadline
 from penstock.serving.generation import Generation
-from penstock.serving.requests import (
-    completion_prompts,
-    engine_context,
-    generate_request,
-    served_model,
-)
+from penstock.serving.limits import served_model
+from penstock.serving.prompts import completion_prompts
+from penstock.serving.requests import engine_context, generate_request
 from penstock.serving.stream import ResponsePlan, respond
 
 DEFAULT_MAX_NEW_TOKENS = 128
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
+# SGLang's sampling fields this server cannot honour, each with the value that asks for
+# nothing (accepted as such; any other value is a 400 naming the field).
+SAMPLING_UNSUPPORTED: dict[str, Any] = {
+    "n": 1,
+    "stop_regex": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "stream_interval": 1,
+}
+
+# The same for the fields of SGLang's ``GenerateReqInput``.
+GENERATE_UNSUPPORTED: dict[str, Any] = {
+    "input_embeds": None,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "logprob_start_len": -1,
+    "token_ids_logprob": None,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "return_entropy": False,
+    "return_bytes": False,
+    "session_params": None,
+    "custom_logit_processor": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "bootstrap_pair_key": None,
+    "data_parallel_rank": None,
+    "background": False,
+    "modalities": None,
+    "priority": None,
+    "custom_labels": None,
+    "conversation_id": None,
+}
+
+
 class SamplingParams(RequestModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
     max_new_tokens: PositiveInt | None = DEFAULT_MAX_NEW_TOKENS
     min_new_tokens: NonNegativeInt = 0
@@ -70,6 +116,16 @@ class SamplingParams(RequestModel):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     seed: int | None = None
+    # SGLang's name for the per-request seed.
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    # Decoded as a fast tokenizer decodes, which places special tokens the same either way.
+    spaces_between_special_tokens: bool = True
+    # Keep the matched stop string in ``text``.
+    no_stop_trim: bool = False
+    # Data for a custom logit processor; none runs here (``custom_logit_processor`` is
+    # refused), so it changes nothing, as in SGLang without one.
+    custom_params: dict[str, JSONValue] | None = None
 
 
 class GenerateBody(RequestModel):
@@ -84,6 +140,14 @@ class GenerateBody(RequestModel):
     top_logprobs_num: Annotated[int, Field(ge=0, le=20)] = 0
     model: str | None = None
     rid: str | None = None
+    # Token text as the third element of each logprob triple.
+    return_text_in_logprobs: bool = False
+    # SGLang's adapter name: here, the served model (or adapter) to use.
+    lora_path: str | None = None
+    # Logging and cache-key hints that change no output.
+    log_metrics: bool = True
+    no_logs: bool = False
+    extra_key: str | None = None
 
 
 def _finish_reason(reason: str | None, completion_tokens: int) -> dict[str, Any] | None:
@@ -98,15 +162,22 @@ def _finish_reason(reason: str | None, completion_tokens: int) -> dict[str, Any]
     return {"type": reason}
 
 
-def _logprob_fields(entries: list[LogprobEntry], top: int) -> dict[str, Any]:
+def _logprob_fields(
+    entries: list[LogprobEntry], top: int, token_text: Callable[[int], str | None]
+) -> dict[str, Any]:
     fields: dict[str, Any] = {
-        "output_token_logprobs": [[e.logprob, e.token_id, None] for e in entries]
+        "output_token_logprobs": [[e.logprob, e.token_id, token_text(e.token_id)] for e in entries]
     }
     if top:
         fields["output_top_logprobs"] = [
-            [[alt.logprob, alt.token_id, None] for alt in e.top] for e in entries
+            [[alt.logprob, alt.token_id, token_text(alt.token_id)] for alt in e.top]
+            for e in entries
         ]
     return fields
+
+
+def _no_text(token_id: int) -> None:
+    return None
 
 
 class GenerateFormat:
@@ -116,8 +187,11 @@ class GenerateFormat:
     chunk_object = "generate"
     response_object = "generate"
 
-    def __init__(self, top_logprobs: int) -> None:
+    def __init__(
+        self, top_logprobs: int, token_text: Callable[[int], str | None] = _no_text
+    ) -> None:
         self.top_logprobs = top_logprobs
+        self.token_text = token_text
         self.generation: Generation | None = None
 
     def prelude(self, generations: Sequence[Generation]) -> list[dict[str, Any]]:
@@ -137,7 +211,7 @@ class GenerateFormat:
             "weight_versions": choice.weight_version_segments(),
         }
         if choice.logprobs is not None:
-            meta.update(_logprob_fields(choice.logprobs, self.top_logprobs))
+            meta.update(_logprob_fields(choice.logprobs, self.top_logprobs, self.token_text))
         return {"text": choice.text, "output_ids": list(choice.token_ids), "meta_info": meta}
 
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
@@ -183,8 +257,33 @@ def _model_for(gateway: Gateway, name: str | None) -> str:
     return listed[0].name
 
 
+# Sampling fields with the same name and meaning in completions.
+_SHARED_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
+
+
 def completion_body(gateway: Gateway, body: GenerateBody) -> CompletionRequest:
-    """The same request in completions' terms, so every check and limit applies as is."""
+    """The same request in completions' terms, so every check and limit applies as is.
+
+    SGLang's fields this server cannot honour are refused by name first, then any field
+    neither SGLang nor this server knows, at any depth (unless the operator allows them:
+    then they are ignored, never passed on).
+    """
+    refuse_unsupported(body, GENERATE_UNSUPPORTED)
+    refuse_unsupported(body.sampling_params, SAMPLING_UNSUPPORTED, "sampling_params")
+    refuse_unknown(body, gateway.settings.allow_unknown_fields)
     if (body.text is None) == (body.input_ids is None):
         raise InvalidRequestError(
             "send exactly one of 'text' or 'input_ids'", param="text", code="invalid_value"
@@ -193,18 +292,20 @@ def completion_body(gateway: Gateway, body: GenerateBody) -> CompletionRequest:
         raise InvalidRequestError("'input_ids' must not be empty", param="input_ids")
     params = body.sampling_params
     fields: dict[str, Any] = {
-        key: value
-        for key, value in params.model_dump(exclude_none=True).items()
-        if key not in ("max_new_tokens", "min_new_tokens")
+        name: getattr(params, name)
+        for name in _SHARED_SAMPLING
+        if getattr(params, name) is not None
     }
+    seed = params.seed if params.seed is not None else params.sampling_seed
     fields.update(
-        model=_model_for(gateway, body.model),
+        model=_model_for(gateway, body.model or body.lora_path),
         prompt=body.text if body.text is not None else body.input_ids,
         max_tokens=params.max_new_tokens,
         min_tokens=params.min_new_tokens,
+        seed=seed,
+        include_stop_str_in_output=params.no_stop_trim,
         stream=body.stream,
         logprobs=body.top_logprobs_num if body.return_logprob else None,
-        **(body.model_extra or {}),
     )
     try:
         return CompletionRequest.model_validate(fields)
@@ -254,7 +355,9 @@ async def generate(gateway: Gateway, body: GenerateBody, request: Request) -> Re
             exc.param = "text" if body.text is not None else "input_ids"
         raise
     generation = _generation(gateway, model, completion, token_ids, request, body.rid, deadline)
-    fmt = GenerateFormat(body.top_logprobs_num if body.return_logprob else 0)
+    pre = model.preprocessor
+    token_text = pre.token_text if body.return_text_in_logprobs and pre is not None else _no_text
+    fmt = GenerateFormat(body.top_logprobs_num if body.return_logprob else 0, token_text)
     fmt.generation = generation
     plan = ResponsePlan(fmt, [generation], completion, None, deadline)
     return await respond(request, plan)

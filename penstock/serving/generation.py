@@ -81,6 +81,8 @@ class Generation:
                 keep_text=keep_text,
                 want_logprobs=want_logprobs,
                 parse_tool_calls=parse_tool_calls,
+                skip_special_tokens=request["output_options"].get("skip_special_tokens", True),
+                include_stop=request["stop_conditions"].get("include_stop_str_in_output", False),
             )
             for i in range(n)
         ]

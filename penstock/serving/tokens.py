@@ -1,0 +1,204 @@
+"""Token-in/token-out generation in the shapes RL trainers read: vLLM's
+``/inference/v1/generate`` and TRL's ``trl vllm-serve`` ``/generate/``.
+
+Both take vLLM's sampling fields (``sampling_params``; TRL's top-level fields and its
+``generation_kwargs``) and run on the completions path (:func:`completion_generations`),
+so every check and limit of ``/v1/completions`` applies. A vLLM sampling field this
+server cannot honour is a 400 naming it under its parent (``sampling_params.prompt_logprobs``),
+as is a field vLLM does not define (unless ``--allow-unknown-fields``).
+
+vLLM: ``{"token_ids", "sampling_params", "model"?, "cache_salt"?}`` ->
+``{"request_id", "choices": [{"index", "token_ids", "finish_reason", "logprobs":
+{"content": [{"token", "logprob", "bytes", "top_logprobs"}]} | null}],
+"prompt_logprobs": null, "kv_transfer_params": null, "weight_version"}``.
+
+TRL: ``{"prompts": [str] | [[int]], "n", "temperature", "top_p", "top_k", "min_p",
+"repetition_penalty", "max_tokens", "logprobs", "generation_kwargs"}`` ->
+``{"prompt_ids", "completion_ids", "logprobs", "logprob_token_ids"}``: per completion,
+per token, the sampled token first when ``logprobs`` is 0, else the ``logprobs`` most
+likely and the sampled one, by descending logprob.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from penstock.errors import InvalidRequestError, clip
+from penstock.gateway import Gateway, ServedModel
+from penstock.schemas.fields import unknown_field_error
+from penstock.schemas.openai import CompletionRequest
+from penstock.serving.choice import ChoiceState, LogprobEntry
+from penstock.serving.completions import completion_generations
+from penstock.serving.deadline import request_deadline
+from penstock.serving.generation import Generation
+from penstock.serving.stream import ResponsePlan, respond
+
+# Fields of vLLM's ``SamplingParams`` that completions does not declare, each with the
+# value that asks for nothing.
+_SAMPLING_ONLY: dict[str, Any] = {
+    "detokenize": True,
+    "output_kind": None,
+    "extra_args": None,
+    "flat_logprobs": False,
+}
+_DECLARED = frozenset(CompletionRequest.model_fields) - {"prompt", "model", "stream"}
+
+
+def sampling_request(
+    params: Mapping[str, Any],
+    parent: str,
+    allow_unknown: bool,
+    **fields: Any,
+) -> CompletionRequest:
+    """vLLM's sampling fields ``params`` (found under ``parent``) with ``fields`` as one
+    completions request; a field refused is named under ``parent``."""
+    unsupported = {**CompletionRequest.unsupported, **_SAMPLING_ONLY}
+    taken: dict[str, Any] = {}
+    unknown: list[str] = []
+    for name, value in params.items():
+        if name in _DECLARED:
+            taken[name] = value
+        elif name in unsupported:
+            if value is not None and value != unsupported[name]:
+                raise InvalidRequestError(
+                    f"{parent}.{name} is not supported by this server; got {clip(repr(value))}",
+                    param=f"{parent}.{name}",
+                    code="unsupported_parameter",
+                )
+        else:
+            unknown.append(f"{parent}.{name}")
+    if unknown and not allow_unknown:
+        raise unknown_field_error(unknown)
+    try:
+        return CompletionRequest.model_validate({**taken, **fields})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        loc = [str(part) for part in error["loc"]]
+        where = ".".join(loc if loc and loc[0] in fields else [parent, *loc])
+        raise InvalidRequestError(
+            f"{where}: {error['msg']}", param=where, code="invalid_value"
+        ) from exc
+
+
+async def run_tokens(
+    gateway: Gateway, body: CompletionRequest, request: Request, shape: str
+) -> Response:
+    """Generate ``body`` and answer in ``shape`` (``vllm`` or ``trl``)."""
+    deadline = request_deadline(request, gateway.settings)
+    model, generations = await completion_generations(gateway, body, request, deadline, "generate")
+    fmt: VllmTokensFormat | TrlFormat = (
+        VllmTokensFormat(model) if shape == "vllm" else TrlFormat(generations, body.logprobs)
+    )
+    return await respond(request, ResponsePlan(fmt, generations, body, None, deadline))
+
+
+class VllmTokensFormat:
+    """vLLM's ``GenerateResponse``: the token ids and logprobs of each choice."""
+
+    id_prefix = "gen-"
+    chunk_object = "generate"
+    response_object = "generate"
+
+    def __init__(self, model: ServedModel) -> None:
+        self.model = model
+
+    def prelude(self, generations: Sequence[Generation]) -> list[dict[str, Any]]:
+        return []
+
+    def chunk_choice(self, delta: Any) -> dict[str, Any] | None:
+        return None
+
+    def _token(self, token_id: int) -> str:
+        pre = self.model.preprocessor
+        return pre.token_text(token_id) if pre is not None else f"token_id:{token_id}"
+
+    def _content(self, entries: list[LogprobEntry]) -> list[dict[str, Any]]:
+        return [
+            {
+                "token": self._token(entry.token_id),
+                "logprob": entry.logprob,
+                "bytes": None,
+                "top_logprobs": [
+                    {"token": self._token(alt.token_id), "logprob": alt.logprob, "bytes": None}
+                    for alt in entry.top
+                ],
+            }
+            for entry in entries
+        ]
+
+    def response_choice(self, generation: Generation, choice: ChoiceState) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "token_ids": list(choice.token_ids),
+            "finish_reason": choice.finish_reason,
+            "logprobs": {"content": self._content(choice.logprobs)}
+            if choice.logprobs is not None
+            else None,
+        }
+
+    def response_fields(self, generations: Sequence[Generation]) -> dict[str, Any]:
+        return {}
+
+    def reshape(self, response: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "request_id": response["id"],
+            "choices": response["choices"],
+            "prompt_logprobs": None,
+            "kv_transfer_params": None,
+            "weight_version": response["weight_version"],
+        }
+
+
+class TrlFormat:
+    """TRL's ``/generate/`` answer: prompt and completion ids, logprobs per token."""
+
+    id_prefix = "gen-"
+    chunk_object = "generate"
+    response_object = "generate"
+
+    def __init__(self, generations: Sequence[Generation], logprobs: int | None) -> None:
+        self.generations = generations
+        self.logprobs = logprobs
+
+    def prelude(self, generations: Sequence[Generation]) -> list[dict[str, Any]]:
+        return []
+
+    def chunk_choice(self, delta: Any) -> dict[str, Any] | None:
+        return None
+
+    def _ranked(self, entry: LogprobEntry) -> list[tuple[float, int]]:
+        sampled = (entry.logprob, entry.token_id)
+        if not self.logprobs:
+            return [sampled]
+        ranked = [(alt.logprob, alt.token_id) for alt in entry.top[: self.logprobs]]
+        if all(token != entry.token_id for _, token in ranked):
+            ranked.append(sampled)
+        return sorted(ranked, key=lambda pair: -pair[0])
+
+    def response_choice(self, generation: Generation, choice: ChoiceState) -> dict[str, Any]:
+        ranked = [self._ranked(entry) for entry in choice.logprobs or []]
+        return {
+            "completion_ids": list(choice.token_ids),
+            "logprobs": [[logprob for logprob, _ in pairs] for pairs in ranked],
+            "logprob_token_ids": [[token for _, token in pairs] for pairs in ranked],
+        }
+
+    def response_fields(self, generations: Sequence[Generation]) -> dict[str, Any]:
+        return {}
+
+    def reshape(self, response: dict[str, Any]) -> dict[str, Any]:
+        choices = response["choices"]
+        with_logprobs = self.logprobs is not None
+        return {
+            "prompt_ids": [list(g.request["token_ids"]) for g in self.generations],
+            "completion_ids": [c["completion_ids"] for c in choices],
+            "logprobs": [c["logprobs"] for c in choices] if with_logprobs else None,
+            "logprob_token_ids": [c["logprob_token_ids"] for c in choices]
+            if with_logprobs
+            else None,
+        }

@@ -1,0 +1,225 @@
+"""Weight syncs and logprobs of the trainers' own calls, where the engine must really act:
+a real ``penstock serve --engine transformers`` on the tiny Llama, and this process as
+the trainer (torch, a gloo group, a second checkpoint with other weights).
+
+SkyRL's broadcast (``/init_weight_transfer_engine``, then ``/collective_rpc`` with
+``update_weights_nccl`` buckets, packed) and AReaL's (``/areal_init_weights_update_group``
+with the port in digits, ``/areal_set_update_weight_meta``, ``/areal_update_weights_xccl``)
+each change the served weights: afterwards the greedy tokens of ``/inference/v1/generate``
+are the trainer's own, and its logprobs are the trainer's ``log_softmax``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import LlamaForCausalLM
+
+from penstock.engines.weight_sync import (
+    destroy_process_group,
+    dtype_name,
+    init_custom_process_group,
+)
+from tests.support.server import ServerProcess, free_port, running_server
+from tests.support.tiny_llm import build_tiny_llama
+
+ADMIN_KEY = "weights-admin-key"
+PROMPT = [5, 17, 29, 41]
+TOKENS = 6
+VLLM_GROUP = "vllm_weight_transfer"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ServerProcess]:
+    args = [
+        "--engine",
+        "transformers",
+        "--model",
+        str(model_dir),
+        "--admin-api-key",
+        ADMIN_KEY,
+        "--admin-timeout-s",
+        "20",
+        "--",
+        "--cpu-threads",
+        "1",
+    ]
+    with running_server(
+        args, tmp_path_factory.mktemp("serve"), env={"HF_HUB_OFFLINE": "1"}, ready_timeout=120
+    ) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def admin(server: ServerProcess) -> Iterator[httpx.Client]:
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    with httpx.Client(base_url=server.base_url, headers=headers, timeout=60) as http:
+        yield http
+
+
+def trained(tmp_path: Path, model_dir: Path, seed: int) -> LlamaForCausalLM:
+    """The trainer's model: the same architecture, other weights."""
+    folder = build_tiny_llama(tmp_path / f"trained-{seed}", seed=seed, tokenizer_from=model_dir)
+    return LlamaForCausalLM.from_pretrained(folder).eval()
+
+
+def trainer_rollout(model: LlamaForCausalLM) -> tuple[list[int], list[float]]:
+    """Greedy tokens and each one's ``log_softmax`` under the trainer's own forward pass."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False
+        )
+        tokens = [int(t) for t in out[0, len(PROMPT) :]]
+        logits = model(out).logits[0, len(PROMPT) - 1 : -1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return tokens, [float(logprobs[i, token]) for i, token in enumerate(tokens)]
+
+
+def engine_rollout(admin: httpx.Client) -> tuple[list[int], list[float]]:
+    # SkyRL's ``_generate_single``: token ids in, token ids and logprobs out.
+    body = {
+        "sampling_params": {
+            "max_tokens": TOKENS,
+            "min_tokens": TOKENS,
+            "temperature": 0.0,
+            "logprobs": 0,
+        },
+        "model": admin.get("/v1/models").json()["data"][0]["id"],
+        "token_ids": PROMPT,
+    }
+    response = admin.post("/inference/v1/generate", json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return choice["token_ids"], [item["logprob"] for item in choice["logprobs"]["content"]]
+
+
+def with_rank_zero(
+    port: int, group_name: str, call: Callable[[], httpx.Response]
+) -> tuple[Any, httpx.Response]:
+    """Host the trainer's rank 0 of a two-rank gloo group while ``call`` asks the engine
+    to join it."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(call)
+        group = init_custom_process_group(
+            backend="gloo",
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=0,
+            world_size=2,
+            group_name=group_name,
+            timeout_s=20,
+        )
+        return group, joined.result()
+
+
+def broadcast_while(
+    group: Any, tensors: list[torch.Tensor], call: Callable[[], httpx.Response]
+) -> httpx.Response:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answered = pool.submit(call)
+        for tensor in tensors:
+            dist.broadcast(tensor, src=0, group=group)
+        return answered.result()
+
+
+def assert_serves(admin: httpx.Client, model: LlamaForCausalLM) -> None:
+    tokens, logprobs = engine_rollout(admin)
+    expected_tokens, expected_logprobs = trainer_rollout(model)
+    assert tokens == expected_tokens
+    assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)
+
+
+def test_skyrl_broadcast_changes_the_served_weights(
+    admin: httpx.Client, model_dir: Path, tmp_path: Path
+) -> None:
+    model = trained(tmp_path, model_dir, seed=3)
+    assert engine_rollout(admin)[0] != trainer_rollout(model)[0]
+    assert admin.get("/get_world_size").json()["world_size"] == 1
+    port = free_port()
+    # ``BroadcastInitInfo.to_api_payload`` for the one server: the trainer is rank 0.
+    init_info = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+    }
+    group, joined = with_rank_zero(
+        port,
+        VLLM_GROUP,
+        lambda: admin.post("/init_weight_transfer_engine", json={"init_info": init_info}),
+    )
+    assert joined.status_code == 200, joined.text
+    try:
+        assert (
+            admin.post("/pause", params={"mode": "keep", "clear_cache": "false"}).status_code == 200
+        )
+        rpc = {"method": "skyrl_start_weight_update", "kwargs": {"is_checkpoint_format": True}}
+        assert admin.post("/collective_rpc", json=rpc).status_code == 200
+        items = [(name, t.detach().contiguous()) for name, t in model.state_dict().items()]
+        update_info = {
+            "names": [name for name, _ in items],
+            "dtype_names": [dtype_name(t.dtype) for _, t in items],
+            "shapes": [list(t.shape) for _, t in items],
+            "packed": True,
+        }
+        bucket = {"method": "update_weights_nccl", "kwargs": {"update_info": update_info}}
+        flat = torch.cat([t.reshape(-1) for _, t in items])
+        answer = broadcast_while(group, [flat], lambda: admin.post("/collective_rpc", json=bucket))
+        assert answer.status_code == 200, answer.text
+        finish = admin.post("/collective_rpc", json={"method": "skyrl_finish_weight_update"})
+        assert finish.status_code == 200
+    finally:
+        assert admin.post("/resume").status_code == 200
+        destroy_process_group(group)
+    assert_serves(admin, model)
+
+
+def test_areal_broadcast_changes_the_served_weights(
+    admin: httpx.Client, model_dir: Path, tmp_path: Path
+) -> None:
+    model = trained(tmp_path, model_dir, seed=4)
+    port = free_port()
+    group_name = "areal_group"
+    init = {
+        "master_address": "127.0.0.1",
+        "master_port": str(port),
+        "rank_offset": 1,
+        "world_size": 2,
+        "backend": "gloo",
+        "group_name": group_name,
+    }
+    group, joined = with_rank_zero(
+        port, group_name, lambda: admin.post("/areal_init_weights_update_group", json=init)
+    )
+    assert joined.status_code == 200, joined.text
+    try:
+        assert admin.post("/areal_pause_generation", json={}).json()["success"] is True
+        items = [(name, t.detach().contiguous()) for name, t in model.state_dict().items()]
+        meta = {
+            "names": [name for name, _ in items],
+            "dtypes": [dtype_name(t.dtype) for _, t in items],
+            "shapes": [list(t.shape) for _, t in items],
+            "group_name": group_name,
+        }
+        assert admin.post("/areal_set_update_weight_meta", json=meta).status_code == 200
+        answer = broadcast_while(
+            group, [t for _, t in items], lambda: admin.post("/areal_update_weights_xccl", json={})
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["success"] is True
+    finally:
+        assert admin.post("/areal_continue_generation", json={}).status_code == 200
+        destroy_process_group(group)
+    assert_serves(admin, model)
