@@ -26,8 +26,8 @@ from penstock.errors import (
     UrlValidationError,
     clip,
 )
-from penstock.http import HttpClient, UrlValidationPolicy
-from penstock.multimodal.image_loader import ImageLoader
+from penstock.http import HttpClient, UrlValidationPolicy, env
+from penstock.multimodal.image_loader import ImageLoader, decode_image_bytes
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from penstock.settings import Settings
 
 T = TypeVar("T")
+
+_PIXELS_FLAG = "--media-max-image-pixels"
 
 _POLICY_HINT = (
     "operators widen it with --allowed-media-domain, --allowed-media-network, "
@@ -85,7 +87,7 @@ class MediaInputs:
             client,
             UrlValidationPolicy.from_settings(settings),
             fetch_timeout_s=settings.media_fetch_timeout_s,
-            max_bytes=settings.media_fetch_max_bytes,
+            max_bytes=env.fetch_max_bytes(settings),
             max_image_pixels=settings.media_max_image_pixels,
             max_audio_s=settings.media_max_audio_s,
         )
@@ -107,7 +109,17 @@ class MediaInputs:
 
     async def load_images(self, refs: Sequence[MediaRef]) -> list[Image.Image]:
         """RGB images, in the order of ``refs``."""
-        return await _load_all(refs, self.images.load_image, "--media-max-image-pixels")
+        return await _load_all(refs, self.images.load_image, _PIXELS_FLAG)
+
+    async def decode_image(self, data: bytes, param: str) -> Image.Image:
+        """RGB pixels of image bytes a client sent as they are (an upload), under the same
+        pixel limit and budget as a reference."""
+        images = self.images
+
+        async def decode(label: str) -> Image.Image:
+            return await decode_image_bytes(data, label, images.max_pixels, images.budget)
+
+        return await _load_one(MediaRef(param, param), decode, _PIXELS_FLAG)
 
     async def load_audio(self, refs: Sequence[MediaRef]) -> list[tuple[np.ndarray, float]]:
         """``(mono float32 waveform, sample rate)`` per reference, in order."""
