@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlsplit
@@ -23,6 +24,16 @@ FAKE_DNS: dict[str, list[str]] = {
     "mixed.test": ["93.184.216.34", "127.0.0.1"],
     "loopback.test": ["127.0.0.1"],
 }
+
+
+def _gzip(data: bytes) -> bytes:
+    compressor = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+    return compressor.compress(data) + compressor.flush()
+
+
+_GZIPPED = _gzip(b"pinned")
+# 32 MB of zeros in two gzip layers: a few hundred bytes on the wire.
+_BOMB = _gzip(_gzip(bytes(32 * 1024 * 1024)))
 
 
 class Origin(BaseHTTPRequestHandler):
@@ -65,6 +76,10 @@ class Origin(BaseHTTPRequestHandler):
                 self._send(200, b"end of chain")
             else:
                 self._send(302, headers={"Location": f"/chain/{left - 1}"})
+        elif parts.path == "/gzip":
+            self._send(200, _GZIPPED, {"Content-Encoding": "gzip"})
+        elif parts.path == "/bomb":
+            self._send(200, _BOMB, {"Content-Encoding": "gzip, gzip"})
         elif parts.path == "/status/404":
             self._send(404, b"no such image")
         elif parts.path == "/endless":

@@ -111,6 +111,14 @@ async def test_a_body_over_the_limit_fails_while_streaming(client: HttpClient, o
     assert len(await fetch(client, f"{origin}/ok", max_bytes=6)) == 6
 
 
+async def test_an_encoded_body_is_decoded_and_held_to_the_limit(
+    client: HttpClient, origin: str
+) -> None:
+    assert await fetch(client, f"{origin}/gzip") == b"pinned"
+    with pytest.raises(UrlValidationError, match="1000000 byte download limit"):
+        await fetch(client, f"{origin}/bomb", max_bytes=1_000_000)
+
+
 async def test_a_slow_body_times_out_at_the_deadline(client: HttpClient, origin: str) -> None:
     started = time.monotonic()
     with pytest.raises(HttpTimeoutError):
