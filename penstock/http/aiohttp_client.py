@@ -96,6 +96,7 @@ class AiohttpClient(HttpClient):
         async with self._session(spec.pool_key).get(
             spec.url,
             allow_redirects=spec.follow_redirects,
+            proxy=spec.proxy,
             max_redirects=self.max_redirects,
             timeout=timeout,
         ) as response:

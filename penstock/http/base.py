@@ -18,9 +18,13 @@
 
 Without a policy the library follows redirects itself, and the backend's connect step
 still checks every address (literal or resolved) against the client's configured policy.
-Clients keep one connection pool per kind of network permission, so a connection opened
-under a permissive policy is never reused by a strict one. No environment proxy is used:
-a proxy would resolve and connect on our behalf, past every check here.
+Clients keep one connection pool per kind of network permission (and proxy), so a
+connection opened under a permissive policy is never reused by a strict one. The
+environment's proxy (``HTTPS_PROXY``, ``HTTP_PROXY``, ``NO_PROXY``) is used only when the
+operator trusts it (``DYN_MM_TRUST_EGRESS_PROXY=1``, :func:`.env.egress_proxy`): the URL
+is still judged here, but the proxy resolves and connects on our behalf, so past it the
+pinning is the proxy's to enforce. Otherwise fetches connect directly and the proxy
+variables are ignored.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from penstock.errors import (
     UrlValidationError,
 )
 from penstock.http.decoding import decoded_chunks
-from penstock.http.pinning import PIN, Pin
+from penstock.http.pinning import PIN, Pin, through_proxy
 from penstock.http.urls import UrlValidationPolicy, describe_media_source
 
 if TYPE_CHECKING:
@@ -111,6 +115,8 @@ class RequestSpec:
     pool_key: object
     follow_redirects: bool
     read_timeout: float | None
+    # The trusted egress proxy to send it through; None: connect directly.
+    proxy: str | None = None
 
 
 @dataclass
@@ -208,9 +214,10 @@ class HttpClient(ABC):
         follow_redirects: bool,
     ) -> Any:
         """The body, or (with redirects off) the ``Location`` of a redirect, a str."""
-        spec = RequestSpec(
-            url, (policy or self.config.policy).network_key(), follow_redirects, read_timeout
-        )
+        proxy = env.egress_proxy(url)
+        pool_key = ((policy or self.config.policy).network_key(), proxy)
+        spec = RequestSpec(url, pool_key, follow_redirects, read_timeout, proxy)
+        token = PIN.set(through_proxy(PIN.get(), proxy)) if proxy else None
         try:
             async with self._request(spec) as response:
                 location = response.headers.get("location")
@@ -223,6 +230,9 @@ class HttpClient(ABC):
             raise
         except Exception as exc:
             raise self._translate(exc, url) from exc
+        finally:
+            if token is not None:
+                PIN.reset(token)
 
     @staticmethod
     async def _read_body(response: Response, url: str, max_bytes: int | None) -> bytes:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
+import urllib.request
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from penstock.settings import Settings
@@ -121,3 +123,16 @@ def http_backend(settings: Settings) -> str:
         )
         return settings.http_backend
     return raw.lower()
+
+
+def egress_proxy(url: str) -> str | None:
+    """The environment's proxy for ``url`` when ``DYN_MM_TRUST_EGRESS_PROXY=1`` and
+    ``NO_PROXY`` doesn't exempt its host; None: connect directly."""
+    if not flag("DYN_MM_TRUST_EGRESS_PROXY"):
+        return None
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies_environment()
+    proxy = proxies.get(parts.scheme.lower())
+    if not proxy or urllib.request.proxy_bypass_environment(parts.hostname or "", proxies):
+        return None
+    return proxy

@@ -86,7 +86,7 @@ class HttpxClient(HttpClient):
     def _errors(self) -> BackendErrors:
         return _library_errors()
 
-    def _client(self, pool_key: object) -> httpx.AsyncClient:
+    def _client(self, pool_key: object, proxy: str | None) -> httpx.AsyncClient:
         client = self._clients.get(pool_key)
         if client is None:
             import httpx
@@ -96,7 +96,7 @@ class HttpxClient(HttpClient):
                 max_connections=config.max_connections,
                 keepalive_expiry=config.keepalive_timeout,
             )
-            transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+            transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False, proxy=proxy)
             # httpx has no public way to hand its pool a network backend.
             transport._pool._network_backend = _PinnedBackend(config.policy)
             client = httpx.AsyncClient(
@@ -113,7 +113,7 @@ class HttpxClient(HttpClient):
         import httpx
 
         timeout = httpx.Timeout(None, connect=self.config.connect_timeout, read=spec.read_timeout)
-        client = self._client(spec.pool_key)
+        client = self._client(spec.pool_key, spec.proxy)
         request = client.build_request("GET", spec.url, timeout=timeout)
         response = await client.send(request, stream=True, follow_redirects=spec.follow_redirects)
         try:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextvars
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from urllib.parse import urlsplit
 
 import penstock.http.urls as urls
 from penstock.errors import HttpConnectionError, UrlValidationError
@@ -22,6 +23,16 @@ class Pin:
     policy: UrlValidationPolicy
     host: str | None = None
     addresses: tuple[str, ...] = ()
+    # The trusted egress proxy's host: the operator's own, so its address is not judged.
+    proxy_host: str | None = None
+
+
+def through_proxy(pin: Pin | None, proxy: str) -> Pin:
+    """``pin`` for a request sent through the trusted ``proxy``."""
+    host = (urlsplit(proxy).hostname or "").lower()
+    if pin is None:
+        return Pin(UrlValidationPolicy(), proxy_host=host)
+    return replace(pin, proxy_host=host)
 
 
 PIN: contextvars.ContextVar[Pin | None] = contextvars.ContextVar("penstock_http_pin", default=None)
@@ -39,6 +50,8 @@ async def connect_addresses(host: str, port: int, fallback: UrlValidationPolicy)
         literal = ipaddress.ip_address(bare)
     except ValueError:
         literal = None
+    if pin is not None and pin.proxy_host == bare:
+        return [bare] if literal is not None else await _resolve_proxy(bare, port)
     if literal is None and (legacy := urls.legacy_ipv4(bare)) is not None:
         raise UrlValidationError(f"host {bare} is a non-canonical spelling of {legacy}")
     if literal is not None:
@@ -54,3 +67,10 @@ async def connect_addresses(host: str, port: int, fallback: UrlValidationPolicy)
     if not addresses or not all(policy.address_allowed(ipaddress.ip_address(a)) for a in addresses):
         raise HttpConnectionError(f"host {bare} resolves to blocked addresses")
     return addresses
+
+
+async def _resolve_proxy(host: str, port: int) -> list[str]:
+    try:
+        return await urls.resolve_host(host, port)
+    except OSError as exc:
+        raise HttpConnectionError(f"Could not resolve the egress proxy {host}") from exc

@@ -6,8 +6,8 @@ declare billions of pixels, images that together fill the decoded media budget. 
 server's memory is read from ``/proc``: its peak resident set (``VmHWM``, reset before
 each probe through ``clear_refs``) may grow by a generous bound, never by what the bomb
 would inflate to. The server is configured the way a Dynamo deployment is, through the
-seed's ``DYN_MM_*`` variables, with one ``PENSTOCK_*`` variable that wins over its seed
-counterpart.
+seed's ``DYN_MM_*`` variables (a trusted egress proxy included), with one ``PENSTOCK_*``
+variable that wins over its seed counterpart.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -60,6 +61,17 @@ class EncodedFiles(BaseHTTPRequestHandler):
         return
 
 
+class EgressProxy(EncodedFiles):
+    """Answers an absolute-form request (``GET http://host/path``) from the same files."""
+
+    seen: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        self.seen.append(self.path)
+        self.path = urlsplit(self.path).path
+        super().do_GET()
+
+
 @pytest.fixture(scope="module")
 def files() -> Iterator[str]:
     with serving(EncodedFiles) as url:
@@ -67,11 +79,19 @@ def files() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def proxy() -> Iterator[str]:
+    with serving(EgressProxy) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, proxy: str) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("hostile-media")
     engine = ["--", "--delay", "0.02", "--image-input", "--audio-input"]
     args = ["--engine", "sample", "--media-max-audio-s", "20", *engine]
-    with running_server(args, root, env=ENV) as running:
+    # The file server is reached directly; any other host through the trusted proxy.
+    egress = {"DYN_MM_TRUST_EGRESS_PROXY": "1", "HTTP_PROXY": proxy, "NO_PROXY": "127.0.0.1"}
+    with running_server(args, root, env={**ENV, **egress}) as running:
         yield running
 
 
@@ -189,6 +209,13 @@ def test_the_seed_environment_carries_over(client: httpx.Client, files: str) -> 
         "messages[0].content[1].image_url.url",
         "1048576 byte",
     )
+
+
+def test_a_trusted_egress_proxy_carries_fetches(client: httpx.Client) -> None:
+    # Nothing listens on 127.0.0.9:1: only the proxy can answer.
+    target = "http://127.0.0.9:1/photo.png.gz"
+    assert reply(chat(client, image(target))).startswith("[image 40x30]")
+    assert target in EgressProxy.seen
 
 
 def _colors(count: int, offset: int) -> list[str]:
