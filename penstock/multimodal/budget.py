@@ -10,8 +10,10 @@ A load that would pass the budget gets 503 with ``Retry-After``: the memory belo
 requests in flight and comes back as they end, as an overloaded server sheds load rather
 than queueing it without bound. One item larger than the whole budget can never fit: 413.
 Before refusing, the budget asks its reclaimers (the image cache) to let go of what they
-keep. Freed media is handed back to the operating system (``malloc_trim``) once enough of
-it has been freed, so the process's RSS comes back near its baseline.
+keep, then collects garbage once (a finished request's media can be held by a reference
+cycle until the next full collection). Freed media is handed back to the operating
+system (``malloc_trim``) once enough of it has been freed, so the process's RSS comes
+back near its baseline once the media is freed; the budget bounds it meanwhile.
 
 ``PENSTOCK_MEDIA_DECODED_MAX_MB`` sets the budget (default 2048 MB: one request of 16
 images at the default pixel limit fits, with their transient copies).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import logging
 import os
 import threading
@@ -117,6 +120,11 @@ class DecodedMediaBudget:
         taken = self._take(nbytes)
         if not taken and reclaim:
             self._reclaim()
+            taken = self._take(nbytes)
+        if not taken:
+            # Media whose request has ended may be held only by unreachable cycles (a
+            # finished request's objects referring to each other) until a full collection.
+            gc.collect()
             taken = self._take(nbytes)
         if not taken:
             logger.warning(
