@@ -12,8 +12,9 @@ variable that wins over its seed counterpart.
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, ClassVar
@@ -46,8 +47,19 @@ FILES: dict[str, tuple[bytes, str | None]] = {
 }
 
 
+class Held:
+    """``/held.png`` is answered only once the test releases it."""
+
+    arrived = threading.Event()
+    release = threading.Event()
+
+
 class EncodedFiles(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
+        if self.path == "/held.png":
+            Held.arrived.set()
+            Held.release.wait(60)
+            self.path = "/photo.png.gz"
         body, encoding = FILES.get(self.path, (b"", None))
         self.send_response(200 if body else 404)
         self.send_header("Content-Type", "image/png")
@@ -218,36 +230,28 @@ def test_a_trusted_egress_proxy_carries_fetches(client: httpx.Client) -> None:
     assert target in EgressProxy.seen
 
 
-def _colors(count: int, offset: int) -> list[str]:
-    return [data_url(png(1024, 1024, (offset + i, 7, 7))) for i in range(count)]
+def _colors(count: int, offset: int) -> list[dict[str, Any]]:
+    return [image(data_url(png(1024, 1024, (offset + i, 7, 7)))) for i in range(count)]
 
 
 def test_decoded_media_beyond_the_budget_is_a_503_with_retry_after(
-    server: ServerProcess, client: httpx.Client
+    server: ServerProcess, client: httpx.Client, files: str
 ) -> None:
     baseline = rss_bytes(server)
-    held = [image(url) for url in _colors(4, 10)]
-    wanted = [image(url) for url in _colors(2, 50)]
-    content = [{"type": "text", "text": "hold these"}, *held]
-    body = {
-        "model": MODEL,
-        "max_tokens": 500,
-        "stream": True,
-        "messages": [{"role": "user", "content": content}],
-    }
-    # 4 images of 1024x1024 RGB (12 MB) stay decoded while their request streams.
-    with client.stream("POST", "/v1/chat/completions", json=body) as streaming:
-        assert streaming.status_code == 200
-        next(line for line in streaming.iter_lines() if line.startswith("data:"))
+    wanted = _colors(2, 50)
+    # 4 images of 1024x1024 RGB (12 MB of the 16) stay decoded while their request waits
+    # for its fifth, which the file server holds back.
+    held = [*_colors(4, 10), image(f"{files}/held.png")]
+    with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=server.base_url, timeout=60) as other:
+        first = pool.submit(chat, other, *held, max_tokens=120)
+        assert Held.arrived.wait(30), "the held image was never asked for"
         busy = chat(client, *wanted)
-        error = error_of(busy, 503, "messages[0].content[2].image_url.url", "retry")
-        assert error["code"] == "media_memory_busy"
-        assert busy.headers["retry-after"] == "1"
-        assert client.get("/v1/models").status_code == 200
-    # The stream's images are freed once it ends: the same request then fits.
-    deadline = time.monotonic() + 30
-    while (answer := chat(client, *wanted)).status_code == 503 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert reply(answer).startswith("[image 1024x1024] [image 1024x1024]")
+        Held.release.set()
+        assert reply(first.result()).startswith("[image 1024x1024] " * 4 + "[image 40x30]")
+    error = error_of(busy, 503, "messages[0].content[2].image_url.url", "retry")
+    assert error["code"] == "media_memory_busy"
+    assert busy.headers["retry-after"] == "1"
+    # Once that request is done, the same request fits.
+    assert reply(chat(client, *wanted)).startswith("[image 1024x1024] [image 1024x1024]")
     grown = rss_bytes(server) - baseline
     assert grown < 4 * BUDGET_MB * MIB, f"RSS stayed {grown / MIB:.0f} MB above its baseline"
