@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AiohttpClient",
+    "FetchOptions",
     "HttpClient",
     "HttpConfigBase",
     "HttpConfigurationError",
@@ -107,7 +108,11 @@ class FetchOptions(TypedDict, total=False):
     read_timeout: float | None
 
 
-async def fetch_bytes(url: str, timeout: float, **options: Unpack[FetchOptions]) -> bytes:  # noqa: ASYNC109 (the seed signature)
+async def fetch_bytes(
+    url: str,
+    timeout: float,  # noqa: ASYNC109 (the seed signature)
+    **options: Unpack[FetchOptions],
+) -> bytes:
     """:meth:`HttpClient.fetch_bytes` on the process-wide client."""
     return await get_default_client().fetch_bytes(url, timeout, **options)
 

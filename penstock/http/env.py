@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import urllib.request
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -130,6 +129,9 @@ def egress_proxy(url: str) -> str | None:
     ``NO_PROXY`` doesn't exempt its host; None: connect directly."""
     if not flag("DYN_MM_TRUST_EGRESS_PROXY"):
         return None
+    # urllib.request brings http.client, email and ssl: only servers that use a proxy pay.
+    import urllib.request
+
     parts = urlsplit(url)
     proxies = urllib.request.getproxies_environment()
     proxy = proxies.get(parts.scheme.lower())
