@@ -5,7 +5,6 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlsplit
@@ -14,6 +13,7 @@ import pytest
 
 from penstock.http import urls
 from tests.support.file_server import serving
+from tests.support.media_files import gzip, zero_bomb
 
 # Names the fake resolver knows; anything else fails to resolve, as offline DNS would.
 FAKE_DNS: dict[str, list[str]] = {
@@ -26,14 +26,9 @@ FAKE_DNS: dict[str, list[str]] = {
 }
 
 
-def _gzip(data: bytes) -> bytes:
-    compressor = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
-    return compressor.compress(data) + compressor.flush()
-
-
-_GZIPPED = _gzip(b"pinned")
-# 32 MB of zeros in two gzip layers: a few hundred bytes on the wire.
-_BOMB = _gzip(_gzip(bytes(32 * 1024 * 1024)))
+_GZIPPED = gzip(b"pinned")
+# 32 MB of zeros in two gzip layers: a few KB on the wire.
+_BOMB = zero_bomb(32)
 
 
 class Origin(BaseHTTPRequestHandler):

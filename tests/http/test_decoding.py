@@ -9,11 +9,7 @@ import pytest
 
 from penstock.errors import HttpConnectionError
 from penstock.http.decoding import STEP, content_codings, decoded_chunks
-
-
-def gzip(data: bytes) -> bytes:
-    compressor = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
-    return compressor.compress(data) + compressor.flush()
+from tests.support.media_files import gzip
 
 
 def deflate(data: bytes) -> bytes:
