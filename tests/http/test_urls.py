@@ -209,3 +209,26 @@ def test_an_unusable_seed_value_falls_back_to_the_default(
     policy = UrlValidationPolicy.from_env()
     assert policy.max_data_url_bytes == 16 * 1024 * 1024 and not policy.allow_http
     assert "DYN_MM_MAX_DATA_URL_MB" in caplog.text
+
+
+async def test_the_seed_http_variables_configure_the_client(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from penstock.http import HttpConfigBase, create_http_client
+    from penstock.http.aiohttp_client import AiohttpClient
+
+    monkeypatch.setenv("DYN_HTTP_MAX_CONNECTIONS", "7")
+    monkeypatch.setenv("DYN_MM_HTTP_READ_TIMEOUT", "12.5")
+    monkeypatch.setenv("DYN_HTTP_CONNECT_TIMEOUT", "2")
+    monkeypatch.setenv("DYN_HTTP_KEEPALIVE_TIMEOUT", "0")
+    monkeypatch.setenv("DYN_HTTP_BACKEND", "aiohttp")
+    config = HttpConfigBase.from_settings(Settings())
+    assert (config.max_connections, config.timeout, config.connect_timeout) == (7, 12.5, 2.0)
+    assert config.keepalive_timeout == 15.0
+    assert "DYN_MM_HTTP_READ_TIMEOUT is deprecated" in caplog.text
+    assert "DYN_HTTP_KEEPALIVE_TIMEOUT" in caplog.text
+    ours = HttpConfigBase.from_settings(Settings(http_max_connections=3))
+    assert ours.max_connections == 3
+    client = create_http_client(Settings())
+    assert isinstance(client, AiohttpClient)
+    await client.close()
