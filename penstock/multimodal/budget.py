@@ -8,7 +8,9 @@ and the charge follows the decoded object: it is credited back when the object i
 
 A load that would pass the budget gets 503 with ``Retry-After``: the memory belongs to
 requests in flight and comes back as they end, as an overloaded server sheds load rather
-than queueing it without bound. One item larger than the whole budget can never fit: 413.
+than queueing it without bound. What can never fit is a 413: one item larger than the
+whole budget, or a request whose own media (counted in :class:`RequestMedia`, set for its
+loads through :data:`REQUEST_MEDIA`) would pass it alone.
 Before refusing, the budget asks its reclaimers (the image cache) to let go of what they
 keep, then collects garbage once (a finished request's media can be held by a reference
 cycle until the next full collection). Freed media is handed back to the operating
@@ -30,6 +32,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 
 from penstock.errors import OverloadedError, PayloadTooLargeError
 
@@ -49,6 +52,17 @@ class MediaMemoryBusy(OverloadedError):
     status_code = 503
     error_type = "service_unavailable"
     default_code = "media_memory_busy"
+
+
+class RequestMedia:
+    """Bytes one request's media has taken from the budget so far."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
+# Set around one request's loads; the tasks and threads they start inherit it.
+REQUEST_MEDIA: ContextVar[RequestMedia | None] = ContextVar("penstock_request_media", default=None)
 
 
 @functools.cache
@@ -112,11 +126,7 @@ class DecodedMediaBudget:
         503 when the budget is full now. ``reclaim`` only on the thread that owns the
         reclaimers' state (the event loop)."""
         if nbytes > self.limit_bytes:
-            raise PayloadTooLargeError(
-                f"{what} decodes to {nbytes / _MIB:.1f} MB, over the server's decoded media "
-                f"budget of {self.limit_bytes / _MIB:g} MB ({BUDGET_ENV})",
-                code="media_too_large",
-            )
+            raise self._too_large(f"{what} decodes to {nbytes / _MIB:.1f} MB")
         taken = self._take(nbytes)
         if not taken and reclaim:
             self._reclaim()
@@ -126,6 +136,10 @@ class DecodedMediaBudget:
             # finished request's objects referring to each other) until a full collection.
             gc.collect()
             taken = self._take(nbytes)
+        request = REQUEST_MEDIA.get()
+        if not taken and request is not None and request.bytes + nbytes > self.limit_bytes:
+            total = (request.bytes + nbytes) / _MIB
+            raise self._too_large(f"the media of this request decode to {total:.1f} MB or more")
         if not taken:
             logger.warning(
                 "decoded media budget full (%d of %d bytes): refused %d bytes for %s",
@@ -139,7 +153,17 @@ class DecodedMediaBudget:
                 "use by other requests; retry shortly",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+        if request is not None:
+            with self._lock:
+                request.bytes += nbytes
         return Charge(self, nbytes)
+
+    def _too_large(self, what: str) -> PayloadTooLargeError:
+        return PayloadTooLargeError(
+            f"{what}, over the server's decoded media budget of "
+            f"{self.limit_bytes / _MIB:g} MB ({BUDGET_ENV})",
+            code="media_too_large",
+        )
 
     def credit(self, nbytes: int) -> None:
         if nbytes <= 0:

@@ -8,7 +8,9 @@ named them, is the answer, and the other loads are cancelled.
 
 Every failure is a client-visible error whose ``param`` is where the request named the
 reference (``messages[0].content[1].image_url.url``): a URL the policy refuses is a 400
-that says so, an image or clip over its limit a 413 naming the flag that sets it.
+that says so, an image or clip over its limit a 413 naming the flag that sets it. The
+references of one kind in one request count together against the decoded media budget
+(:mod:`penstock.multimodal.budget`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from penstock.errors import (
     clip,
 )
 from penstock.http import HttpClient, UrlValidationPolicy, env
+from penstock.multimodal.budget import REQUEST_MEDIA, RequestMedia
 from penstock.multimodal.image_loader import ImageLoader, decode_image_bytes
 
 if TYPE_CHECKING:
@@ -129,7 +132,11 @@ class MediaInputs:
 async def _load_all(
     refs: Sequence[MediaRef], load: Callable[[str], Awaitable[T]], limit_flag: str
 ) -> list[T]:
-    tasks = [asyncio.ensure_future(_load_one(ref, load, limit_flag)) for ref in refs]
+    token = REQUEST_MEDIA.set(RequestMedia())
+    try:
+        tasks = [asyncio.ensure_future(_load_one(ref, load, limit_flag)) for ref in refs]
+    finally:
+        REQUEST_MEDIA.reset(token)
     if not tasks:
         return []
     try:

@@ -255,3 +255,12 @@ def test_decoded_media_beyond_the_budget_is_a_503_with_retry_after(
     assert reply(chat(client, *wanted)).startswith("[image 1024x1024] [image 1024x1024]")
     grown = rss_bytes(server) - baseline
     assert grown < 4 * BUDGET_MB * MIB, f"RSS stayed {grown / MIB:.0f} MB above its baseline"
+
+
+def test_a_request_whose_media_alone_pass_the_budget_is_413(client: httpx.Client) -> None:
+    # Six images of 3 MB decoded: more than the 16 MB budget, whoever else is served.
+    too_much = chat(client, *_colors(6, 90))
+    param = "messages[0].content[6].image_url.url"
+    error = error_of(too_much, 413, param, "18.0 MB", "PENSTOCK_MEDIA_DECODED_MAX_MB")
+    assert error["code"] == "media_too_large"
+    assert reply(chat(client, *_colors(2, 90))).startswith("[image 1024x1024]")

@@ -12,7 +12,12 @@ from PIL import Image
 from penstock.errors import PayloadTooLargeError
 from penstock.multimodal import ImageLoader
 from penstock.multimodal.audio_loader import decode_audio
-from penstock.multimodal.budget import DecodedMediaBudget, MediaMemoryBusy
+from penstock.multimodal.budget import (
+    REQUEST_MEDIA,
+    DecodedMediaBudget,
+    MediaMemoryBusy,
+    RequestMedia,
+)
 from tests.support.media_files import data_url, flac, png
 
 MIB = 1024 * 1024
@@ -73,3 +78,18 @@ def test_audio_above_48_khz_is_resampled_into_one_charged_buffer() -> None:
     del waveform
     gc.collect()
     assert budget.used_bytes == 0
+
+
+def test_a_request_whose_own_media_pass_the_budget_is_too_large() -> None:
+    budget = DecodedMediaBudget(10 * MIB)
+    token = REQUEST_MEDIA.set(RequestMedia())
+    try:
+        charges = [budget.charge(4 * MIB, "first"), budget.charge(4 * MIB, "second")]
+        with pytest.raises(PayloadTooLargeError, match=r"this request decode to 12\.0 MB"):
+            budget.charge(4 * MIB, "third")
+    finally:
+        REQUEST_MEDIA.reset(token)
+    with pytest.raises(MediaMemoryBusy):
+        budget.charge(4 * MIB, "another request's")
+    for charge in charges:
+        charge.release()
