@@ -293,8 +293,9 @@ class HttpStatusError(HttpError):
 
     def __init__(self, status: int, message: str, url: str) -> None:
         if len(message) > self._MESSAGE_LIMIT:
-            half = self._MESSAGE_LIMIT // 2
-            message = f"{message[:half]} ... ({len(message)} chars) ... {message[-half:]}"
+            marker = f" ... ({len(message)} chars) ... "
+            kept = self._MESSAGE_LIMIT - len(marker)
+            message = f"{message[: kept - kept // 2]}{marker}{message[-(kept // 2) :]}"
         self.status = status
         self.url = url
         self.status_code = status if 400 <= status < 500 else 502

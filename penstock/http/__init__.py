@@ -7,13 +7,13 @@ unified exceptions (``HttpError`` and its subclasses, ``UrlValidationError``, al
 explains how a fetch stays on the addresses that were checked.
 
 The process-wide client (``get_default_client``, ``fetch_bytes``, ``close_http_client``)
-is built from the ``PENSTOCK_*`` settings on first use; closing it makes the next use
-read them again.
+is built from the ``PENSTOCK_*`` settings (and the seed's ``DYN_*`` variables where those
+are unset, :mod:`.env`) on first use; closing it makes the next use read them again.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from penstock.errors import (
     HttpConfigurationError,
@@ -23,6 +23,7 @@ from penstock.errors import (
     HttpTimeoutError,
     UrlValidationError,
 )
+from penstock.http import env
 from penstock.http.base import HttpClient, HttpConfigBase
 from penstock.http.urls import (
     UrlValidationPolicy,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AiohttpClient",
+    "FetchOptions",
     "HttpClient",
     "HttpConfigBase",
     "HttpConfigurationError",
@@ -80,7 +82,7 @@ def __getattr__(name: str) -> object:
 def create_http_client(settings: Settings) -> HttpClient:
     """The client ``--http-backend`` names, configured by the ``--http-*`` settings."""
     config = HttpConfigBase.from_settings(settings)
-    if settings.http_backend == "aiohttp":
+    if env.http_backend(settings) == "aiohttp":
         from penstock.http.aiohttp_client import AiohttpClient
 
         return AiohttpClient(config)
@@ -98,17 +100,21 @@ def get_default_client() -> HttpClient:
     return _default
 
 
+class FetchOptions(TypedDict, total=False):
+    """The keyword options of :meth:`HttpClient.fetch_bytes`."""
+
+    policy: UrlValidationPolicy | None
+    max_bytes: int | None
+    read_timeout: float | None
+
+
 async def fetch_bytes(
     url: str,
     timeout: float,  # noqa: ASYNC109 (the seed signature)
-    *,
-    policy: UrlValidationPolicy | None = None,
-    max_bytes: int | None = None,
-    read_timeout: float | None = None,
+    **options: Unpack[FetchOptions],
 ) -> bytes:
-    return await get_default_client().fetch_bytes(
-        url, timeout, policy=policy, max_bytes=max_bytes, read_timeout=read_timeout
-    )
+    """:meth:`HttpClient.fetch_bytes` on the process-wide client."""
+    return await get_default_client().fetch_bytes(url, timeout, **options)
 
 
 async def close_http_client() -> None:

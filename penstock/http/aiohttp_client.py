@@ -3,7 +3,7 @@ penstock[aiohttp]``; imported only when this client is built).
 
 Connections are pinned in the connector's host lookup (``TCPConnector._resolve_host``,
 the one step every connection of every redirect hop goes through, IP literals included):
-it returns only the addresses :func:`~penstock.http.base.connect_addresses` allows. A
+it returns only the addresses :func:`~penstock.http.pinning.connect_addresses` allows. A
 resolver plugged in through aiohttp's public API would not see IP literals, and a
 request-start trace runs once per request, not per redirect hop; the fetch tests catch
 a change of that private method.
@@ -17,15 +17,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from penstock.errors import HttpConnectionError
-from penstock.http.base import (
-    _MAX_REDIRECTS,
-    CHUNK_SIZE,
-    BackendErrors,
-    HttpClient,
-    HttpConfigBase,
-    Response,
-    connect_addresses,
-)
+from penstock.http.base import BackendErrors, HttpClient, HttpConfigBase, RequestSpec, Response
+from penstock.http.pinning import connect_addresses
 from penstock.http.urls import UrlValidationPolicy
 
 
@@ -89,36 +82,29 @@ class AiohttpClient(HttpClient):
             session = aiohttp.ClientSession(
                 connector=connector,
                 trust_env=False,
-                headers={"user-agent": config.user_agent},
-                auto_decompress=True,
+                headers=config.request_headers(),
+                auto_decompress=False,
             )
             self._sessions[pool_key] = session
         return session
 
     @contextlib.asynccontextmanager
-    async def _request(
-        self,
-        url: str,
-        pool_key: object,
-        follow_redirects: bool,
-        read_timeout: float | None,
-    ) -> AsyncIterator[Response]:
-        aiohttp = self._aiohttp
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=self.config.connect_timeout, sock_read=read_timeout
+    async def _request(self, spec: RequestSpec) -> AsyncIterator[Response]:
+        timeout = self._aiohttp.ClientTimeout(
+            total=None, sock_connect=self.config.connect_timeout, sock_read=spec.read_timeout
         )
-        session = self._session(pool_key)
-        async with session.get(
-            url,
-            allow_redirects=follow_redirects,
-            max_redirects=_MAX_REDIRECTS,
+        async with self._session(spec.pool_key).get(
+            spec.url,
+            allow_redirects=spec.follow_redirects,
+            proxy=spec.proxy,
+            max_redirects=self.max_redirects,
             timeout=timeout,
         ) as response:
             yield Response(
                 response.status,
                 response.reason or "",
-                {k.lower(): v for k, v in response.headers.items()},
-                response.content.iter_chunked(CHUNK_SIZE),
+                {k.lower(): ", ".join(response.headers.getall(k)) for k in response.headers},
+                response.content.iter_chunked(self.chunk_size),
             )
 
     async def close(self) -> None:

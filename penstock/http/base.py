@@ -3,34 +3,42 @@
 ``fetch_bytes`` with a policy is the SSRF-safe path, the same for every backend:
 
 1. :func:`~penstock.http.urls.check_url` judges the URL and resolves its host once;
-2. the checked addresses are *pinned* for the request (a context variable the backend's
-   connect step reads), so the connection goes to an address that was checked, never to a
-   second DNS answer; TLS still verifies the certificate of the host name;
+2. the checked addresses are *pinned* for the request (:mod:`.pinning`: a context
+   variable the backend's connect step reads), so the connection goes to an address that
+   was checked, never to a second DNS answer; TLS still verifies the host name's
+   certificate;
 3. redirects are not followed by the library: each ``Location`` is checked the same way,
    at most ``_MAX_REDIRECTS`` hops;
 4. the body is read in chunks and the fetch fails as soon as it passes ``max_bytes``; the
    whole fetch, redirects and body included, runs under one deadline, so a server that
-   trickles bytes can't hold it past ``timeout``.
+   trickles bytes can't hold it past ``timeout``;
+5. the fetch asks for ``identity`` and the libraries decode nothing: a host that sends a
+   ``Content-Encoding`` anyway is decoded by :mod:`.decoding` in bounded steps, and
+   ``max_bytes`` holds for the decoded bytes.
 
 Without a policy the library follows redirects itself, and the backend's connect step
 still checks every address (literal or resolved) against the client's configured policy.
-Clients keep one connection pool per kind of network permission, so a connection opened
-under a permissive policy is never reused by a strict one. No environment proxy is used:
-a proxy would resolve and connect on our behalf, past every check here.
+Clients keep one connection pool per kind of network permission (and proxy), so a
+connection opened under a permissive policy is never reused by a strict one. The
+environment's proxy (``HTTPS_PROXY``, ``HTTP_PROXY``, ``NO_PROXY``) is used only when the
+operator trusts it (``DYN_MM_TRUST_EGRESS_PROXY=1``, :func:`.env.egress_proxy`): the URL
+is still judged here, but the proxy resolves and connects on our behalf, so past it the
+pinning is the proxy's to enforce. Otherwise fetches connect directly and the proxy
+variables are ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import ipaddress
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urljoin
 
+import penstock.http.env as env
+import penstock.http.urls as urls
 from penstock.errors import (
     HttpConnectionError,
     HttpError,
@@ -38,7 +46,8 @@ from penstock.errors import (
     HttpTimeoutError,
     UrlValidationError,
 )
-from penstock.http import urls
+from penstock.http.decoding import decoded_chunks
+from penstock.http.pinning import PIN, Pin, through_proxy
 from penstock.http.urls import UrlValidationPolicy, describe_media_source
 
 if TYPE_CHECKING:
@@ -64,54 +73,28 @@ class HttpConfigBase:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HttpConfigBase:
+        """The ``--http-*`` settings; the seed's ``DYN_HTTP_*`` variables where unset."""
+
+        def read(field: str, variable: str, parse: Any) -> Any:
+            return env.setting_or_env(settings, field, variable, parse)
+
         return cls(
-            max_connections=settings.http_max_connections,
-            timeout=settings.http_timeout_s,
-            connect_timeout=settings.http_connect_timeout_s,
-            keepalive_timeout=settings.http_keepalive_timeout_s,
+            max_connections=read(
+                "http_max_connections", "DYN_HTTP_MAX_CONNECTIONS", env.positive_int
+            ),
+            timeout=read("http_timeout_s", "DYN_HTTP_TIMEOUT", env.positive_float),
+            connect_timeout=read(
+                "http_connect_timeout_s", "DYN_HTTP_CONNECT_TIMEOUT", env.positive_float
+            ),
+            keepalive_timeout=read(
+                "http_keepalive_timeout_s", "DYN_HTTP_KEEPALIVE_TIMEOUT", env.positive_float
+            ),
             policy=UrlValidationPolicy.from_settings(settings),
         )
 
-
-@dataclass(frozen=True)
-class _Pin:
-    policy: UrlValidationPolicy
-    host: str | None = None
-    addresses: tuple[str, ...] = ()
-
-
-_PIN: contextvars.ContextVar[_Pin | None] = contextvars.ContextVar(
-    "penstock_http_pin", default=None
-)
-
-
-async def connect_addresses(host: str, port: int, fallback: UrlValidationPolicy) -> list[str]:
-    """The addresses a backend may connect to for ``host``: the pinned ones when the fetch
-    checked this host, else those it resolves to, each checked against the policy."""
-    pin = _PIN.get()
-    policy = pin.policy if pin is not None else fallback
-    bare = host.strip("[]").lower()
-    if pin is not None and pin.host is not None and pin.host.strip("[]") == bare:
-        return list(pin.addresses)
-    try:
-        literal = ipaddress.ip_address(bare)
-    except ValueError:
-        literal = None
-    if literal is None and (legacy := urls.legacy_ipv4(bare)) is not None:
-        raise UrlValidationError(f"host {bare} is a non-canonical spelling of {legacy}")
-    if literal is not None:
-        if not policy.address_allowed(literal):
-            raise HttpConnectionError(f"host {bare} is a blocked address")
-        return [bare]
-    if not policy.domain_allowed(bare.rstrip(".")):
-        raise HttpConnectionError(f"host {bare} is not in the allowed media domains")
-    try:
-        addresses = await urls.resolve_host(bare, port)
-    except OSError as exc:
-        raise HttpConnectionError(f"Could not resolve host {bare}") from exc
-    if not addresses or not all(policy.address_allowed(ipaddress.ip_address(a)) for a in addresses):
-        raise HttpConnectionError(f"host {bare} resolves to blocked addresses")
-    return addresses
+    def request_headers(self) -> dict[str, str]:
+        # Media is compressed already; asking for identity keeps hosts from wrapping it.
+        return {"user-agent": self.user_agent, "accept-encoding": "identity"}
 
 
 @dataclass(frozen=True)
@@ -124,9 +107,22 @@ class BackendErrors:
     invalid_url: tuple[type[BaseException], ...]
 
 
+@dataclass(frozen=True)
+class RequestSpec:
+    """One GET a backend sends, through the pool for ``pool_key``."""
+
+    url: str
+    pool_key: object
+    follow_redirects: bool
+    read_timeout: float | None
+    # The trusted egress proxy to send it through; None: connect directly.
+    proxy: str | None = None
+
+
 @dataclass
 class Response:
-    """What a backend hands back: status, headers, and the body as chunks."""
+    """What a backend hands back: status, headers, and the body as chunks, exactly as
+    they came (no ``Content-Encoding`` undone)."""
 
     status: int
     reason: str
@@ -145,6 +141,9 @@ class HttpClient(ABC):
 
     # Set by each backend, from its HTTP library's exception classes.
     _errors: BackendErrors
+    # What a backend hands its library: redirects it may follow, the body's read size.
+    max_redirects = _MAX_REDIRECTS
+    chunk_size = CHUNK_SIZE
 
     def __init__(self, config: HttpConfigBase | None = None) -> None:
         self.config = config or HttpConfigBase()
@@ -170,11 +169,11 @@ class HttpClient(ABC):
         try:
             async with asyncio.timeout(total):
                 if policy is None:
-                    token = _PIN.set(_Pin(self.config.policy))
+                    token = PIN.set(Pin(self.config.policy))
                     try:
                         return await self._fetch_once(url, max_bytes, read_timeout, None, True)
                     finally:
-                        _PIN.reset(token)
+                        PIN.reset(token)
                 return await self._fetch_checked(url, policy, max_bytes, read_timeout)
         except TimeoutError as exc:
             raise HttpTimeoutError(
@@ -191,11 +190,11 @@ class HttpClient(ABC):
         chain = [url]
         while True:
             checked = await urls.check_url(url, policy)
-            token = _PIN.set(_Pin(policy, checked.host, checked.addresses))
+            token = PIN.set(Pin(policy, checked.host, checked.addresses))
             try:
                 body = await self._fetch_once(url, max_bytes, read_timeout, policy, False)
             finally:
-                _PIN.reset(token)
+                PIN.reset(token)
             if isinstance(body, bytes):
                 return body
             if len(chain) > _MAX_REDIRECTS:
@@ -215,9 +214,12 @@ class HttpClient(ABC):
         follow_redirects: bool,
     ) -> Any:
         """The body, or (with redirects off) the ``Location`` of a redirect, a str."""
-        key = (policy or self.config.policy).network_key()
+        proxy = env.egress_proxy(url)
+        pool_key = ((policy or self.config.policy).network_key(), proxy)
+        spec = RequestSpec(url, pool_key, follow_redirects, read_timeout, proxy)
+        token = PIN.set(through_proxy(PIN.get(), proxy)) if proxy else None
         try:
-            async with self._request(url, key, follow_redirects, read_timeout) as response:
+            async with self._request(spec) as response:
                 location = response.headers.get("location")
                 if not follow_redirects and response.status in _REDIRECT_STATUSES and location:
                     return location
@@ -228,12 +230,17 @@ class HttpClient(ABC):
             raise
         except Exception as exc:
             raise self._translate(exc, url) from exc
+        finally:
+            if token is not None:
+                PIN.reset(token)
 
     @staticmethod
     async def _read_body(response: Response, url: str, max_bytes: int | None) -> bytes:
         parts: list[bytes] = []
         size = 0
-        async for chunk in response.chunks:
+        async for chunk in decoded_chunks(
+            response.chunks, response.headers.get("content-encoding")
+        ):
             size += len(chunk)
             if max_bytes is not None and size > max_bytes:
                 raise UrlValidationError(
@@ -244,14 +251,8 @@ class HttpClient(ABC):
         return b"".join(parts)
 
     @abstractmethod
-    def _request(
-        self,
-        url: str,
-        pool_key: object,
-        follow_redirects: bool,
-        read_timeout: float | None,
-    ) -> contextlib.AbstractAsyncContextManager[Response]:
-        """Send a GET through the pool for ``pool_key``; the body is read lazily."""
+    def _request(self, spec: RequestSpec) -> contextlib.AbstractAsyncContextManager[Response]:
+        """Send the GET ``spec`` describes; the body is read lazily, never decoded."""
 
     def _translate(self, exc: Exception, url: str) -> HttpError | UrlValidationError:
         """The unified exception for one of the backend's own."""

@@ -2,7 +2,7 @@
 
 Connections are pinned by wrapping httpcore's network backend: its ``connect_tcp`` gets
 the host name of the URL and connects to an address from
-:func:`~penstock.http.base.connect_addresses` instead; TLS is then started by httpcore
+:func:`~penstock.http.pinning.connect_addresses` instead; TLS is then started by httpcore
 with the host name, so certificates are still checked against it.
 
 httpx is imported with the first fetch, not with the server: it brings httpcore, h11, and
@@ -17,15 +17,8 @@ from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
 from penstock.errors import HttpConnectionError
-from penstock.http.base import (
-    _MAX_REDIRECTS,
-    CHUNK_SIZE,
-    BackendErrors,
-    HttpClient,
-    HttpConfigBase,
-    Response,
-    connect_addresses,
-)
+from penstock.http.base import BackendErrors, HttpClient, HttpConfigBase, RequestSpec, Response
+from penstock.http.pinning import connect_addresses
 from penstock.http.urls import UrlValidationPolicy
 
 if TYPE_CHECKING:
@@ -93,7 +86,7 @@ class HttpxClient(HttpClient):
     def _errors(self) -> BackendErrors:
         return _library_errors()
 
-    def _client(self, pool_key: object) -> httpx.AsyncClient:
+    def _client(self, pool_key: object, proxy: str | None) -> httpx.AsyncClient:
         client = self._clients.get(pool_key)
         if client is None:
             import httpx
@@ -103,38 +96,32 @@ class HttpxClient(HttpClient):
                 max_connections=config.max_connections,
                 keepalive_expiry=config.keepalive_timeout,
             )
-            transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+            transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False, proxy=proxy)
             # httpx has no public way to hand its pool a network backend.
             transport._pool._network_backend = _PinnedBackend(config.policy)
             client = httpx.AsyncClient(
                 transport=transport,
                 trust_env=False,
-                max_redirects=_MAX_REDIRECTS,
-                headers={"user-agent": config.user_agent},
+                max_redirects=self.max_redirects,
+                headers=config.request_headers(),
             )
             self._clients[pool_key] = client
         return client
 
     @contextlib.asynccontextmanager
-    async def _request(
-        self,
-        url: str,
-        pool_key: object,
-        follow_redirects: bool,
-        read_timeout: float | None,
-    ) -> AsyncIterator[Response]:
+    async def _request(self, spec: RequestSpec) -> AsyncIterator[Response]:
         import httpx
 
-        timeout = httpx.Timeout(None, connect=self.config.connect_timeout, read=read_timeout)
-        client = self._client(pool_key)
-        request = client.build_request("GET", url, timeout=timeout)
-        response = await client.send(request, stream=True, follow_redirects=follow_redirects)
+        timeout = httpx.Timeout(None, connect=self.config.connect_timeout, read=spec.read_timeout)
+        client = self._client(spec.pool_key, spec.proxy)
+        request = client.build_request("GET", spec.url, timeout=timeout)
+        response = await client.send(request, stream=True, follow_redirects=spec.follow_redirects)
         try:
             yield Response(
                 response.status_code,
                 response.reason_phrase,
                 {k.lower(): v for k, v in response.headers.items()},
-                response.aiter_bytes(CHUNK_SIZE),
+                response.aiter_raw(self.chunk_size),
             )
         finally:
             await response.aclose()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
+import penstock.http.env as env
 from penstock.errors import UrlValidationError
 
 if TYPE_CHECKING:
@@ -68,8 +69,14 @@ BLOCKED_NETWORKS: tuple[IPNetwork, ...] = tuple(
         "255.255.255.255/32",
         "::/128",
         "::1/128",
+        # IPv4-compatible (deprecated), IPv4-mapped and IPv4-translated addresses, and
+        # NAT64 prefixes (well-known and local-use): each can carry an IPv4 address the
+        # IPv4 ranges above would block.
+        "::/96",
         "::ffff:0:0/96",
+        "::ffff:0:0:0/96",
         "64:ff9b::/96",
+        "64:ff9b:1::/48",
         "2002::/16",
         "fc00::/7",
         "fe80::/10",
@@ -110,17 +117,33 @@ class UrlValidationPolicy:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> UrlValidationPolicy:
+        """The policy of the settings; where they leave a rule unset, the seed's variable
+        (:mod:`penstock.http.env`): ``DYN_MM_ALLOW_INTERNAL=1`` allows http unless
+        ``--media-allow-http`` is given, and any private address unless
+        ``--allowed-media-network`` is; ``DYN_MM_LOCAL_PATH`` adds a local folder unless
+        ``--allowed-local-media-path`` is given."""
+        internal = env.flag("DYN_MM_ALLOW_INTERNAL")
+        local_path = (
+            None
+            if env.given(settings, "allowed_local_media_paths")
+            else env.read("DYN_MM_LOCAL_PATH")
+        )
         return cls(
-            allow_http=settings.media_allow_http,
+            allow_http=settings.media_allow_http
+            if env.given(settings, "media_allow_http")
+            else internal,
+            allow_private_ips=internal and not env.given(settings, "allowed_media_networks"),
+            allowed_local_path=local_path,
             allowed_networks=tuple(settings.allowed_media_networks),
             allowed_domains=tuple(settings.allowed_media_domains),
             allowed_local_roots=tuple(settings.allowed_local_media_paths),
-            max_data_url_bytes=int(settings.media_max_data_url_mb * 1024 * 1024),
+            max_data_url_bytes=env.data_url_max_bytes(settings),
         )
 
     @classmethod
     def from_env(cls) -> UrlValidationPolicy:
-        """The policy the ``PENSTOCK_*`` environment describes."""
+        """The policy the environment describes: ``PENSTOCK_*`` settings first, then the
+        seed's ``DYN_MM_*`` variables."""
         from penstock.settings import Settings
 
         return cls.from_settings(Settings())

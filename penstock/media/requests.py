@@ -17,14 +17,9 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
 
-from penstock.errors import InvalidRequestError, UnsupportedMediaTypeError
+from penstock.errors import HttpStatusError, InvalidRequestError, UnsupportedMediaTypeError
 from penstock.gateway import Gateway, ServedModel
-from penstock.multimodal.encoding import (
-    UndecodableImage,
-    data_url_bytes,
-    decode_image,
-    image_data_url,
-)
+from penstock.multimodal.encoding import data_url_bytes, image_data_url
 from penstock.multimodal.inputs import MediaInputs, MediaRef
 from penstock.schemas.json_body import read_json_body
 
@@ -135,8 +130,10 @@ async def reference_data_url(value: Any, media: MediaInputs) -> str:
 
     Accepts an uploaded file, a base64 ``data:`` URL, bare base64, an http(s) or
     ``file://`` URL (fetched by the image loader, under the server's media URL policy and
-    limits), or the OpenAI object form ``{"image_url": ...}``. Anything that does not
-    decode as an image is a 415. Decoding and encoding run in a worker thread.
+    limits), or the OpenAI object form ``{"image_url": ...}``. Every form is checked from
+    its header against ``--media-max-image-pixels`` (413) and charged to the decoded
+    media budget before it is decoded; anything that is not a JPEG, PNG or WEBP image is
+    a 415. Decoding and encoding run in a worker thread.
     """
     if isinstance(value, dict):
         if value.get("file_id"):
@@ -163,10 +160,12 @@ async def reference_data_url(value: Any, media: MediaInputs) -> str:
             "input_reference: expected an image upload or a data: URL", param="input_reference"
         )
     try:
-        return await asyncio.to_thread(_png_data_url, data)
-    except UndecodableImage as exc:
-        raise UnsupportedMediaTypeError(f"input_reference: {exc}", param="input_reference") from exc
-
-
-def _png_data_url(data: bytes) -> str:
-    return image_data_url(decode_image(data))
+        image = await media.decode_image(data, "input_reference")
+    except HttpStatusError as exc:
+        if exc.status not in (400, 415):
+            raise
+        reason = "not a JPEG, PNG or WEBP image" if exc.status == 415 else "truncated image data"
+        raise UnsupportedMediaTypeError(
+            f"input_reference: {reason}", param="input_reference"
+        ) from exc
+    return await asyncio.to_thread(image_data_url, image)

@@ -4,14 +4,18 @@ References are resolved as for images (:mod:`penstock.multimodal.media_source`: 
 URLs, http(s) through the SSRF-safe client, ``file://`` or bare paths under an
 operator-allowed folder). PyAV decodes any container and codec it knows; the audio is
 mixed down to mono float32 and, when ``sample_rate`` is given, resampled to it (else it
-keeps its native rate, as upstream). The duration limit is checked from the container's
-header and again while decoding, so a long file is refused without decoding it whole.
+keeps its native rate, as upstream, up to :data:`MAX_SAMPLE_RATE`: a higher rate is
+resampled down to it while decoding). The duration limit is checked from the container's
+header and again while decoding, so a long file is refused without decoding it whole;
+the samples go into one buffer charged to the decoded media budget
+(:mod:`penstock.multimodal.budget`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import math
 from typing import Any
 
 import av
@@ -19,48 +23,108 @@ import numpy as np
 
 from penstock.errors import HttpStatusError
 from penstock.http import HttpClient, UrlValidationPolicy, describe_media_source
+from penstock.multimodal.budget import DECODED_MEDIA, Charge, DecodedMediaBudget
 from penstock.multimodal.image_loader import gather_media
 from penstock.multimodal.media_source import DEFAULT_MAX_MEDIA_BYTES, fetch_media
 
 DEFAULT_MAX_DURATION_S = 600.0
+# Audio models listen at 16 to 48 kHz; a clip above this rate is resampled down to it as it
+# is decoded, so its samples are bounded by its duration whatever rate it declares.
+MAX_SAMPLE_RATE = 48_000
 
 
 def _too_long(seconds: float, limit: float, label: str) -> HttpStatusError:
     return HttpStatusError(413, f"audio lasts {seconds:.1f}s, over the limit of {limit:g}s", label)
 
 
+def _samples_in(seconds: float, rate: int) -> int:
+    # A resampler's last samples may run a little past the duration.
+    return math.ceil(seconds * rate) + rate // 50
+
+
+class _Samples:
+    """The decoded waveform: one float32 buffer, charged to the budget as it is sized, never
+    longer than the duration limit allows."""
+
+    def __init__(
+        self, capacity: int, charge: Charge, label: str, rate: int, max_duration_s: float
+    ) -> None:
+        self.buffer = np.empty(capacity, np.float32)
+        self.size = 0
+        self.charge = charge
+        self.label = label
+        self.rate = rate
+        self.max_duration_s = max_duration_s
+        self.limit = _samples_in(max_duration_s, rate)
+
+    def append(self, chunk: np.ndarray) -> None:
+        end = self.size + chunk.size
+        if end > self.limit:
+            raise _too_long(end / self.rate, self.max_duration_s, self.label)
+        if end > self.buffer.size:
+            # The header said less than the stream holds: grow, within the duration bound.
+            capacity = min(max(end, 2 * self.buffer.size), self.limit)
+            self.charge.grow(4 * (capacity - self.buffer.size), self.label)
+            self.buffer.resize(capacity, refcheck=False)
+        self.buffer[self.size : end] = chunk
+        self.size = end
+
+    def waveform(self) -> np.ndarray:
+        self.buffer.resize(self.size, refcheck=False)
+        self.charge.keep(self.buffer, self.buffer.nbytes)
+        return self.buffer
+
+
 def decode_audio(
-    data: bytes, label: str, *, sample_rate: int | None, max_duration_s: float
+    data: bytes,
+    label: str,
+    *,
+    sample_rate: int | None,
+    max_duration_s: float,
+    budget: DecodedMediaBudget = DECODED_MEDIA,
 ) -> tuple[np.ndarray, float]:
-    """Mono float32 samples and their rate; ValueError when PyAV can't decode ``data``."""
+    """Mono float32 samples and their rate; ValueError when PyAV can't decode ``data``.
+
+    The rate is ``sample_rate``, else the clip's own up to :data:`MAX_SAMPLE_RATE`. The
+    samples are charged to ``budget`` from the header's duration (or the duration limit)
+    before any is decoded, and land in one buffer."""
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.audio:
                 raise ValueError(f"no audio stream in {label}")
             stream = container.streams.audio[0]
+            declared = None
             if stream.duration is not None and stream.time_base is not None:
                 declared = float(stream.duration * stream.time_base)
                 if declared > max_duration_s:
                     raise _too_long(declared, max_duration_s, label)
-            rate = sample_rate or stream.rate
-            if not rate:
+            if not stream.rate:
                 raise ValueError(f"audio in {label} has no sample rate")
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
-            parts: list[np.ndarray] = []
-            samples = 0
-            for frame in container.decode(stream):
-                for out in resampler.resample(frame):
-                    parts.append(out.to_ndarray().reshape(-1))
-                    samples += parts[-1].size
-                if samples > max_duration_s * rate:
-                    raise _too_long(samples / rate, max_duration_s, label)
-            parts.extend(out.to_ndarray().reshape(-1) for out in resampler.resample(None))
+            rate = sample_rate or min(stream.rate, MAX_SAMPLE_RATE)
+            limit = _samples_in(max_duration_s, rate)
+            capacity = limit if declared is None else min(limit, _samples_in(declared, rate))
+            charge = budget.charge(4 * capacity, label, reclaim=False)
+            samples = _Samples(capacity, charge, label, rate, max_duration_s)
+            try:
+                _decode_into(container, stream, samples)
+            except BaseException:
+                samples.charge.release()
+                raise
     except (av.FFmpegError, UnicodeDecodeError) as exc:
         raise ValueError(f"Failed to load audio from {label}: {exc}") from exc
-    waveform = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
-    if waveform.size == 0:
+    if samples.size == 0:
+        samples.charge.release()
         raise ValueError(f"audio from {label} is empty")
-    return waveform, float(rate)
+    return samples.waveform(), float(rate)
+
+
+def _decode_into(container: Any, stream: Any, samples: _Samples) -> None:
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=samples.rate)
+    for frame in container.decode(stream):
+        for out in resampler.resample(frame):
+            samples.append(out.to_ndarray().reshape(-1))
+    for out in resampler.resample(None):
+        samples.append(out.to_ndarray().reshape(-1))
 
 
 class AudioLoader:

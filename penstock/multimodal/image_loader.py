@@ -2,16 +2,19 @@
 
 References are data URLs (``image/*;base64``), http(s) URLs fetched through the SSRF-safe
 :class:`~penstock.http.HttpClient`, or ``file://`` paths under an operator-allowed folder.
-Decoding is Pillow's, restricted to JPEG, PNG and WEBP, in a worker thread; the pixel
-count is checked from the header before any pixel is decoded, the byte count while the
-bytes arrive.
+Decoding is Pillow's, restricted to JPEG, PNG and WEBP: the header is read on the event
+loop, where the pixel count is checked (a pixel bomb that declares billions of pixels
+included) and the decoded bytes are charged to the process's decoded media budget
+(:mod:`penstock.multimodal.budget`); the pixels are then decoded in a worker thread. The
+byte count is checked while the bytes arrive.
 
 Failures carry the status a client should get: the fetch's ``HttpStatusError`` as is, a
 timeout 408, an unreachable host 400, an undecodable image 415 or 400, too many pixels
-413; a refused URL stays a ``UrlValidationError`` (400).
+413, a full decoded media budget 503; a refused URL stays a ``UrlValidationError`` (400).
 
-Decoded images are kept in a small LRU keyed by the normalized URL, and concurrent loads
-of one URL share one fetch.
+Decoded images are kept in a small LRU keyed by the normalized URL, bounded in entries
+and in bytes, emptied when the budget runs short; concurrent loads of one URL share one
+fetch.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import re
 import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -26,14 +30,20 @@ from urllib.parse import urlsplit, urlunsplit
 
 from penstock.errors import HttpStatusError, UrlValidationError
 from penstock.http import HttpClient, UrlValidationPolicy, describe_media_source
+from penstock.multimodal.budget import DECODED_MEDIA, Charge, DecodedMediaBudget
 from penstock.multimodal.media_source import DEFAULT_MAX_MEDIA_BYTES, fetch_media
 
 if TYPE_CHECKING:
     from PIL import Image
 
-CACHE_SIZE_MAXIMUM = int(os.environ.get("PENSTOCK_MM_IMAGE_CACHE_SIZE", "8"))
+# The seed's variable is read when Penstock's is unset.
+CACHE_SIZE_MAXIMUM = int(
+    os.environ.get("PENSTOCK_MM_IMAGE_CACHE_SIZE") or os.environ.get("DYN_MM_IMAGE_CACHE_SIZE") or 8
+)
+CACHE_MAX_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_PIXELS = 32 * 1024 * 1024
 _FORMATS = ("JPEG", "PNG", "WEBP")
+_DECLARED_PIXELS = re.compile(r"\((\d+) pixels\)")
 
 
 def normalize_url(url: str) -> str:
@@ -47,25 +57,62 @@ def normalize_url(url: str) -> str:
     return urlunsplit((parts.scheme.lower(), parts.netloc.lower(), parts.path, parts.query, ""))
 
 
-def _decode(data: bytes, url: str, max_pixels: int) -> Image.Image:
+def _too_many_pixels(declared: str, max_pixels: int, url: str) -> HttpStatusError:
+    return HttpStatusError(413, f"image is {declared}, over the limit of {max_pixels} pixels", url)
+
+
+def open_image(data: bytes, url: str, max_pixels: int) -> Image.Image:
+    """The image ``data`` holds, its header read and its size checked; no pixel decoded."""
     # Pillow is imported by the servers that load images only.
     from PIL import Image, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            # The size is checked below, against the server's own limit.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=_FORMATS)
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+    except Image.DecompressionBombError as exc:
+        declared = _DECLARED_PIXELS.search(str(exc))
+        shown = f"{declared.group(1)} pixels" if declared else "a decompression bomb"
+        raise _too_many_pixels(shown, max_pixels, url) from None
+    except UnidentifiedImageError:
         raise HttpStatusError(415, "Unsupported Media Type", url) from None
     width, height = image.size
     if width * height > max_pixels:
-        raise HttpStatusError(
-            413, f"image is {width}x{height}, over the limit of {max_pixels} pixels", url
-        )
+        raise _too_many_pixels(f"{width}x{height}", max_pixels, url)
+    return image
+
+
+def decoded_bytes(image: Image.Image) -> int:
+    """What decoding ``image`` to RGB holds at its peak: its own mode, then the RGB copy."""
+    width, height = image.size
+    own = width * height * len(image.getbands())
+    return own if image.mode == "RGB" else own + width * height * 3
+
+
+def decode_pixels(image: Image.Image, url: str, charge: Charge) -> Image.Image:
+    """``image`` decoded to RGB; ``charge`` then follows the pixels (or is released)."""
     try:
-        return image.convert("RGB")
+        image.load()
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
     except (OSError, SyntaxError, ValueError) as exc:
+        charge.release()
         raise HttpStatusError(400, "Invalid or truncated image data", url) from exc
+    except BaseException:
+        charge.release()
+        raise
+    width, height = rgb.size
+    charge.keep(rgb, width * height * 3)
+    return rgb
+
+
+async def decode_image_bytes(
+    data: bytes, url: str, max_pixels: int, budget: DecodedMediaBudget
+) -> Image.Image:
+    """RGB pixels of ``data``: header and budget on the loop, pixels in a worker thread."""
+    image = open_image(data, url, max_pixels)
+    charge = budget.charge(decoded_bytes(image), f"image {url}")
+    return await asyncio.to_thread(decode_pixels, image, url, charge)
 
 
 class ImageLoader:
@@ -81,10 +128,14 @@ class ImageLoader:
         http_client: HttpClient | None = None,
         max_bytes: int | None = DEFAULT_MAX_MEDIA_BYTES,
         max_pixels: int = DEFAULT_MAX_PIXELS,
+        cache_max_bytes: int = CACHE_MAX_BYTES,
+        budget: DecodedMediaBudget = DECODED_MEDIA,
     ) -> None:
-        """``url_policy`` None: the policy of the ``PENSTOCK_*`` settings; ``http_client``
+        """``url_policy`` None: the policy of the environment's settings; ``http_client``
         None: the process-wide client. ``enable_frontend_decoding`` accepts ``Decoded``
-        items (images already decoded elsewhere, read over NIXL) and needs NIXL."""
+        items (images already decoded elsewhere, read over NIXL) and needs NIXL. Decoded
+        images are charged to ``budget``; the cache keeps at most ``cache_size`` of them
+        and ``cache_max_bytes`` of pixels."""
         if http_timeout <= 0:
             raise ValueError(f"http_timeout must be > 0, got {http_timeout}")
         self.cache_size = cache_size
@@ -92,8 +143,12 @@ class ImageLoader:
         self.url_policy = url_policy or UrlValidationPolicy.from_env()
         self.max_bytes = max_bytes
         self.max_pixels = max_pixels
+        self.cache_max_bytes = cache_max_bytes
+        self.budget = budget
         self._client = http_client
         self._cache: OrderedDict[str, Image.Image] = OrderedDict()
+        self._cache_bytes = 0
+        budget.add_reclaimer(self.clear_cache)
         self._in_flight: dict[str, asyncio.Future[Image.Image]] = {}
         self._receiver: Any = None
         if enable_frontend_decoding:
@@ -106,6 +161,20 @@ class ImageLoader:
     @property
     def cache_entries(self) -> int:
         return len(self._cache)
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+        self._cache_bytes = 0
+
+    def _remember(self, key: str, image: Image.Image) -> None:
+        size = image.width * image.height * 3
+        if self.cache_size <= 0 or size > self.cache_max_bytes or key in self._cache:
+            return
+        self._cache[key] = image
+        self._cache_bytes += size
+        while len(self._cache) > self.cache_size or self._cache_bytes > self.cache_max_bytes:
+            _, dropped = self._cache.popitem(last=False)
+            self._cache_bytes -= dropped.width * dropped.height * 3
 
     def _http(self) -> HttpClient:
         if self._client is None:
@@ -125,11 +194,7 @@ class ImageLoader:
             self._in_flight[key] = running
             running.add_done_callback(lambda _: self._in_flight.pop(key, None))
         image = await asyncio.shield(running)
-        if self.cache_size > 0:
-            self._cache[key] = image
-            self._cache.move_to_end(key)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+        self._remember(key, image)
         return image
 
     async def _load(self, url: str) -> Image.Image:
@@ -146,7 +211,7 @@ class ImageLoader:
             raise ValueError(f"data URL must hold an image, not {media.mime}")
         if not media.data:
             raise ValueError(f"image is empty: {label}")
-        return await asyncio.to_thread(_decode, media.data, label, self.max_pixels)
+        return await decode_image_bytes(media.data, label, self.max_pixels, self.budget)
 
     async def _load_decoded(self, metadata: Any) -> Image.Image:
         from PIL import Image

@@ -8,7 +8,9 @@ named them, is the answer, and the other loads are cancelled.
 
 Every failure is a client-visible error whose ``param`` is where the request named the
 reference (``messages[0].content[1].image_url.url``): a URL the policy refuses is a 400
-that says so, an image or clip over its limit a 413 naming the flag that sets it.
+that says so, an image or clip over its limit a 413 naming the flag that sets it. The
+references of one kind in one request count together against the decoded media budget
+(:mod:`penstock.multimodal.budget`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from penstock.errors import (
     UrlValidationError,
     clip,
 )
-from penstock.http import HttpClient, UrlValidationPolicy
-from penstock.multimodal.image_loader import ImageLoader
+from penstock.http import HttpClient, UrlValidationPolicy, env
+from penstock.multimodal.budget import REQUEST_MEDIA, RequestMedia
+from penstock.multimodal.image_loader import ImageLoader, decode_image_bytes
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
     from penstock.settings import Settings
 
 T = TypeVar("T")
+
+_PIXELS_FLAG = "--media-max-image-pixels"
 
 _POLICY_HINT = (
     "operators widen it with --allowed-media-domain, --allowed-media-network, "
@@ -85,7 +90,7 @@ class MediaInputs:
             client,
             UrlValidationPolicy.from_settings(settings),
             fetch_timeout_s=settings.media_fetch_timeout_s,
-            max_bytes=settings.media_fetch_max_bytes,
+            max_bytes=env.fetch_max_bytes(settings),
             max_image_pixels=settings.media_max_image_pixels,
             max_audio_s=settings.media_max_audio_s,
         )
@@ -107,7 +112,17 @@ class MediaInputs:
 
     async def load_images(self, refs: Sequence[MediaRef]) -> list[Image.Image]:
         """RGB images, in the order of ``refs``."""
-        return await _load_all(refs, self.images.load_image, "--media-max-image-pixels")
+        return await _load_all(refs, self.images.load_image, _PIXELS_FLAG)
+
+    async def decode_image(self, data: bytes, param: str) -> Image.Image:
+        """RGB pixels of image bytes a client sent as they are (an upload), under the same
+        pixel limit and budget as a reference."""
+        images = self.images
+
+        async def decode(label: str) -> Image.Image:
+            return await decode_image_bytes(data, label, images.max_pixels, images.budget)
+
+        return await _load_one(MediaRef(param, param), decode, _PIXELS_FLAG)
 
     async def load_audio(self, refs: Sequence[MediaRef]) -> list[tuple[np.ndarray, float]]:
         """``(mono float32 waveform, sample rate)`` per reference, in order."""
@@ -117,7 +132,11 @@ class MediaInputs:
 async def _load_all(
     refs: Sequence[MediaRef], load: Callable[[str], Awaitable[T]], limit_flag: str
 ) -> list[T]:
-    tasks = [asyncio.ensure_future(_load_one(ref, load, limit_flag)) for ref in refs]
+    token = REQUEST_MEDIA.set(RequestMedia())
+    try:
+        tasks = [asyncio.ensure_future(_load_one(ref, load, limit_flag)) for ref in refs]
+    finally:
+        REQUEST_MEDIA.reset(token)
     if not tasks:
         return []
     try:

@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from tests.support.file_server import serving, static_files
+from tests.support.media_files import declared_png
 from tests.support.server import running_server
 
 MODEL = "sample-model"
@@ -175,3 +176,41 @@ def test_video_input_reference_url_outside_the_policy_is_refused(
 ) -> None:
     refused = create_video(video_strict, f"{files}/photo.png")
     assert_error(refused, 400, "input_reference", "media URL policy")
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["[::127.0.0.1]", "[::ffff:0:127.0.0.1]", "[64:ff9b:1::127.0.0.1]"],
+    ids=["ipv4-compatible", "ipv4-translated", "nat64-local-use"],
+)
+def test_ipv6_spellings_of_ipv4_are_blocked_before_connecting(
+    allowed: httpx.Client, host: str
+) -> None:
+    # 127.0.0.0/8 is open on this server; these IPv6 forms carry an IPv4 address but are
+    # not in that range, so they are refused as blocked, not tried.
+    refused = chat(allowed, image(f"http://{host}:9/photo.png"))
+    assert_error(refused, 400, "messages[0].content[1].image_url.url", "blocked address")
+
+
+def test_every_form_of_input_reference_is_held_to_the_pixel_limit(
+    video_strict: httpx.Client,
+) -> None:
+    large = declared_png(5000, 5000)
+    inline = base64.b64encode(large).decode()
+    answers = [
+        create_video(video_strict, data_url(large)),
+        create_video(video_strict, inline),
+        video_strict.post(
+            "/v1/videos",
+            data={"prompt": "the same, moving", "size": "64x64"},
+            files={"input_reference": ("large.png", large, "image/png")},
+        ),
+        video_strict.post(
+            "/v1/images/generations",
+            json={"prompt": "the same", "size": "64x64", "input_reference": data_url(large)},
+        ),
+    ]
+    for answer in answers:
+        assert_error(answer, 413, "input_reference", "5000x5000", "--media-max-image-pixels")
+    not_an_image = create_video(video_strict, base64.b64encode(b"GIF89a, or not").decode())
+    assert_error(not_an_image, 415, "input_reference", "JPEG, PNG or WEBP")

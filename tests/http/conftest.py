@@ -13,6 +13,7 @@ import pytest
 
 from penstock.http import urls
 from tests.support.file_server import serving
+from tests.support.media_files import gzip, zero_bomb
 
 # Names the fake resolver knows; anything else fails to resolve, as offline DNS would.
 FAKE_DNS: dict[str, list[str]] = {
@@ -23,6 +24,11 @@ FAKE_DNS: dict[str, list[str]] = {
     "mixed.test": ["93.184.216.34", "127.0.0.1"],
     "loopback.test": ["127.0.0.1"],
 }
+
+
+_GZIPPED = gzip(b"pinned")
+# 32 MB of zeros in two gzip layers: a few KB on the wire.
+_BOMB = zero_bomb(32)
 
 
 class Origin(BaseHTTPRequestHandler):
@@ -65,6 +71,10 @@ class Origin(BaseHTTPRequestHandler):
                 self._send(200, b"end of chain")
             else:
                 self._send(302, headers={"Location": f"/chain/{left - 1}"})
+        elif parts.path == "/gzip":
+            self._send(200, _GZIPPED, {"Content-Encoding": "gzip"})
+        elif parts.path == "/bomb":
+            self._send(200, _BOMB, {"Content-Encoding": "gzip, gzip"})
         elif parts.path == "/status/404":
             self._send(404, b"no such image")
         elif parts.path == "/endless":

@@ -111,6 +111,35 @@ async def test_a_body_over_the_limit_fails_while_streaming(client: HttpClient, o
     assert len(await fetch(client, f"{origin}/ok", max_bytes=6)) == 6
 
 
+async def test_an_encoded_body_is_decoded_and_held_to_the_limit(
+    client: HttpClient, origin: str
+) -> None:
+    assert await fetch(client, f"{origin}/gzip") == b"pinned"
+    with pytest.raises(UrlValidationError, match="1000000 byte download limit"):
+        await fetch(client, f"{origin}/bomb", max_bytes=1_000_000)
+
+
+async def test_a_trusted_egress_proxy_carries_the_fetch(
+    client: HttpClient, origin: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing listens on 127.0.0.9:1; the origin answers as the proxy. Only the target is
+    # allowed by the policy: the operator's proxy is not judged by it.
+    policy = UrlValidationPolicy(allow_http=True, allowed_networks=("127.0.0.9/32",))
+    target = "http://127.0.0.9:1/ok"
+    monkeypatch.setenv("HTTP_PROXY", origin)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    with pytest.raises(HttpConnectionError):
+        await fetch(client, target, policy=policy)
+    monkeypatch.setenv("DYN_MM_TRUST_EGRESS_PROXY", "1")
+    assert await fetch(client, target, policy=policy) == b"pinned"
+    with pytest.raises(UrlValidationError, match="blocked"):
+        await fetch(client, "http://10.1.2.3/ok", policy=policy)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.9")
+    with pytest.raises(HttpConnectionError):
+        await fetch(client, target, policy=policy)
+
+
 async def test_a_slow_body_times_out_at_the_deadline(client: HttpClient, origin: str) -> None:
     started = time.monotonic()
     with pytest.raises(HttpTimeoutError):

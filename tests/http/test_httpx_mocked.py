@@ -111,3 +111,10 @@ async def test_the_operator_timeout_replaces_the_callers() -> None:
         await client.fetch_bytes(URL, 60, policy=POLICY)
     assert time.monotonic() - started < 1.5
     await client.close()
+
+
+def test_an_upstream_message_stays_within_its_bound() -> None:
+    for length in (8192, 8193, 100_000):
+        error = HttpStatusError(502, "m" * length, "https://media.test/x.png")
+        assert len(error.message) <= HttpStatusError._MESSAGE_LIMIT
+    assert "(100000 chars)" in HttpStatusError(502, "m" * 100_000, "https://m.test").message

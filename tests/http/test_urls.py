@@ -43,6 +43,10 @@ BLOCKED = {
     "IPv4-mapped loopback": "http://[::ffff:127.0.0.1]/",
     "IPv4-mapped metadata, hex form": "http://[::ffff:a9fe:a9fe]/",
     "IPv4-mapped public address": "http://[::ffff:93.184.216.34]/",
+    "IPv4-compatible loopback": "http://[::127.0.0.1]/",
+    "IPv4-translated loopback": "http://[::ffff:0:127.0.0.1]/",
+    "NAT64 well-known prefix": "http://[64:ff9b::a9fe:a9fe]/",
+    "NAT64 local-use prefix": "http://[64:ff9b:1::7f00:1]/",
     "decimal spelling": "http://2130706433/",
     "octal spelling": "http://0177.0.0.1/",
     "hex spelling": "http://0x7f.0.0.1/",
@@ -177,3 +181,54 @@ def test_the_policy_comes_from_settings(tmp_path: Path) -> None:
     assert policy.max_data_url_bytes == 1024 * 1024
     with pytest.raises(ValueError, match="not a CIDR range"):
         Settings(allowed_media_networks=["10.0.0.0/33"])
+
+
+def test_the_seed_environment_fills_what_the_settings_leave_unset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DYN_MM_ALLOW_INTERNAL", "1")
+    monkeypatch.setenv("DYN_MM_LOCAL_PATH", f" {tmp_path} ")
+    monkeypatch.setenv("DYN_MM_MAX_DATA_URL_MB", "2")
+    seeded = UrlValidationPolicy.from_env()
+    assert seeded.allow_http and seeded.allow_private_ips
+    assert seeded.local_roots == (str(tmp_path),)
+    assert seeded.max_data_url_bytes == 2 * 1024 * 1024
+    monkeypatch.setenv("PENSTOCK_MEDIA_ALLOW_HTTP", "false")
+    monkeypatch.setenv("PENSTOCK_ALLOWED_MEDIA_NETWORKS", "10.0.0.0/8")
+    monkeypatch.setenv("PENSTOCK_MEDIA_MAX_DATA_URL_MB", "1")
+    ours = UrlValidationPolicy.from_env()
+    assert not ours.allow_http and not ours.allow_private_ips
+    assert ours.max_data_url_bytes == 1024 * 1024
+
+
+def test_an_unusable_seed_value_falls_back_to_the_default(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("DYN_MM_MAX_DATA_URL_MB", "-3")
+    monkeypatch.setenv("DYN_MM_ALLOW_INTERNAL", "yes")
+    policy = UrlValidationPolicy.from_env()
+    assert policy.max_data_url_bytes == 16 * 1024 * 1024 and not policy.allow_http
+    assert "DYN_MM_MAX_DATA_URL_MB" in caplog.text
+
+
+async def test_the_seed_http_variables_configure_the_client(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from penstock.http import HttpConfigBase, create_http_client
+    from penstock.http.aiohttp_client import AiohttpClient
+
+    monkeypatch.setenv("DYN_HTTP_MAX_CONNECTIONS", "7")
+    monkeypatch.setenv("DYN_MM_HTTP_READ_TIMEOUT", "12.5")
+    monkeypatch.setenv("DYN_HTTP_CONNECT_TIMEOUT", "2")
+    monkeypatch.setenv("DYN_HTTP_KEEPALIVE_TIMEOUT", "0")
+    monkeypatch.setenv("DYN_HTTP_BACKEND", "aiohttp")
+    config = HttpConfigBase.from_settings(Settings())
+    assert (config.max_connections, config.timeout, config.connect_timeout) == (7, 12.5, 2.0)
+    assert config.keepalive_timeout == 15.0
+    assert "DYN_MM_HTTP_READ_TIMEOUT is deprecated" in caplog.text
+    assert "DYN_HTTP_KEEPALIVE_TIMEOUT" in caplog.text
+    ours = HttpConfigBase.from_settings(Settings(http_max_connections=3))
+    assert ours.max_connections == 3
+    client = create_http_client(Settings())
+    assert isinstance(client, AiohttpClient)
+    await client.close()
