@@ -12,15 +12,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from penstock.errors import (
+    HttpConnectionError,
+    HttpStatusError,
+    HttpTimeoutError,
     InternalServerError,
     InvalidRequestError,
     NotFoundError,
     OverloadedError,
     PayloadTooLargeError,
     PenstockError,
+    ServiceUnavailableError,
     clip,
 )
 from penstock.schemas.fields import unknown_field_error
+
+_EXPECTED_OUTAGES = (
+    HttpStatusError,
+    HttpTimeoutError,
+    HttpConnectionError,
+    ServiceUnavailableError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +96,12 @@ def validation_error_from(exc: RequestValidationError) -> InvalidRequestError:
 
 async def _penstock_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, PenstockError)
-    # Shed requests are summed up by the admission gate, not logged one by one.
+    # Shed requests are summed up by the admission gate, not logged one by one. An
+    # unreachable or failing upstream, or a service that says it is unavailable, is the
+    # operator's warning, not the server's own error.
     if exc.status_code >= 500 and not isinstance(exc, OverloadedError):
-        logger.error("request failed: %s", exc.message)
+        level = logging.WARNING if isinstance(exc, _EXPECTED_OUTAGES) else logging.ERROR
+        logger.log(level, "request failed: %s", exc.message)
     return error_response(exc)
 
 

@@ -139,6 +139,9 @@ class Generation:
                 self.model.host.cancel(self.context)
             with contextlib.suppress(Exception):
                 await stream.aclose()  # type: ignore[attr-defined]
+            # The access line's usage keeps this object until the connection's cycle is
+            # collected: decoded media must not wait for that to leave the media budget.
+            self.request.pop("multi_modal_data", None)
 
     async def upload_metadata(self, uploader: MetadataUploader | None) -> None:
         """Write each choice's rollout record where the request asked (``nvext``)."""

@@ -60,6 +60,11 @@ class EncodedFiles(BaseHTTPRequestHandler):
             Held.arrived.set()
             Held.release.wait(60)
             self.path = "/photo.png.gz"
+        if self.path == "/broken.png":
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         body, encoding = FILES.get(self.path, (b"", None))
         self.send_response(200 if body else 404)
         self.send_header("Content-Type", "image/png")
@@ -264,3 +269,14 @@ def test_a_request_whose_media_alone_pass_the_budget_is_413(client: httpx.Client
     error = error_of(too_much, 413, param, "18.0 MB", "PENSTOCK_MEDIA_DECODED_MAX_MB")
     assert error["code"] == "media_too_large"
     assert reply(chat(client, *_colors(2, 90))).startswith("[image 1024x1024]")
+
+
+def test_an_upstream_failure_is_a_502_logged_as_a_warning(
+    server: ServerProcess, client: httpx.Client, files: str
+) -> None:
+    error_of(
+        chat(client, image(f"{files}/broken.png")), 502, "messages[0].content[1].image_url.url"
+    )
+    # The upstream's fault is the operator's warning, not an error of this server.
+    lines = [line for line in server.log().splitlines() if "request failed" in line]
+    assert lines and all(" WARNING " in line for line in lines), lines
