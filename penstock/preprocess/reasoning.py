@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import NamedTuple, get_args
 
 from penstock.preprocess.tool_calls import partial_marker_length
-from penstock.settings import ReasoningParserName
+from penstock.settings import ReasoningParser
 
-REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParserName)
+REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParser)
 
 THINK_START = "<think>"
 THINK_END = "</think>"
