@@ -162,3 +162,17 @@ def test_without_a_reasoning_parser_there_is_no_reasoning_field(
     message = raw["choices"][0]["message"]
     assert message["content"] == QWEN_REPLY
     assert "reasoning_content" not in message and "reasoning" not in message
+
+
+def test_an_answer_with_reasoning_goes_back_as_the_next_turn(r1_server: ServerProcess) -> None:
+    client = client_of(r1_server)
+    first = client.chat.completions.create(model="sample-model", messages=MESSAGES, tools=TOOLS)
+    message = first.choices[0].message
+    (call,) = message.tool_calls or []
+    turns = [
+        *MESSAGES,
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "rain"},
+    ]
+    second = client.chat.completions.create(model="sample-model", messages=turns, tools=TOOLS)
+    assert second.choices[0].message.reasoning_content == THOUGHT
