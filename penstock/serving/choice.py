@@ -104,8 +104,8 @@ class ChoiceState:
         self.parser: ChoiceParser | None = None
         # None without a reasoning parser: the answer has no reasoning field then.
         self.reasoning_parts: list[str] | None = None
-        # ``Generation``'s flag, from before parsers were chosen per server: the hermes
-        # format with no tool schemas. Chat attaches its own with :meth:`parse_with`.
+        # ``Generation``'s flag: the hermes format, no tool schemas. Chat chooses its
+        # parsers per request and attaches them with :meth:`parse_with`.
         if parse_tool_calls:
             self.parse_with(OutputParsing(TOOL_CALL_FORMATS["hermes"], {}, True, None))
         self.tool_calls: tuple[ParsedToolCall, ...] = ()
