@@ -36,6 +36,7 @@ def _split_csv(value: object) -> object:
 
 CsvList = Annotated[list[str], NoDecode, BeforeValidator(_split_csv)]
 FinitePositive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+ReasoningParser = Literal["deepseek_r1", "qwen3"]
 
 # Where an operator may send rollout metadata: a local folder, an HTTP(S) PUT target, S3.
 METADATA_UPLOAD_SCHEMES = ("file", "http", "https", "s3")
@@ -112,6 +113,7 @@ class Settings(BaseSettings):
             choices="tool_call_parsers",
         ),
     ] = None
+    reasoning_parser: Annotated[ReasoningParser | None, Option("split off <think> blocks")] = None
     # The arguments after ``--``, handed to the engine unchanged.
     engine_args: list[str] = Field(default_factory=list)
     log_level: Annotated[

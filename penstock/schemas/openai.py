@@ -111,6 +111,9 @@ class ChatMessage(_Nested):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
+    # An earlier answer's reasoning, as chat answers carry it; templates read the first.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _role_rules(self) -> ChatMessage:

@@ -1,7 +1,9 @@
 """Chat completions: the conversation as one engine request, and the chat response format.
 
 The stream opens with one ``{"role": "assistant"}`` chunk per choice; deltas carry
-``content`` (and, on the last one, ``tool_calls`` when a parser found calls).
+``content`` (and, on the last one, ``tool_calls`` when a parser found calls), and with a
+reasoning parser ``reasoning_content`` with the same text as ``reasoning`` (the names
+DeepSeek's API and vLLM's have used, and vLLM's now).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from penstock.errors import InvalidRequestError
 from penstock.gateway import Gateway, ServedModel
 from penstock.multimodal.inputs import MediaInputs
 from penstock.schemas.openai import ChatCompletionRequest
@@ -21,6 +22,7 @@ from penstock.serving.deadline import request_deadline
 from penstock.serving.framing import TEXT_SLOT
 from penstock.serving.generation import Generation
 from penstock.serving.limits import check_budget, served_model
+from penstock.serving.parsing import output_parsing
 from penstock.serving.prompts import chat_prompt
 from penstock.serving.requests import engine_context, generate_request, metadata_uploader
 from penstock.serving.stream import ResponsePlan, respond, shows_anything
@@ -88,6 +90,7 @@ class ChatFormat:
             and delta.finish_reason is None
             and not delta.logprobs
             and not delta.tool_calls
+            and not delta.reasoning
             and not self.return_token_ids
         )
 
@@ -102,9 +105,11 @@ class ChatFormat:
 
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
         text = delta.text
-        if not shows_anything(text, delta, self.return_token_ids):
+        if not (delta.reasoning or shows_anything(text, delta, self.return_token_ids)):
             return None
         message: dict[str, Any] = {"content": text} if text else {}
+        if delta.reasoning:
+            message["reasoning_content"] = message["reasoning"] = delta.reasoning
         if delta.tool_calls:
             message["tool_calls"] = [call.as_openai(i) for i, call in enumerate(delta.tool_calls)]
         item: dict[str, Any] = {
@@ -121,6 +126,9 @@ class ChatFormat:
 
     def response_choice(self, generation: Generation, choice: ChoiceState) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+        reasoning = choice.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = reasoning or None
         if choice.tool_calls:
             message["content"] = choice.text or None
             message["tool_calls"] = [call.as_openai() for call in choice.tool_calls]
@@ -141,17 +149,6 @@ class ChatFormat:
         if not self.return_token_ids:
             return {}
         return {"prompt_token_ids": generations[0].request["token_ids"]}
-
-
-def _parse_tool_calls(body: ChatCompletionRequest, model: ServedModel) -> bool:
-    """Tools reach the chat template; calls are parsed only with a configured parser."""
-    choice = body.tool_choice
-    if choice is not None and choice not in ("auto", "none"):
-        raise InvalidRequestError(
-            "only tool_choice 'auto' and 'none' are supported: this server can't force a call",
-            param="tool_choice",
-        )
-    return bool(body.tools) and choice != "none" and model.tool_call_parser is not None
 
 
 async def create_chat_completion(
@@ -183,9 +180,18 @@ async def create_chat_completion(
         want_logprobs=body.logprobs,
         endpoint="chat_completions",
         streaming=body.stream,
-        parse_tool_calls=_parse_tool_calls(body, model),
         deadline=deadline,
     )
+    parsing = output_parsing(
+        body,
+        model.tool_call_parser,
+        gateway.settings.reasoning_parser,
+        model.preprocessor,
+        prompt.token_ids,
+    )
+    if parsing is not None:
+        for choice in generation.choices:
+            choice.parse_with(parsing)
     chat_format = ChatFormat(
         model,
         return_token_ids=body.return_token_ids,

@@ -1,8 +1,10 @@
-"""One choice's output as engine chunks arrive: text, stop strings, tool calls, logprobs.
+"""One choice's output as engine chunks arrive: text, stop strings, reasoning, tool calls,
+logprobs.
 
 This is the streaming hot path: plain data, no models, one pass per chunk. Each chunk
 folds into the choice's :class:`ChoiceState` and comes out as a :class:`Delta`, what the
-chunk added.
+chunk added. A choice without parsers (:meth:`ChoiceState.parse_with`) pays one check a
+chunk for them.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from penstock.preprocess.stop_strings import StopStringMatcher
-from penstock.preprocess.tool_calls import ParsedToolCall, ToolCallStream
+from penstock.preprocess.tool_calls import TOOL_CALL_FORMATS, ParsedToolCall
+from penstock.serving.parsing import ChoiceParser, OutputParsing
 
 if TYPE_CHECKING:
     from penstock.preprocess import IncrementalDetokenizer, Preprocessor
@@ -59,6 +62,8 @@ class Delta(NamedTuple):
     weight_version: str | None
     # Only on the delta that finishes a choice whose text held tool calls.
     tool_calls: tuple[ParsedToolCall, ...]
+    # What the chunk added to the choice's reasoning, with a reasoning parser.
+    reasoning: str = ""
 
 
 # ``Delta(...)`` goes through a generated Python ``__new__``; one delta a token makes the
@@ -76,11 +81,12 @@ class ChoiceState:
         "index",
         "keep_text",
         "logprobs",
+        "parser",
+        "reasoning_parts",
         "stop",
         "text_parts",
         "token_ids",
         "tool_calls",
-        "tool_stream",
         "versions",
     )
 
@@ -98,7 +104,13 @@ class ChoiceState:
         include_stop: bool = False,
     ) -> None:
         self.index = index
-        self.tool_stream = ToolCallStream() if parse_tool_calls else None
+        self.parser: ChoiceParser | None = None
+        # None without a reasoning parser: the answer has no reasoning field then.
+        self.reasoning_parts: list[str] | None = None
+        # ``Generation``'s flag: the hermes format, no tool schemas. Chat chooses its
+        # parsers per request and attaches them with :meth:`parse_with`.
+        if parse_tool_calls:
+            self.parse_with(OutputParsing(TOOL_CALL_FORMATS["hermes"], {}, True, None))
         self.tool_calls: tuple[ParsedToolCall, ...] = ()
         # Primed with the prompt so a decoder that treats the first token specially (a
         # SentencePiece leading space) decodes the completion as it continues the prompt.
@@ -119,6 +131,17 @@ class ChoiceState:
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
+
+    @property
+    def reasoning(self) -> str | None:
+        parts = self.reasoning_parts
+        return "".join(parts) if parts is not None else None
+
+    def parse_with(self, parsing: OutputParsing) -> None:
+        """Split this choice's text with ``parsing``'s parsers from now on."""
+        self.parser = parsing.for_choice()
+        if parsing.reasoning_opened is not None:
+            self.reasoning_parts = []
 
     def weight_version_segments(self) -> list[dict[str, Any]]:
         """Which weights produced which tokens: ``[{"weight_version", "start_token"}]``."""
@@ -153,14 +176,14 @@ class ChoiceState:
             elif reason:
                 text += self.stop.flush()
         tool_calls: tuple[ParsedToolCall, ...] = ()
-        if self.tool_stream is not None:
-            text = self.tool_stream.feed(text)
-            if reason:
-                split = self.tool_stream.finish()
-                text += split.content
-                if split.calls:
-                    tool_calls = self.tool_calls = tuple(split.calls)
-                    reason = "tool_calls"
+        reasoning = ""
+        if self.parser is not None:
+            reasoning, text, tool_calls = self.parser.feed(text, bool(reason))
+            if tool_calls:
+                self.tool_calls = tool_calls
+                reason = "tool_calls"
+            if reasoning and self.keep_text and self.reasoning_parts is not None:
+                self.reasoning_parts.append(reasoning)
         entries = None
         if self.logprobs is not None and "log_probs" in chunk:
             entries = _logprob_entries(token_ids, chunk)
@@ -169,7 +192,16 @@ class ChoiceState:
             self.finish_reason = FINISH_REASONS.get(reason, reason)
         if self.keep_text and text:
             self.text_parts.append(text)
-        fields = (self, text, token_ids, entries, self.finish_reason, version, tool_calls)
+        fields = (
+            self,
+            text,
+            token_ids,
+            entries,
+            self.finish_reason,
+            version,
+            tool_calls,
+            reasoning,
+        )
         return _new_delta(Delta, fields)
 
 

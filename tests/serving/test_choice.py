@@ -1,15 +1,18 @@
 """One choice folding engine chunks: text, stop strings, finish reasons, logprobs,
-weight versions and tool calls, with the shipped tokenizer."""
+weight versions, reasoning and tool calls, with the shipped tokenizer."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from penstock.preprocess import Preprocessor
+from penstock.preprocess.tool_calls import TOOL_CALL_FORMATS
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry, TokenLogprob
+from penstock.serving.parsing import OutputParsing
 
 SAMPLE_TOKENIZER = Path(__file__).parents[2] / "penstock/engines/assets/sample-tokenizer"
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -146,3 +149,30 @@ def test_a_malformed_tool_call_is_released_as_text(preprocessor: Preprocessor) -
     deltas = feed_tokens(choice, preprocessor.encode("<tool_call>{not json}</tool_call>"))
     assert "".join(delta.text for delta in deltas) == "<tool_call>{not json}</tool_call>"
     assert deltas[-1].finish_reason == "length" and not deltas[-1].tool_calls
+
+
+def test_reasoning_and_calls_split_token_by_token(preprocessor: Preprocessor) -> None:
+    parsing = OutputParsing(TOOL_CALL_FORMATS["hermes"], {}, True, reasoning_opened=True)
+    thought = "Maybe " + CALL.replace("Paris", "Lyon")
+    whole = choice_for(preprocessor)
+    whole.parse_with(parsing)
+    deltas = feed_tokens(whole, preprocessor.encode(f"{thought}</think>Sure. {CALL}"), "stop")
+    assert "".join(delta.reasoning for delta in deltas) == whole.reasoning == thought
+    assert "".join(delta.text for delta in deltas) == whole.text == "Sure. "
+    assert deltas[-1].finish_reason == "tool_calls"
+    assert [json.loads(call.arguments) for call in whole.tool_calls] == [{"city": "Paris"}]
+
+
+def test_a_stream_keeps_no_reasoning_text(preprocessor: Preprocessor) -> None:
+    streaming = choice_for(preprocessor, keep_text=False)
+    streaming.parse_with(OutputParsing(None, {}, True, reasoning_opened=False))
+    deltas = feed_tokens(streaming, preprocessor.encode("<think>a</think>b"))
+    assert "".join(delta.reasoning for delta in deltas) == "a"
+    assert streaming.reasoning == ""
+
+
+def test_without_parsers_there_is_no_reasoning(preprocessor: Preprocessor) -> None:
+    plain = choice_for(preprocessor)
+    deltas = feed_tokens(plain, preprocessor.encode("<think>a</think>b"))
+    assert "".join(delta.text for delta in deltas) == "<think>a</think>b"
+    assert plain.reasoning is None and all(delta.reasoning == "" for delta in deltas)
