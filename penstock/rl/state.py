@@ -361,9 +361,7 @@ class AdminStateMachine:
             if self.pause_mode is None:
                 return Outcome(False, {"status": "resumed"})
             started = time.perf_counter()
-            result = await self._bounded_call(
-                deadline, "resume", "control", RESUME, {}
-            )
+            result = await self._bounded_call(deadline, "resume", "control", RESUME, {})
             self.pause_mode = None
             self._touch()
             self._record("resume", started)
