@@ -194,20 +194,24 @@ class TransformersWeightControls:
             lambda model: self.weight_sync.pull_nixl(model, body, lock=lock),
         )
 
-    async def _weights_checksum(self, body: Body) -> Body:
-        model = self._awake_model("checking")
+    async def _read_weights(self, doing: str, field: str, read: Callable[[Any], Body]) -> Body:
+        """``read(model)`` off the loop; a refusal names ``field``."""
+        model = self._awake_model(doing)
         try:
-            return await asyncio.to_thread(checksum_control, model, body)
+            return await asyncio.to_thread(read, model)
         except WeightSyncError as exc:
-            raise ControlRejected(str(exc), field="names") from exc
+            raise ControlRejected(str(exc), field=field) from exc
+
+    async def _weights_checksum(self, body: Body) -> Body:
+        return await self._read_weights(
+            "checking", "names", lambda model: checksum_control(model, body)
+        )
 
     async def _get_weights_by_name(self, body: Body) -> Body:
-        model = self._awake_model("reading")
         wanted = controls.parse_weights_by_name(body)
-        try:
-            return await asyncio.to_thread(weights_by_name, model, wanted)
-        except WeightSyncError as exc:
-            raise ControlRejected(str(exc), field="name") from exc
+        return await self._read_weights(
+            "reading", "name", lambda model: weights_by_name(model, wanted)
+        )
 
     async def _reset_weights(self, body: Body) -> Body:
         model = self._awake_model("resetting")
