@@ -241,3 +241,25 @@ async def test_abort_all_ends_in_flight_streams_with_abort_on_transformers(
         model=transformers.model, prompt="next rollout", max_tokens=3
     )
     assert after.choices[0].finish_reason in ("length", "stop")
+
+
+def test_reset_tensors_then_a_push_back_passes_the_weights_check_on_transformers(
+    transformers: Served,
+) -> None:
+    """SGLang's check that a push rewrote every tensor: snapshot, reset, push, compare."""
+    with httpx.Client(base_url=transformers.server.base_url, timeout=CLIENT_TIMEOUT_S) as client:
+
+        def check(action: str) -> httpx.Response:
+            return client.post("/weights_checker", json={"action": action})
+
+        assert check("snapshot").status_code == 200
+        assert check("reset_tensors").status_code == 200
+        differs = check("compare")
+        assert differs.status_code == 400, differs.text
+        assert "lm_head.weight" in differs.json()["error"]["mismatches"]
+        assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+        pushed = client.post("/update_weights_from_disk", json={"model_path": transformers.model})
+        assert pushed.status_code == 200, pushed.text
+        assert client.post("/continue_generation").status_code == 200
+        restored = check("compare")
+        assert restored.status_code == 200 and restored.json()["match"] is True, restored.text
