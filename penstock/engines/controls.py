@@ -56,6 +56,22 @@ GET_WEIGHT_VERSION = "get_weight_version"
 WEIGHTS_CHECKSUM = "weights_checksum"
 GET_WEIGHTS_BY_NAME = "get_weights_by_name"
 RESET_WEIGHTS = "reset_weights"
+CONTROL_NAMES = frozenset(
+    {
+        PAUSE,
+        RESUME,
+        IS_PAUSED,
+        SLEEP,
+        WAKE_UP,
+        IS_SLEEPING,
+        ABORT_REQUEST,
+        FLUSH_CACHE,
+        GET_WEIGHT_VERSION,
+        WEIGHTS_CHECKSUM,
+        GET_WEIGHTS_BY_NAME,
+        RESET_WEIGHTS,
+    }
+)
 
 
 class ControlRejected(ValueError):
