@@ -144,7 +144,8 @@ class SampleLifecycleControls:
         if "kv_cache" in sleep.tags:
             self._clear_prefix_cache()
         hold = self._holds["sleep"]
-        return controls.sleeping(hold.level or 0, hold.tags, aborted)
+        level = hold.level if hold.level is not None else sleep.level
+        return controls.sleeping(level, hold.tags, aborted)
 
     async def _wake_up(self, body: Body) -> Body:
         wake = controls.parse_wake(body)
