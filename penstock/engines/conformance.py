@@ -11,6 +11,13 @@ first failed check. Checks (as the contract states them):
 * an engine that advertises ``CANCEL_SAFE_RUNTIME_KEY``: a stream cancelled at an ``await``
   and one closed at a ``yield`` end at once (with ``abort`` after each), and the engine
   then completes a new request;
+* the controls of :mod:`penstock.engines.controls` that the engine advertises answer as
+  defined there: a body that is not an object is refused with ``{"status": "error",
+  "message"}``; ``abort_request`` of an unknown id ends nothing, and ``abort_all`` ends a
+  stream in flight (``finish_reason`` ``"abort"`` or ``"cancelled"`` for token engines);
+  ``is_paused`` / ``is_sleeping`` answer booleans; a pause then a resume, and a sleep then
+  a wake, answer ``paused`` / ``resumed`` and ``sleeping`` / ``awake``, and the engine
+  then completes a new request;
 * ``cleanup`` twice is safe, and ``cleanup`` without ``start`` is safe.
 """
 
@@ -22,6 +29,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from penstock.engines import controls
 from penstock.engines.constants import ModelInput
 from penstock.engines.context import Context
 from penstock.engines.contract import CANCEL_SAFE_RUNTIME_KEY, model_input_of
@@ -129,6 +137,71 @@ async def _check_cancel_safe(
         raise ConformanceError(f"CancelSafeCancelFailed: {exc!r}") from exc
 
 
+def _expect(answer: Any, check: str, **fields: Any) -> dict[str, Any]:
+    if not isinstance(answer, dict):
+        raise ConformanceError(f"{check}: the answer is not an object: {answer!r}")
+    wrong = {k: answer.get(k) for k, v in fields.items() if answer.get(k) != v}
+    if wrong:
+        raise ConformanceError(f"{check}: expected {fields}, got {answer!r}")
+    return answer
+
+
+async def _check_abort_all(engine: Any, long_request: dict[str, Any], raw: bool) -> None:
+    stream = engine.generate(dict(long_request), Context("conformance-abort-all"))
+    try:
+        async with asyncio.timeout(STUCK_AFTER_S):
+            first = await anext(stream)
+            answer = _expect(
+                await engine.engine_control(controls.ABORT_REQUEST, {"abort_all": True}),
+                "AbortAllAnswer",
+                status="ok",
+            )
+            if "conformance-abort-all" not in answer.get("aborted", []):
+                raise ConformanceError(f"AbortAllMissedStream: {answer!r}")
+            chunks = [first] + [chunk async for chunk in stream]
+    except TimeoutError as exc:
+        raise ConformanceError("AbortAllStuck: the stream did not end") from exc
+    finally:
+        await stream.aclose()
+    reason = chunks[-1].get("finish_reason")
+    if not raw and reason not in ("abort", "cancelled"):
+        raise ConformanceError(f"AbortAllWrongReason: finish_reason {reason!r}")
+
+
+async def _check_controls(
+    engine: Any, short: dict[str, Any], long_request: dict[str, Any], raw: bool
+) -> None:
+    """The advertised controls answer with the shared bodies and shapes."""
+    offered = engine.supported_controls()
+    for name in sorted(offered & controls.CONTROL_NAMES):
+        _expect(await engine.engine_control(name, ["not", "an", "object"]), name, status="error")
+    if controls.ABORT_REQUEST in offered:
+        unknown = {"request_id": "conformance-nobody"}
+        _expect(
+            await engine.engine_control(controls.ABORT_REQUEST, unknown),
+            "AbortUnknownAnswer",
+            status="ok",
+            aborted=[],
+        )
+        await _check_abort_all(engine, long_request, raw)
+    for query, field in ((controls.IS_PAUSED, "is_paused"), (controls.IS_SLEEPING, "is_sleeping")):
+        if query in offered:
+            _expect(await engine.engine_control(query, {}), f"{query}Answer", **{field: False})
+    pairs = (
+        (controls.PAUSE, {"mode": "abort"}, "paused", controls.RESUME, "resumed"),
+        (controls.SLEEP, {"level": 0}, "sleeping", controls.WAKE_UP, "awake"),
+    )
+    for hold, body, held, release, released in pairs:
+        if {hold, release} <= offered:
+            _expect(await engine.engine_control(hold, body), hold, status=held)
+            _expect(await engine.engine_control(release, {}), release, status=released)
+            try:
+                async with asyncio.timeout(STUCK_AFTER_S):
+                    await _collect(engine.generate(dict(short), Context(f"after-{release}")), raw)
+            except TimeoutError as exc:
+                raise ConformanceError(f"NotServingAfter{release}: no request completed") from exc
+
+
 async def run_conformance(
     engine_cls: type[Any],
     argv: list[str] | None = None,
@@ -169,6 +242,7 @@ async def run_conformance(
         await _check_cancel(engine, dict(long_request), raw)
         if (config.runtime_data or {}).get(CANCEL_SAFE_RUNTIME_KEY) is True:
             await _check_cancel_safe(engine, long_request, short, raw)
+        await _check_controls(engine, short, long_request, raw)
     finally:
         try:
             await engine.cleanup()

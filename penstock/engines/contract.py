@@ -38,6 +38,12 @@ over in ``request["multi_modal_data"]``, Dynamo's item shape: ``{"image_url": [{
 <RGB PIL.Image>}, ...], "audio_url": [{"Decoded": (<mono float32 ndarray>, <sample rate>)},
 ...]}``, in the order of the parts; ``ImageLoader.load_image_batch`` and
 ``AudioLoader.load_audio_batch`` accept these items as they are.
+
+Controls (pause, sleep, wake, abort, flush, weight checks): an engine that offers one
+takes the body and gives the answer :mod:`penstock.engines.controls` defines, re-exported
+here: its vocabulary (``PAUSE_MODES``, ``SLEEP_TAGS``), its parsers, the one refusal
+(:class:`ControlRejected`) and :class:`ControlTable`, which builds ``supported_controls``,
+``engine_control`` and their update twins from an engine's handler tables.
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ from typing import Any, TypedDict
 
 from penstock.engines.constants import DisaggregationMode, ModelInput
 from penstock.engines.context import Context
+from penstock.engines.controls import PAUSE_MODES as PAUSE_MODES
+from penstock.engines.controls import SLEEP_TAGS as SLEEP_TAGS
+from penstock.engines.controls import ControlRejected as ControlRejected
+from penstock.engines.controls import ControlTable as ControlTable
 from penstock.engines.health import parse_health_check_payload_cli
 from penstock.errors import EngineLoadError
 

@@ -1,14 +1,28 @@
-"""Admin request bodies: read a JSON object and check field types, naming the field."""
+"""Admin request bodies: read a JSON object and check field types, naming the field.
+
+Pause modes and sleep tags are checked by the engines' own parsers
+(:mod:`penstock.engines.controls`), so the admin plane refuses what an engine would.
+
+:func:`tensor_update_body`: an ``update_weights_from_tensor`` body as the engine gets it. A
+pickled entry on a server without ``--trust-weight-payloads`` is a 400 naming the flag
+before the engine sees it; the trust the engine is told is the operator's, never the
+client's.
+"""
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
 
 from fastapi import Request
 
+from penstock.engines.controls import ControlRejected, parse_mode, parse_tags
+from penstock.engines.weight_sync import TRUST_FLAG, is_pickled
 from penstock.errors import InvalidRequestError, RLAdminValidationError
-from penstock.rl.state import PAUSE_MODES, SLEEP_TAGS
 from penstock.schemas.json_body import NO_BODY, read_json_body
+
+TRUST_KEY = "trust_weight_payloads"
 
 _MISSING = object()
 
@@ -82,22 +96,53 @@ def str_list_field(body: dict[str, Any], field: str) -> list[str] | None:
     return value
 
 
+def from_rejection(error: ControlRejected, field: str) -> InvalidRequestError:
+    return InvalidRequestError(str(error), param=error.field or field, code="invalid_value")
+
+
 def mode_field(body: dict[str, Any], field: str, default: str) -> str:
-    value = body.get(field, default)
-    if value is None:
-        return default
-    if value not in PAUSE_MODES:
-        raise invalid(field, f"must be one of {', '.join(PAUSE_MODES)}; got {value!r}")
-    mode: str = value
-    return mode
+    try:
+        return parse_mode(body.get(field), field, default)
+    except ControlRejected as exc:
+        raise from_rejection(exc, field) from exc
 
 
 def tags_field(body: dict[str, Any], field: str = "tags") -> list[str] | None:
-    tags = str_list_field(body, field)
-    if tags is not None:
-        unknown = sorted(set(tags) - set(SLEEP_TAGS))
-        if unknown:
-            raise invalid(
-                field, f"has unknown tag(s) {', '.join(unknown)}; known: {', '.join(SLEEP_TAGS)}"
+    try:
+        tags = parse_tags(body.get(field), field)
+    except ControlRejected as exc:
+        raise from_rejection(exc, field) from exc
+    return None if tags is None else list(body[field])
+
+
+def tensor_update_body(body: dict[str, Any], *, trusted: bool) -> dict[str, Any]:
+    payloads = body.get("serialized_named_tensors")
+    if payloads is None and "named_tensors" in body:
+        # The sample engine's JSON form: plain numbers, nothing to unpickle.
+        return {k: v for k, v in body.items() if k != TRUST_KEY}
+    if not isinstance(payloads, list) or not payloads:
+        raise InvalidRequestError(
+            "'serialized_named_tensors' must be a non-empty list of base64 strings",
+            param="serialized_named_tensors",
+            code="invalid_value",
+        )
+    for entry in payloads:
+        if not isinstance(entry, str):
+            raise InvalidRequestError(
+                "'serialized_named_tensors' must hold base64 strings",
+                param="serialized_named_tensors",
+                code="invalid_value",
             )
-    return tags
+        try:
+            head = base64.b64decode(entry[:8], validate=True)
+        except (binascii.Error, ValueError):
+            head = b""
+        if is_pickled(head) and not trusted:
+            raise InvalidRequestError(
+                "'serialized_named_tensors' holds a pickled payload, and unpickling runs code "
+                "the sender chose: send base64 safetensors bytes, or start the server with "
+                f"{TRUST_FLAG} if this trainer is trusted",
+                param="serialized_named_tensors",
+                code="untrusted_payload",
+            )
+    return {**{k: v for k, v in body.items() if k != TRUST_KEY}, TRUST_KEY: trusted}

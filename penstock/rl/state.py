@@ -42,6 +42,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from penstock import tracing
+from penstock.engines.controls import (
+    ABORT_REQUEST,
+    GET_WEIGHT_VERSION,
+    IS_PAUSED,
+    IS_SLEEPING,
+    PAUSE,
+    RESUME,
+    SLEEP,
+    SLEEP_TAGS,
+    WAKE_UP,
+    default_sleep_tags,
+)
 from penstock.errors import (
     ConflictError,
     InternalServerError,
@@ -50,17 +62,14 @@ from penstock.errors import (
     ServiceUnavailableError,
 )
 from penstock.metrics.admin import AdminMetrics
-from penstock.rl.weights import tensor_update_body
+from penstock.rl.fields import tensor_update_body
 from penstock.settings import DEFAULT_ADMIN_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "wait", "keep")
-SLEEP_TAGS = ("kv_cache", "weights")
-
 # Controls that only read state or end individual requests: no need to queue them behind
 # a long operation (a trainer may abort stragglers while a wait-mode pause drains).
-UNSERIALIZED_CONTROLS = frozenset({"is_paused", "is_sleeping", "get_weight_version"})
+UNSERIALIZED_CONTROLS = frozenset({IS_PAUSED, IS_SLEEPING, GET_WEIGHT_VERSION})
 WEIGHT_UPDATES_PREFIX = "update_weights_"
 _WAIT_HINT = ": in-flight requests were still running; use mode abort or keep, or abort them first"
 
@@ -71,11 +80,6 @@ class Outcome:
 
     changed: bool
     engine: dict[str, Any]
-
-
-def default_sleep_tags(level: int) -> frozenset[str]:
-    """Level 0 only drops the KV cache; higher levels release the weights too."""
-    return frozenset({"kv_cache"}) if level == 0 else frozenset(SLEEP_TAGS)
 
 
 def aborted_count(result: dict[str, Any]) -> int:
@@ -328,7 +332,7 @@ class AdminStateMachine:
 
             async def undo() -> None:
                 self.pause_mode = None
-                await self._restore("resume_generation", {})
+                await self._restore(RESUME, {})
 
             started = time.perf_counter()
             # Paused from the start, so readiness says so while a wait-mode pause drains.
@@ -338,7 +342,7 @@ class AdminStateMachine:
                     deadline,
                     operation,
                     "control",
-                    "pause_generation",
+                    PAUSE,
                     {"mode": mode, "clear_cache": clear_cache},
                     undo=undo,
                     hint=_WAIT_HINT if mode == "wait" else "",
@@ -357,9 +361,7 @@ class AdminStateMachine:
             if self.pause_mode is None:
                 return Outcome(False, {"status": "resumed"})
             started = time.perf_counter()
-            result = await self._bounded_call(
-                deadline, "resume", "control", "resume_generation", {}
-            )
+            result = await self._bounded_call(deadline, "resume", "control", RESUME, {})
             self.pause_mode = None
             self._touch()
             self._record("resume", started)
@@ -378,7 +380,7 @@ class AdminStateMachine:
             added = sorted(wanted - self.sleep_tags)
 
             async def undo() -> None:
-                await self._restore("wake_up", {"tags": added})
+                await self._restore(WAKE_UP, {"tags": added})
 
             body: dict[str, Any] = {"level": level, "mode": engine_mode, "tags": sorted(wanted)}
             started = time.perf_counter()
@@ -386,7 +388,7 @@ class AdminStateMachine:
                 deadline,
                 operation,
                 "control",
-                "sleep",
+                SLEEP,
                 body,
                 undo=undo,
                 hint=_WAIT_HINT if engine_mode == "wait" else "",
@@ -404,10 +406,13 @@ class AdminStateMachine:
                 return Outcome(False, {"status": "awake"})
             body: dict[str, Any] = {} if tags is None else {"tags": list(tags)}
             started = time.perf_counter()
-            result = await self._bounded_call(deadline, "wake_up", "control", "wake_up", body)
+            result = await self._bounded_call(deadline, "wake_up", "control", WAKE_UP, body)
             remaining = self.sleep_tags - frozenset(tags if tags is not None else SLEEP_TAGS)
             if result.get("is_sleeping") is False or result.get("status") == "awake":
                 remaining = frozenset()
+            elif result.get("is_sleeping") is True and isinstance(result.get("tags"), list):
+                # The engine says what it still holds released: the state follows it.
+                remaining = frozenset(result["tags"])
             self.sleep_tags = remaining
             if not remaining:
                 self.sleep_level = None
@@ -502,11 +507,11 @@ class AdminStateMachine:
         self, name: str, body: dict[str, Any], *, param: str | None = None
     ) -> dict[str, Any]:
         """An engine control with no state transition of its own (flush, profile, ...)."""
-        if name in UNSERIALIZED_CONTROLS or name == "abort_request":
+        if name in UNSERIALIZED_CONTROLS or name == ABORT_REQUEST:
             result = await self._bounded_call(
                 self._deadline(), name, "control", name, body, param=param
             )
-            if name == "abort_request" and self.metrics is not None:
+            if name == ABORT_REQUEST and self.metrics is not None:
                 self.metrics.requests_aborted(name, aborted_count(result))
             return result
         async with self._exclusive(name) as deadline:

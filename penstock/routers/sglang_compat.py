@@ -39,10 +39,10 @@ responses:
   memory over NIXL; not an SGLang route) (all need the paused state; formats in
   :mod:`penstock.engines.weight_sync`) -> ``{"success": true, "message",
   "weight_version", "checksum"}``
-* ``POST /weights_checker {action: checksum|compare|reset, baseline?}`` ->
-  ``{"success": true, "checksum", "checksums"}``, ``{"success": true, "match",
-  "mismatches"}`` or ``{"status": "reset"}``; ``GET|POST /get_weights_by_name {name,
-  truncate_size=100}`` -> ``{"name", "dtype", "shape", "values"}``
+* ``POST /weights_checker {action: snapshot|reset_tensors|compare|checksum|reset,
+  baseline?}`` (:mod:`penstock.rl.weights`; a failed compare is a 400 naming the tensors);
+  ``GET|POST /get_weights_by_name {name, truncate_size=100}`` -> ``{"name", "dtype",
+  "shape", "values"}`` (the first ``truncate_size`` rows)
 * ``GET /get_model_info`` -> ``{"model_path", "tokenizer_path", "is_generation",
   "preferred_sampling_params", "weight_version", "has_image_understanding",
   "has_audio_understanding"}``

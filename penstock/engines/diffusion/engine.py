@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import logging
 import secrets
 import time
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from penstock.engines import controls
 from penstock.engines.constants import ModelInput
 from penstock.engines.context import Context
 from penstock.engines.contract import (
@@ -44,6 +46,7 @@ from penstock.engines.contract import (
     RawResponseChunk,
     WorkerConfig,
 )
+from penstock.engines.controls import Body, ControlTable, Handler
 from penstock.engines.diffusion.pipeline import (
     DEFAULT_REFERENCE_STRENGTH,
     Generation,
@@ -130,7 +133,7 @@ def _limit_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in overrides.items() if value is not None}
 
 
-class DiffusersEngine(DiffusionEngine):
+class DiffusersEngine(ControlTable, DiffusionEngine):
     def __init__(
         self,
         model: str | None,
@@ -151,6 +154,8 @@ class DiffusersEngine(DiffusionEngine):
         self.max_sequence_length = max_sequence_length
         self.pipeline: LoadedPipeline | None = None
         self._executor: ThreadPoolExecutor | None = None
+        # The requests in generate: what abort_request ends.
+        self._in_flight: set[Context] = set()
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[DiffusersEngine, WorkerConfig]:
@@ -248,7 +253,29 @@ class DiffusersEngine(DiffusionEngine):
 
     # -- requests -------------------------------------------------------------------
 
+    def control_handlers(self) -> dict[str, Handler]:
+        return {controls.ABORT_REQUEST: self._abort_request}
+
+    async def _abort_request(self, body: Body) -> Body:
+        """Stops the named runs (or all) at their next denoising step; they end failed."""
+        wanted = controls.parse_abort(body)
+        ended = [c for c in self._in_flight if not c.is_stopped() and wanted.matches(c.id())]
+        for context in ended:
+            context.stop_generating()
+        return controls.aborted({c.id() for c in ended})
+
     async def generate(
+        self, request: RawRequest, context: Context
+    ) -> AsyncGenerator[RawResponseChunk, None]:
+        self._in_flight.add(context)
+        try:
+            async with contextlib.aclosing(self._generate(request, context)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._in_flight.discard(context)
+
+    async def _generate(
         self, request: RawRequest, context: Context
     ) -> AsyncGenerator[RawResponseChunk, None]:
         if self.pipeline is None or self._executor is None:

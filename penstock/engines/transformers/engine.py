@@ -12,18 +12,20 @@ A vision-language checkpoint (LLaVA-style, see :mod:`.vision`) advertises image 
 its requests' images become features once per distinct image, and their prefill runs
 from ``inputs_embeds``; they decode in the same batch as text-only requests.
 
-``weights_snapshot`` / ``restore_weights_snapshot`` keep a CPU copy of the weights and put
-it back: a Ray fleet rolls back an update one of its replicas failed (:mod:`penstock.ray`).
+The controls are split by concern: pause, sleep, wake and abort in :mod:`.controls`;
+weight updates, checks, versions and the snapshot a Ray fleet rolls back to
+(``weights_snapshot`` / ``restore_weights_snapshot``) in :mod:`.weight_controls`; forward
+passes, snapshots and gauges in :mod:`.telemetry`. Their bodies and answers are those of
+:mod:`penstock.engines.controls`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import gc
 import logging
 import sys
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +44,15 @@ from penstock.engines.contract import (
     LlmRegistration,
     WorkerConfig,
 )
-from penstock.engines.health import build_health_check_payload, parse_health_check_payload_cli
+from penstock.engines.controls import Body, ControlRejected, ControlTable, Handler, rejection
+from penstock.engines.health import (
+    build_health_check_payload,
+    is_probe,
+    parse_health_check_payload_cli,
+)
 from penstock.engines.transformers.args import EngineArgs, parse_args
-from penstock.engines.transformers.cpu_weights import load_kernel, pack_model, requantize
+from penstock.engines.transformers.controls import TransformersControls
+from penstock.engines.transformers.cpu_weights import load_kernel, pack_model
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from penstock.engines.transformers.generation_config import load_sampling_defaults
 from penstock.engines.transformers.llama_decode import LlamaDecoder
@@ -59,34 +67,26 @@ from penstock.engines.transformers.sampling import SamplingDefaults, parse_sampl
 from penstock.engines.transformers.scheduler import (
     KV_BLOCK_SIZE,
     BatchScheduler,
-    KvUsage,
     StepFailure,
     Submission,
 )
-from penstock.engines.transformers.sync import WeightSync, checksum_control, weights_by_name
+from penstock.engines.transformers.sync import WeightSync
+from penstock.engines.transformers.telemetry import TransformersTelemetry
 from penstock.engines.transformers.vision import (
     VisionEncoder,
     check_vision_config,
     is_vision_config,
     load_vision_model,
 )
+from penstock.engines.transformers.weight_controls import TransformersWeightControls
 from penstock.engines.transformers.weights import (
     CheckpointError,
-    apply_weight_update,
     check_checkpoint_folder,
     load_model,
-    plan_weight_update,
-    read_safetensors,
 )
-from penstock.engines.weight_sync import WeightSyncError
-from penstock.metrics.forward_pass import ComponentSnapshot, ForwardPassMetrics
-from penstock.nixl_agent import nixl_installed
 
 logger = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "wait", "keep")
-SLEEP_TAGS = frozenset({"weights", "kv_cache"})
-RECENT_FORWARD_PASSES = 256
 # Operations that move or replace weights or KV run one at a time.
 _MEMORY_OPERATIONS = frozenset(
     {
@@ -96,16 +96,11 @@ _MEMORY_OPERATIONS = frozenset(
         "update_weights_from_distributed",
         "update_weights_from_tensor",
         "update_weights_from_nixl",
+        "reset_weights",
         "load_lora",
         "unload_lora",
     }
 )
-
-Body = dict[str, Any]
-
-
-def _error(message: str) -> Body:
-    return {"status": "error", "message": message}
 
 
 def _resolve_device(choice: str) -> torch.device:
@@ -156,7 +151,13 @@ def _eos_ids(*sources: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-class TransformersEngine(LLMEngine):
+class TransformersEngine(
+    TransformersControls,
+    TransformersWeightControls,
+    TransformersTelemetry,
+    ControlTable,
+    LLMEngine,
+):
     """Continuous-batching engine over ``transformers`` models (CPU or CUDA)."""
 
     def __init__(
@@ -177,15 +178,9 @@ class TransformersEngine(LLMEngine):
         self.vocab_size = 0
         self.scheduler: BatchScheduler | None = None
         self.weight_version: str | None = None
-        self.forward_pass_metrics: collections.deque[ForwardPassMetrics] = collections.deque(
-            maxlen=RECENT_FORWARD_PASSES
-        )
-        self.latest_forward_pass_metrics: ForwardPassMetrics | None = None
         self._weights_source: Path | None = None
-        self._snapshot_publisher: Any = None
-        self._publish_forward_pass: Callable[[ForwardPassMetrics], None] | None = None
-        self._sleeping: set[str] = set()
-        self._paused_by_sleep = False
+        TransformersControls.__init__(self)
+        TransformersTelemetry.__init__(self)
         self._memory_lock = asyncio.Lock()
         self._bos_or_eos = 0
         # Linear and embedding weights kept in bfloat16, computed in float32 (see cpu_weights).
@@ -245,49 +240,13 @@ class TransformersEngine(LLMEngine):
         )
         await asyncio.to_thread(self._choose_cpu_weights, config)
         text_config = self.model.config.get_text_config(decoder=True)
-        model_limit = getattr(text_config, "max_position_embeddings", None)
-        if self.args.max_model_len is not None:
-            if model_limit is not None and self.args.max_model_len > model_limit:
-                raise ValueError(
-                    f"--max-model-len {self.args.max_model_len} exceeds the model's "
-                    f"max_position_embeddings of {model_limit}"
-                )
-            self.context_length = self.args.max_model_len
-        elif model_limit is not None:
-            self.context_length = int(model_limit)
-        else:
-            raise ValueError(
-                "the model config has no max_position_embeddings; pass --max-model-len"
-            )
+        self.context_length = self._context_length(text_config)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         eos = _eos_ids(self.model.generation_config, text_config)
         bos = getattr(self.model.generation_config, "bos_token_id", None)
         self._bos_or_eos = bos if isinstance(bos, int) else min(eos, default=0)
         kv_tokens = self.args.kv_cache_tokens or self.args.max_num_seqs * self.context_length
-        self.scheduler = BatchScheduler(
-            self.model,
-            device=self.device,
-            eos_token_ids=eos,
-            vocab_size=self.vocab_size,
-            max_num_seqs=self.args.max_num_seqs,
-            kv_capacity_tokens=kv_tokens,
-            seed=self.args.seed,
-            engine_data=self._engine_data,
-            on_forward_pass=self._on_forward_pass,
-            worker_id=str(worker_id),
-        )
-        self.scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)
-        if self._load_model is load_vision_model:
-            self.vision = VisionEncoder(
-                self.model_path,
-                self.model.config,
-                model=lambda: self.model,
-                step_lock=self.scheduler.step_lock,
-                device=self.device,
-                dtype=self.dtype,
-                cache_bytes=self.args.encoder_cache_bytes,
-            )
-        self.scheduler.start()
+        scheduler = self._start_scheduler(worker_id, eos, kv_tokens)
         logger.info(
             "transformers engine ready: %s on %s (%s%s), context %d, %d sequences, %d KV tokens",
             self.model_path,
@@ -314,11 +273,57 @@ class TransformersEngine(LLMEngine):
             llm=LlmRegistration(
                 context_length=self.context_length,
                 kv_cache_block_size=KV_BLOCK_SIZE,
-                total_kv_blocks=self.scheduler.kv_total_blocks,
+                total_kv_blocks=scheduler.kv_total_blocks,
                 max_num_seqs=self.args.max_num_seqs,
                 max_num_batched_tokens=self.context_length,
             ),
         )
+
+    def _context_length(self, text_config: Any) -> int:
+        """``--max-model-len`` (at most the model's own limit), else the model's limit."""
+        model_limit = getattr(text_config, "max_position_embeddings", None)
+        if self.args.max_model_len is not None:
+            if model_limit is not None and self.args.max_model_len > model_limit:
+                raise ValueError(
+                    f"--max-model-len {self.args.max_model_len} exceeds the model's "
+                    f"max_position_embeddings of {model_limit}"
+                )
+            return self.args.max_model_len
+        if model_limit is not None:
+            return int(model_limit)
+        raise ValueError("the model config has no max_position_embeddings; pass --max-model-len")
+
+    def _start_scheduler(
+        self, worker_id: int, eos: frozenset[int], kv_tokens: int
+    ) -> BatchScheduler:
+        """The batch scheduler over the loaded model (and its vision encoder), running."""
+        device, dtype = self._placement()
+        scheduler = BatchScheduler(
+            self.model,
+            device=device,
+            eos_token_ids=eos,
+            vocab_size=self.vocab_size,
+            max_num_seqs=self.args.max_num_seqs,
+            kv_capacity_tokens=kv_tokens,
+            seed=self.args.seed,
+            engine_data=self._engine_data,
+            on_forward_pass=self._on_forward_pass,
+            worker_id=str(worker_id),
+        )
+        scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)
+        if self._load_model is load_vision_model:
+            self.vision = VisionEncoder(
+                self.model_path,
+                self.model.config,
+                model=lambda: self.model,
+                step_lock=scheduler.step_lock,
+                device=device,
+                dtype=dtype,
+                cache_bytes=self.args.encoder_cache_bytes,
+            )
+        self.scheduler = scheduler
+        scheduler.start()
+        return scheduler
 
     def _choose_cpu_weights(self, config: Any) -> None:
         choice = self.args.cpu_weight_dtype
@@ -397,6 +402,10 @@ class TransformersEngine(LLMEngine):
             context.id(), context, prompt, params, deliver, adapter, embed=embed
         )
         scheduler.submit(submission)
+        # Canaries probe that the engine runs: an abort of every request leaves them be.
+        tracked = not is_probe(request)
+        if tracked:
+            self._in_flight.add(submission)
         remaining = params.n
         try:
             while remaining:
@@ -407,6 +416,7 @@ class TransformersEngine(LLMEngine):
                         remaining -= 1
                     yield item
         finally:
+            self._in_flight.discard(submission)
             if remaining:
                 scheduler.cancel(submission)
 
@@ -432,262 +442,31 @@ class TransformersEngine(LLMEngine):
     async def health_check_payload(self) -> dict[str, Any] | None:
         return build_health_check_payload(self._bos_or_eos)
 
-    # -- metrics -------------------------------------------------------------------------
-
-    def _on_forward_pass(self, metrics: ForwardPassMetrics, usage: KvUsage) -> None:
-        """Runs on the scheduler thread after every forward pass and on going idle."""
-        self.forward_pass_metrics.append(metrics)
-        self.latest_forward_pass_metrics = metrics
-        publisher = self._snapshot_publisher
-        if publisher is None:
-            return
-        publish_forward_pass = self._publish_forward_pass
-        if publish_forward_pass is not None:
-            try:
-                publish_forward_pass(metrics)
-            except Exception:
-                logger.exception("forward-pass publisher failed")
-        snapshot = ComponentSnapshot(
-            kv_used_blocks=usage.used_blocks,
-            kv_total_blocks=usage.total_blocks,
-            gpu_cache_usage=usage.used_blocks / usage.total_blocks if usage.total_blocks else 0.0,
-            dp_rank=0,
-        )
-        try:
-            publisher.publish(0, snapshot)
-        except Exception:
-            logger.exception("snapshot publisher failed")
-
-    def component_metrics_dp_ranks(self) -> list[int]:
-        return [0]
-
-    def attach_snapshot_publisher(self, publisher: Any) -> None:
-        # Forward passes go to Penstock's publisher only; Dynamo's has no such method.
-        self._publish_forward_pass = getattr(publisher, "publish_forward_pass", None)
-        self._snapshot_publisher = publisher
-
-    async def register_prometheus(self, metrics: Any) -> None:
-        add_callback = getattr(metrics, "add_expfmt_callback", None)
-        if callable(add_callback):
-            add_callback(self.prometheus_text)
-
-    def prometheus_text(self) -> str:
-        """The engine's gauges in the Prometheus text format."""
-        scheduler = self.scheduler
-        usage = scheduler.usage() if scheduler is not None else KvUsage(0, 0, 0, 0)
-        label = self.served_model_name.replace("\\", "\\\\").replace('"', '\\"')
-        gauges = (
-            ("penstock_engine_kv_used_blocks", "KV cache blocks in use", usage.used_blocks),
-            ("penstock_engine_kv_total_blocks", "KV cache blocks in total", usage.total_blocks),
-            ("penstock_engine_num_running", "Sequences being decoded", usage.running),
-            ("penstock_engine_num_waiting", "Requests waiting to start", usage.waiting),
-        )
-        lines = []
-        for name, help_text, value in gauges:
-            lines += [
-                f"# HELP {name} {help_text}",
-                f"# TYPE {name} gauge",
-                f'{name}{{model="{label}"}} {value}',
-            ]
-        lines += [
-            "# HELP penstock_engine_memory_bytes Memory the engine holds, by kind",
-            "# TYPE penstock_engine_memory_bytes gauge",
-        ]
-        for kind, value in self.memory_bytes().items():
-            lines.append(f'penstock_engine_memory_bytes{{model="{label}",kind="{kind}"}} {value}')
-        if self.vision is not None:
-            lines += self.vision.prometheus_lines(label)
-        return "\n".join(lines) + "\n"
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes of the loaded weights (on the host while asleep, 0 once a sleep dropped them);
-        on CUDA also what the allocator holds on the device."""
-        model = self.model
-        weights = 0
-        if model is not None:
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        found = {"weights": weights}
-        device = self.device
-        if device is not None and device.type == "cuda":
-            found["device_allocated"] = torch.cuda.memory_allocated(device)
-            found["device_reserved"] = torch.cuda.memory_reserved(device)
-        return found
-
     # -- controls and updates ---------------------------------------------------------------
 
-    def supported_controls(self) -> set[str]:
-        return set(self._controls())
+    def control_handlers(self) -> dict[str, Handler]:
+        return {**self.lifecycle_controls(), **self.weight_controls()}
 
-    def supported_updates(self) -> set[str]:
-        return set(self._updates())
-
-    def _controls(self) -> dict[str, Callable[[Body], Awaitable[Body]]]:
+    def update_handlers(self) -> dict[str, Handler]:
         return {
-            "pause_generation": self._pause_generation,
-            "resume_generation": self._resume_generation,
-            "is_paused": self._is_paused,
-            "is_sleeping": self._is_sleeping,
-            "sleep": self._sleep,
-            "wake_up": self._wake_up,
-            "get_weight_version": self._get_weight_version,
-            "flush_cache": self._flush_cache,
-            "abort_request": self._abort_request,
-            "weights_checksum": self._weights_checksum,
-            "get_weights_by_name": self._get_weights_by_name,
-        }
-
-    def _updates(self) -> dict[str, Callable[[Body], Awaitable[Body]]]:
-        updates: dict[str, Callable[[Body], Awaitable[Body]]] = {
-            "update_weights_from_disk": self._update_weights_from_disk,
-            "init_weights_update_group": self._init_weights_update_group,
-            "update_weights_from_distributed": self._update_weights_from_distributed,
-            "update_weights_from_tensor": self._update_weights_from_tensor,
-            "destroy_weights_update_group": self._destroy_weights_update_group,
-            "update_weight_version": self._update_weight_version,
-            "set_weight_version": self._set_weight_version,
+            **self.weight_updates(),
             "load_lora": self._load_lora,
             "unload_lora": self._unload_lora,
         }
-        if nixl_installed():
-            updates["update_weights_from_nixl"] = self._update_weights_from_nixl
-        return updates
 
-    async def engine_control(self, control: str, body: Body) -> Body:
-        return await self._dispatch("control", self._controls(), control, body)
-
-    async def engine_update(self, update: str, body: Body) -> Body:
-        return await self._dispatch("update", self._updates(), update, body)
-
-    async def _dispatch(
-        self,
-        kind: str,
-        handlers: dict[str, Callable[[Body], Awaitable[Body]]],
-        name: str,
-        body: Any,
-    ) -> Body:
-        handler = handlers.get(name)
-        if handler is None:
-            return _error(f"unsupported engine {kind}: {name}")
-        if body is None:
-            body = {}
-        if not isinstance(body, dict):
-            return _error("request body must be a JSON object")
+    async def around_handler(self, name: str, handler: Handler, body: Body) -> Body:
         if self.scheduler is None:
-            return _error("the engine is not running")
+            return rejection("the engine is not running")
         try:
             if name in _MEMORY_OPERATIONS:
                 async with self._memory_lock:
                     return await handler(body)
             return await handler(body)
+        except ControlRejected:
+            raise
         except Exception as exc:
-            logger.exception("engine %s %s failed", kind, name)
-            return _error(str(exc) or type(exc).__name__)
-
-    @staticmethod
-    def _mode(body: Body, operation: str) -> str | Body:
-        mode = body.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            return _error(f"Invalid mode '{mode}' for {operation}; expected abort|wait|keep")
-        return str(mode)
-
-    async def _pause(self, mode: str) -> list[str]:
-        """Pause in ``mode``; the ids of the requests an ``abort`` pause ended."""
-        scheduler = self._require_scheduler()
-        in_flight = await asyncio.to_thread(
-            scheduler.pause, abort=mode == "abort", freeze=mode == "keep"
-        )
-        if mode != "keep":
-            await asyncio.to_thread(scheduler.wait_until_done, in_flight)
-        return sorted(s.request_id for s in in_flight) if mode == "abort" else []
-
-    async def _pause_generation(self, body: Body) -> Body:
-        mode = self._mode(body, "pause_generation")
-        if isinstance(mode, dict):
-            return mode
-        clear_cache = body.get("clear_cache", False)
-        if not isinstance(clear_cache, bool):
-            return _error("`clear_cache` must be a boolean")
-        aborted = await self._pause(mode)
-        if clear_cache:
-            await self._flush_cache({})
-        return {
-            "status": "ok",
-            "message": "Engine paused",
-            "mode": mode,
-            "clear_cache": clear_cache,
-            "aborted": aborted,
-        }
-
-    async def _resume_generation(self, body: Body) -> Body:
-        self._require_scheduler().resume()
-        self._paused_by_sleep = False
-        response: Body = {"status": "ok", "message": "Engine resumed"}
-        if self._sleeping:
-            response["is_sleeping"] = True
-        return response
-
-    async def _is_paused(self, body: Body) -> Body:
-        return {"status": "ok", "is_paused": self._require_scheduler().paused}
-
-    async def _is_sleeping(self, body: Body) -> Body:
-        return {"status": "ok", "is_sleeping": bool(self._sleeping)}
-
-    async def _sleep(self, body: Body) -> Body:
-        level = body.get("level", 1)
-        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 2:
-            return _error("`level` must be 0, 1 or 2")
-        mode = self._mode(body, "sleep")
-        if isinstance(mode, dict):
-            return mode
-        if self._sleeping:
-            return {"status": "sleeping", "message": "Engine already sleeping", "is_sleeping": True}
-        scheduler = self._require_scheduler()
-        was_paused = scheduler.paused
-        aborted = await self._pause(mode)
-        self._paused_by_sleep = not was_paused
-        await asyncio.to_thread(scheduler.set_sleeping, True)
-        await asyncio.to_thread(self._release_memory, level)
-        self._sleeping = set(SLEEP_TAGS)
-        return {
-            "status": "sleeping",
-            "message": f"Engine slept (level={level})",
-            "level": level,
-            "is_sleeping": True,
-            "aborted": aborted,
-        }
-
-    def _release_memory(self, level: int) -> None:
-        """Level 1 moves weights and held KV to the CPU; level 2 drops the weights."""
-        scheduler = self._require_scheduler()
-        with scheduler.step_lock:
-            if level >= 1:
-                scheduler.move_kv(torch.device("cpu"))
-            if level == 1 and self.model is not None:
-                self.model.to("cpu")
-            elif level == 2:
-                self.model = None
-                self.lora.forget_model()
-                scheduler.model = None
-                scheduler.decoder = None
-        gc.collect()
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def _restore_weights(self) -> None:
-        scheduler = self._require_scheduler()
-        device, dtype = self._placement()
-        if self.model is None:
-            model = self._load_model(self.model_path, dtype=dtype, device=device)
-            if self._weights_source is not None:
-                apply_weight_update(
-                    plan_weight_update(model, read_safetensors(self._weights_source))
-                )
-            self.lora.reattach(model)
-            self.model = model
-        else:
-            self.model.to(device)
-        with scheduler.step_lock:
-            self._install_forward_module(scheduler)
+            logger.exception("engine call %s failed", name)
+            return rejection(str(exc) or type(exc).__name__)
 
     def _install_forward_module(self, scheduler: BatchScheduler) -> None:
         """Point the scheduler at the module to call (call with ``step_lock`` held)."""
@@ -698,278 +477,31 @@ class TransformersEngine(LLMEngine):
         scheduler.adapters_loaded = bool(self.lora)
         scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)
 
-    def _restore_kv(self) -> None:
-        scheduler = self._require_scheduler()
-        device, _ = self._placement()
-        with scheduler.step_lock:
-            scheduler.move_kv(device)
-
-    def _placement(self) -> tuple[torch.device, torch.dtype]:
-        if self.device is None or self.dtype is None:
-            raise RuntimeError("the transformers engine is not started")
-        return self.device, self.dtype
-
-    async def _wake_up(self, body: Body) -> Body:
-        tags = body.get("tags")
-        if tags is None:
-            wanted = set(SLEEP_TAGS)
-        elif isinstance(tags, list) and all(isinstance(t, str) for t in tags):
-            unknown = sorted(set(tags) - SLEEP_TAGS)
-            if unknown:
-                return _error(
-                    f"unknown wake_up tags {unknown}; expected a subset of {sorted(SLEEP_TAGS)}"
-                )
-            wanted = set(tags)
-        else:
-            return _error("`tags` must be a list of strings")
-        if not self._sleeping:
-            return {"status": "awake", "message": "Engine already awake", "is_sleeping": False}
-        if "weights" in wanted & self._sleeping:
-            await asyncio.to_thread(self._restore_weights)
-            self._sleeping.discard("weights")
-        if "kv_cache" in wanted & self._sleeping:
-            await asyncio.to_thread(self._restore_kv)
-            self._sleeping.discard("kv_cache")
-        if self._sleeping:
-            return {
-                "status": "partially_awake",
-                "is_sleeping": True,
-                "sleeping": sorted(self._sleeping),
-            }
-        scheduler = self._require_scheduler()
-        scheduler.set_sleeping(False)
-        if self._paused_by_sleep:
-            scheduler.resume()
-            self._paused_by_sleep = False
-        return {"status": "awake", "message": "Engine woke", "is_sleeping": False}
-
-    async def _get_weight_version(self, body: Body) -> Body:
-        version = self.weight_version
-        return {
-            "status": "ok",
-            "version": version,
-            "version_declared": version is not None,
-            "weight_version": version,
-        }
-
-    async def _flush_cache(self, body: Body) -> Body:
-        # There is no prefix cache: KV lives only as long as its sequence. Flushing returns
-        # the allocator's idle blocks to the device.
-        gc.collect()
-        if self.device is not None and self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return {"status": "ok", "message": "Cache flushed"}
-
-    async def _abort_request(self, body: Body) -> Body:
-        request_id = body.get("request_id")
-        if not isinstance(request_id, str) or not request_id:
-            return _error("Missing 'request_id' in body")
-        found = self._require_scheduler().cancel_request_id(request_id)
-        return {"status": "ok", "request_id": request_id, "found": found > 0}
-
-    async def _update_weights_from_disk(self, body: Body) -> Body:
-        model_path = body.get("model_path")
-        if not isinstance(model_path, str) or not model_path:
-            return _error("missing non-empty `model_path` string")
-        version = body.get("weight_version")
-        if version is not None and not isinstance(version, str):
-            return _error("`weight_version` must be a string")
-        scheduler = self._require_scheduler()
-        if not scheduler.paused:
-            return _error(
-                "update_weights_from_disk needs paused generation: "
-                "call pause_generation first, then resume_generation after the update"
-            )
-        if self.model is None or "weights" in self._sleeping:
-            return _error("the weights are asleep: call wake_up before updating them")
-        source = Path(model_path)
-        try:
-            await asyncio.to_thread(self._load_weights, source)
-        except CheckpointError as exc:
-            return _error(f"weight update failed, the previous weights keep serving: {exc}")
-        await self._weights_changed()
-        self._weights_source = source
-        if version is not None:
-            self.weight_version = version
-        summed = await asyncio.to_thread(checksum_control, self.model, {})
-        return {
-            "status": "ok",
-            "checksum": summed["checksum"],
-            "message": f"Weights updated from {source}",
-            "version": self.weight_version,
-            "version_declared": version is not None,
-        }
-
-    def _load_weights(self, source: Path) -> None:
-        scheduler = self._require_scheduler()
-        plan = plan_weight_update(self.model, read_safetensors(source))
-        with scheduler.step_lock:
-            apply_weight_update(plan)
-
-    async def _weights_changed(self) -> None:
-        # Cached image features came from the old vision tower.
-        if self.vision is not None:
-            self.vision.forget()
-        if self.int8_weights:
-            await asyncio.to_thread(self._requantize)
-
-    def _requantize(self) -> None:
-        with self._require_scheduler().step_lock:
-            requantize(self.model)
-
-    def _pushable_model(self, update: str, body: Body) -> Any:
-        """The live model, if ``update`` may write into it now; else a refusal to return."""
-        version = body.get("weight_version")
-        if version is not None and not isinstance(version, str):
-            return _error("`weight_version` must be a string")
-        if not self._require_scheduler().paused:
-            return _error(
-                f"{update} needs paused generation: call pause_generation first, then "
-                "resume_generation after the update"
-            )
-        if self.model is None or "weights" in self._sleeping:
-            return _error("the weights are asleep: call wake_up before updating them")
-        return self.model
-
-    async def _push(self, update: str, body: Body, run: Callable[[Any], Body]) -> Body:
-        model = self._pushable_model(update, body)
-        if isinstance(model, dict):
-            return model
-        try:
-            result = await asyncio.to_thread(run, model)
-        except WeightSyncError as exc:
-            return _error(f"{update} refused, the previous weights keep serving: {exc}")
-        await self._weights_changed()
-        version = body.get("weight_version")
-        if version is not None:
-            self.weight_version = version
-        return {**result, "weight_version": self.weight_version}
-
-    async def _init_weights_update_group(self, body: Body) -> Body:
-        device, _ = self._placement()
-        try:
-            return await asyncio.to_thread(self.weight_sync.init_group, body, device)
-        except WeightSyncError as exc:
-            return _error(str(exc))
-
-    async def _destroy_weights_update_group(self, body: Body) -> Body:
-        try:
-            return self.weight_sync.destroy_group(body)
-        except WeightSyncError as exc:
-            return _error(str(exc))
-
-    async def _update_weights_from_distributed(self, body: Body) -> Body:
-        device, _ = self._placement()
-        lock = self._require_scheduler().step_lock
-        return await self._push(
-            "update_weights_from_distributed",
-            body,
-            lambda model: self.weight_sync.receive(model, body, device, lock),
-        )
-
-    async def _update_weights_from_tensor(self, body: Body) -> Body:
-        trusted = body.get("trust_weight_payloads") is True
-        lock = self._require_scheduler().step_lock
-        return await self._push(
-            "update_weights_from_tensor",
-            body,
-            lambda model: self.weight_sync.load_tensors(model, body, trusted=trusted, lock=lock),
-        )
-
-    async def _update_weights_from_nixl(self, body: Body) -> Body:
-        lock = self._require_scheduler().step_lock
-        return await self._push(
-            "update_weights_from_nixl",
-            body,
-            lambda model: self.weight_sync.pull_nixl(model, body, lock=lock),
-        )
-
-    async def _weights_checksum(self, body: Body) -> Body:
-        if self.model is None or "weights" in self._sleeping:
-            return _error("the weights are asleep: call wake_up before checking them")
-        try:
-            return await asyncio.to_thread(checksum_control, self.model, body)
-        except WeightSyncError as exc:
-            return _error(str(exc))
-
-    async def _get_weights_by_name(self, body: Body) -> Body:
-        if self.model is None or "weights" in self._sleeping:
-            return _error("the weights are asleep: call wake_up before reading them")
-        try:
-            return await asyncio.to_thread(weights_by_name, self.model, body)
-        except WeightSyncError as exc:
-            return _error(str(exc))
-
-    async def weights_snapshot(self) -> tuple[dict[str, torch.Tensor], str | None, Path | None]:
-        """A CPU copy of every tensor with the version and source: what
-        :meth:`restore_weights_snapshot` puts back (a Ray fleet's rollback of an update
-        another replica failed). It costs the model's size in host memory while held."""
-        if self.model is None or "weights" in self._sleeping:
-            raise RuntimeError("the weights are asleep: call wake_up before updating them")
-        model, lock = self.model, self._require_scheduler().step_lock
-
-        def copy() -> dict[str, torch.Tensor]:
-            with lock:
-                return {
-                    name: tensor.detach().to("cpu", copy=True)
-                    for name, tensor in model.state_dict().items()
-                }
-
-        return await asyncio.to_thread(copy), self.weight_version, self._weights_source
-
-    async def restore_weights_snapshot(
-        self, snapshot: tuple[dict[str, torch.Tensor], str | None, Path | None]
-    ) -> None:
-        saved, version, source = snapshot
-        model, lock = self.model, self._require_scheduler().step_lock
-
-        def put_back() -> None:
-            live = model.state_dict()
-            with lock, torch.no_grad():
-                for name, tensor in saved.items():
-                    live[name].copy_(tensor)
-
-        await asyncio.to_thread(put_back)
-        await self._weights_changed()
-        self.weight_version, self._weights_source = version, source
-
-    async def _update_weight_version(self, body: Body) -> Body:
-        version = body.get("new_version")
-        if not isinstance(version, str) or not version:
-            return _error("missing non-empty `new_version` string")
-        self.weight_version = version
-        return {"status": "ok", "success": True, "new_version": version}
-
-    async def _set_weight_version(self, body: Body) -> Body:
-        version = body.get("weight_version")
-        if not isinstance(version, str) or not version:
-            return _error("Missing 'weight_version' in body")
-        self.weight_version = version
-        return {"status": "ok", "version": version}
-
     # -- LoRA adapters -----------------------------------------------------------------------
 
     async def _load_lora(self, body: Body) -> Body:
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
-            return _error("missing non-empty `lora_name` string")
+            raise ControlRejected("missing non-empty `lora_name` string")
         path = body.get("lora_path")
         if not isinstance(path, str) or not path:
-            return _error("missing non-empty `lora_path` string")
+            raise ControlRejected("missing non-empty `lora_path` string")
         if name in (self.served_model_name, BASE_ROW):
-            return _error(f"`lora_name` {name!r} is reserved for the base model")
+            raise ControlRejected(f"`lora_name` {name!r} is reserved for the base model")
         if name in self.lora:
             loaded_from = self.lora.adapters[name].path
-            return _error(
+            raise ControlRejected(
                 f"LoRA adapter '{name}' is already loaded from {loaded_from}; unload it first"
             )
         if self.model is None:
-            return _error("the weights are asleep: call wake_up before loading a LoRA adapter")
+            raise ControlRejected(
+                "the weights are asleep: call wake_up before loading a LoRA adapter"
+            )
         try:
             adapter = await asyncio.to_thread(read_adapter, name, self.lora.next_key(), Path(path))
             await asyncio.to_thread(self._attach, adapter)
         except LoraError as exc:
-            return _error(f"LoRA adapter '{name}' not loaded: {exc}")
+            raise ControlRejected(f"LoRA adapter '{name}' not loaded: {exc}") from exc
         self._retired.discard(name)
         logger.info("LoRA adapter %r loaded from %s", name, path)
         return {
@@ -988,10 +520,10 @@ class TransformersEngine(LLMEngine):
     async def _unload_lora(self, body: Body) -> Body:
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
-            return _error("missing non-empty `lora_name` string")
+            raise ControlRejected("missing non-empty `lora_name` string")
         if name not in self.lora or name in self._unloading:
             loaded = ", ".join(sorted(self.lora.adapters)) or "none"
-            return _error(f"LoRA adapter '{name}' is not loaded (loaded: {loaded})")
+            raise ControlRejected(f"LoRA adapter '{name}' is not loaded (loaded: {loaded})")
         scheduler = self._require_scheduler()
         key = self.lora.adapters[name].key
         self._unloading.add(name)
@@ -1001,7 +533,7 @@ class TransformersEngine(LLMEngine):
             # unload forever; cancelled ones end at the next scheduler pass regardless.
             stuck = [s for s in in_flight if not s.should_stop()]
             if stuck and (scheduler.paused or self._sleeping):
-                return _error(
+                raise ControlRejected(
                     f"LoRA adapter '{name}' has {len(stuck)} request(s) in flight while "
                     "generation is paused; resume generation or abort them, then unload it"
                 )

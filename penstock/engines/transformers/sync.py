@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from penstock.engines.controls import WeightsByName, parse_tensor_names
 from penstock.engines.transformers.weights import checkpoint_state_dict
 from penstock.engines.weight_sync import (
     DEFAULT_GROUP_NAME,
@@ -48,6 +49,8 @@ from penstock.engines.weight_sync import (
 Body = dict[str, Any]
 DEFAULT_INIT_TIMEOUT_S = 30.0
 BACKENDS = ("gloo", "nccl")
+# The spread of ``reset_weights``' values: a freshly initialised layer's.
+RESET_STD = 0.02
 
 
 @dataclass
@@ -275,33 +278,41 @@ def _first_line(exc: BaseException) -> str:
 def checksum_control(model: torch.nn.Module, body: Body) -> Body:
     """``weights_checksum {names?}``: the checksum of the named tensors (default: all)."""
     live = checkpoint_state_dict(model)
-    names = body.get("names")
+    names = parse_tensor_names(body)
     if names is None:
         chosen = live
-    elif isinstance(names, list) and all(isinstance(n, str) for n in names):
+    else:
         unknown = sorted(set(names) - set(live))
         if unknown:
             raise WeightSyncError(f"'names': not tensors of this model: {', '.join(unknown[:5])}")
         chosen = {name: live[name] for name in names}
-    else:
-        raise WeightSyncError("'names' must be a list of tensor names")
     checksum, digests = weights_checksum(chosen)
     return {"status": "ok", "checksum": checksum, "tensors": digests}
 
 
-def weights_by_name(model: torch.nn.Module, body: Body) -> Body:
-    """``get_weights_by_name {name, truncate_size=100}``: the first values, flattened."""
-    name = _str(body, "name")
-    truncate = _int(body, "truncate_size", 100, low=1)
-    live = checkpoint_state_dict(model)
-    tensor = live.get(name)
+def weights_by_name(model: torch.nn.Module, wanted: WeightsByName) -> Body:
+    """``get_weights_by_name``: the tensor's first ``truncate_size`` rows, as SGLang answers
+    (a 1-D tensor's first values; a 0-D one its value)."""
+    tensor = checkpoint_state_dict(model).get(wanted.name)
     if tensor is None:
-        raise WeightSyncError(f"'name': {name} is not a tensor of this model")
-    values = tensor.detach().reshape(-1)[:truncate].to("cpu", torch.float64).tolist()
+        raise WeightSyncError(f"'name': {wanted.name} is not a tensor of this model")
+    rows = tensor.detach()
+    rows = rows.reshape(1) if rows.dim() == 0 else rows[: wanted.truncate_size]
     return {
         "status": "ok",
-        "name": name,
+        "name": wanted.name,
         "dtype": dtype_name(tensor.dtype),
         "shape": list(tensor.shape),
-        "values": values,
+        "values": rows.to("cpu", torch.float64).tolist(),
     }
+
+
+def randomize_weights(model: torch.nn.Module) -> None:
+    """``reset_weights``: every checkpoint tensor overwritten with random values (call with
+    the scheduler's step lock held)."""
+    with torch.no_grad():
+        for tensor in checkpoint_state_dict(model).values():
+            if tensor.is_floating_point():
+                tensor.normal_(0.0, RESET_STD)
+            else:
+                tensor.random_(0, 2)

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from penstock.engines.context import Context
 from penstock.engines.transformers import TransformersEngine
@@ -28,6 +29,7 @@ def test_advertised_names(engine: TransformersEngine) -> None:
         "abort_request",
         "weights_checksum",
         "get_weights_by_name",
+        "reset_weights",
     }
     assert engine.supported_updates() == {
         "update_weights_from_disk",
@@ -49,21 +51,15 @@ async def test_pause_abort_cancels_in_flight_and_holds_new_requests(
     in_flight = engine.generate(greedy(max_tokens=400), Context("in-flight"))
     await anext(in_flight)
     reply = await engine.engine_control("pause_generation", {"mode": "abort"})
-    assert reply == {
-        "status": "ok",
-        "message": "Engine paused",
-        "mode": "abort",
-        "clear_cache": False,
-        "aborted": ["in-flight"],
-    }
+    assert reply == {"status": "paused", "mode": "abort", "aborted": ["in-flight"]}
     rest = [chunk async for chunk in in_flight]
     assert rest[-1]["finish_reason"] == "cancelled"
-    assert await engine.engine_control("is_paused", {}) == {"status": "ok", "is_paused": True}
+    assert await engine.engine_control("is_paused", {}) == {"is_paused": True}
 
     held = asyncio.create_task(run(engine, greedy(max_tokens=3)))
     await asyncio.sleep(HELD_S)
     assert not held.done()
-    assert (await engine.engine_control("resume_generation", {}))["message"] == "Engine resumed"
+    assert await engine.engine_control("resume_generation", {}) == {"status": "resumed"}
     assert (await held)[0].finish_reason == "length"
 
 
@@ -234,24 +230,28 @@ async def test_sleep_holds_requests_and_wake_up_serves_them_unchanged(
 async def test_sleep_rejects_a_bad_level_and_wake_up_bad_tags(engine: TransformersEngine) -> None:
     assert (await engine.engine_control("sleep", {"level": 3}))["status"] == "error"
     assert (await engine.engine_control("wake_up", {"tags": ["gpu"]}))["status"] == "error"
-    assert (await engine.engine_control("wake_up", {}))["message"] == "Engine already awake"
+    assert await engine.engine_control("wake_up", {}) == {"status": "awake", "is_sleeping": False}
 
 
 async def test_abort_request_by_id(engine: TransformersEngine) -> None:
     stream = engine.generate(greedy(max_tokens=400), Context("rollout-17"))
     await anext(stream)
     reply = await engine.engine_control("abort_request", {"request_id": "rollout-17"})
-    assert reply == {"status": "ok", "request_id": "rollout-17", "found": True}
+    assert reply == {"status": "ok", "aborted": ["rollout-17"]}
     rest = [chunk async for chunk in stream]
     assert rest[-1]["finish_reason"] == "cancelled"
     missing = await engine.engine_control("abort_request", {})
-    assert missing == {"status": "error", "message": "Missing 'request_id' in body"}
+    assert missing["status"] == "error"
+    assert missing["message"].startswith("Missing 'request_id' in body")
+    unknown = await engine.engine_control("abort_request", {"request_id": "nobody"})
+    assert unknown == {"status": "ok", "aborted": []}
 
 
 async def test_flush_cache(engine: TransformersEngine) -> None:
     assert await engine.engine_control("flush_cache", {}) == {
         "status": "ok",
         "message": "Cache flushed",
+        "flushed_entries": None,
     }
 
 
@@ -272,3 +272,57 @@ async def test_a_snapshot_puts_back_the_weights_and_version_an_update_replaced(
     assert (await engine.engine_control("weights_checksum", {}))["checksum"] == summed["checksum"]
     assert (await engine.engine_control("get_weight_version", {}))["weight_version"] is None
     assert await tokens(engine, greedy(max_tokens=12)) == before
+
+
+async def test_abort_all_ends_every_request_in_flight_with_what_it_produced(
+    engine: TransformersEngine,
+) -> None:
+    streams = [engine.generate(greedy(max_tokens=400), Context(f"r{i}")) for i in range(2)]
+    firsts = [await anext(stream) for stream in streams]
+    reply = await engine.engine_control("abort_request", {"abort_all": True})
+    assert reply == {"status": "ok", "aborted": ["r0", "r1"]}
+    for first, stream in zip(firsts, streams, strict=True):
+        rest = [chunk async for chunk in stream]
+        produced = len(first["token_ids"]) + sum(len(c["token_ids"]) for c in rest)
+        assert rest[-1]["finish_reason"] == "cancelled"
+        assert 1 <= rest[-1]["completion_usage"]["completion_tokens"] == produced < 400
+    assert (await run(engine, greedy(max_tokens=3)))[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("sleep", "wakes"),
+    [
+        ({"level": 0}, [["kv_cache"]]),
+        ({"level": 1, "tags": ["kv_cache"]}, [["kv_cache"]]),
+        ({"level": 2, "tags": ["weights"]}, [["kv_cache"], ["weights"]]),
+        ({"level": 1}, [["weights"], ["kv_cache"]]),
+    ],
+)
+async def test_a_wake_of_every_released_tag_serves_again(
+    engine: TransformersEngine, sleep: dict[str, object], wakes: list[list[str]]
+) -> None:
+    expected = await tokens(engine, greedy(max_tokens=8))
+    assert (await engine.engine_control("sleep", sleep))["status"] == "sleeping"
+    for tags in wakes:
+        reply = await engine.engine_control("wake_up", {"tags": tags})
+    assert reply == {"status": "awake", "is_sleeping": False}
+    assert await asyncio.wait_for(tokens(engine, greedy(max_tokens=8)), 30) == expected
+
+
+async def test_get_weights_by_name_answers_the_first_rows(engine: TransformersEngine) -> None:
+    reply = await engine.engine_control(
+        "get_weights_by_name", {"name": "model.embed_tokens.weight", "truncate_size": 2}
+    )
+    rows = engine.model.model.embed_tokens.weight.detach()[:2].double()
+    assert reply["shape"][1] == len(reply["values"][0]) == 64
+    torch.testing.assert_close(torch.tensor(reply["values"], dtype=torch.float64), rows)
+    bad = await engine.engine_control("get_weights_by_name", {"name": "nope"})
+    assert bad["status"] == "error" and "nope" in bad["message"]
+
+
+async def test_reset_weights_changes_every_tensor(engine: TransformersEngine) -> None:
+    before = (await engine.engine_control("weights_checksum", {}))["tensors"]
+    reply = await engine.engine_control("reset_weights", {})
+    after = (await engine.engine_control("weights_checksum", {}))["tensors"]
+    assert reply["status"] == "ok" and set(after) == set(before)
+    assert all(after[name] != before[name] for name in before)
