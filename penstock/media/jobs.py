@@ -195,7 +195,9 @@ def _redacted(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def _open(url: str) -> Engine:
+def open_database(url: str) -> Engine:
+    """An engine on ``url`` (from :func:`database_url`): SQLite in WAL mode, or PostgreSQL
+    with every call bounded."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database or ""
@@ -250,7 +252,7 @@ class JobStore:
         url = database_url(location)
         self.path = location if isinstance(location, Path) else None
         self.url = _redacted(url)
-        self._engine = _open(url)
+        self._engine = open_database(url)
         self.backend = self._engine.dialect.name
         try:
             with self._engine.begin() as conn:

@@ -1,0 +1,157 @@
+"""Responses in the job database (``--media-db``), in a table of their own.
+
+Each row holds the response object as it was returned, the input items it was given (for
+``GET /v1/responses/{id}/input_items``) and the conversation through its output, as the
+chat messages that render it: a request naming it as ``previous_response_id`` starts from
+those. Rows belong to the API key that created them, by the same owner tag as media jobs
+(an HMAC of the key under the secret the database keeps in ``meta``), so a key sees its
+own responses and the shared ones, an admin key all. Calls block; the gateway makes them
+on threads (:mod:`penstock.responses.async_store`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    delete,
+    insert,
+    select,
+    text,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+from penstock.errors import JobDatabaseError, JobStoreUnavailableError
+from penstock.media.jobs import RETRY_AFTER_S, database_url, open_database
+from penstock.media.records import Owner
+from penstock.responses.records import StoredResponse
+
+# Held while one gateway creates the table, so two starting at once don't race.
+_SCHEMA_LOCK_KEY = 0x72657370
+
+_metadata = MetaData()
+
+stored_responses = Table(
+    "responses",
+    _metadata,
+    Column("seq", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True),
+    Column("id", Text, nullable=False, unique=True),
+    Column("owner", Text, nullable=False),
+    Column("created_at", BigInteger().with_variant(Integer(), "sqlite"), nullable=False),
+    Column("response", Text, nullable=False),
+    Column("input_items", Text, nullable=False),
+    Column("conversation", Text, nullable=False),
+    sqlite_autoincrement=True,
+)
+
+# The media store's table of secrets: one owner secret serves both.
+_secrets = Table(
+    "meta",
+    _metadata,
+    Column("name", Text, primary_key=True),
+    Column("value", Text, nullable=False),
+)
+
+
+def unavailable(why: str) -> JobStoreUnavailableError:
+    """The 503 of a call that failed for want of the database, not of the call."""
+    return JobStoreUnavailableError(
+        f"the response store {why}; try again in {RETRY_AFTER_S} seconds",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+class ResponseStore:
+    def __init__(self, location: Path | str | None) -> None:
+        """``location``: a SQLite file, None for memory, or a database URL."""
+        self._engine = open_database(database_url(location))
+        self.shared = self._engine.dialect.name != "sqlite"
+        try:
+            with self._engine.begin() as conn:
+                self._owner_secret = bytes.fromhex(self._prepare(conn))
+        except DBAPIError as exc:
+            self._engine.dispose()
+            reason = str(getattr(exc, "orig", exc)).strip().splitlines() or [type(exc).__name__]
+            raise JobDatabaseError(f"cannot open the response store: {reason[0]}") from exc
+
+    def _prepare(self, conn: Connection) -> str:
+        """Create the tables that are missing; returns the owner secret."""
+        if self.shared:
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK_KEY})
+        _metadata.create_all(conn)
+        insert_new = pg_insert if self.shared else sqlite_insert
+        conn.execute(
+            insert_new(_secrets)
+            .values(name="owner_secret", value=secrets.token_hex(32))
+            .on_conflict_do_nothing()
+        )
+        query = select(_secrets.c.value).where(_secrets.c.name == "owner_secret")
+        return str(conn.scalar(query))
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        try:
+            with self._engine.begin() as conn:
+                yield conn
+        except (OperationalError, PoolTimeoutError) as exc:
+            raise unavailable("cannot be reached") from exc
+        except DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise unavailable("dropped the connection") from exc
+            raise
+
+    def owner_tag(self, api_key: str) -> str:
+        return hmac.new(self._owner_secret, api_key.encode(), hashlib.sha256).hexdigest()
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    def add(self, owner: str, stored: StoredResponse) -> None:
+        response = stored.response
+        with self._tx() as conn:
+            conn.execute(
+                insert(stored_responses).values(
+                    id=response["id"],
+                    owner=owner,
+                    created_at=response["created_at"],
+                    response=json.dumps(response),
+                    input_items=json.dumps(stored.input_items),
+                    conversation=json.dumps(stored.conversation),
+                )
+            )
+
+    def get(self, response_id: str, owner: Owner) -> StoredResponse | None:
+        """The response, or None when there is none or ``owner`` may not see it."""
+        query = select(stored_responses).where(stored_responses.c.id == response_id)
+        with self._tx() as conn:
+            row = conn.execute(query).first()
+        if row is None or not owner.sees(row.owner):
+            return None
+        return StoredResponse(
+            json.loads(row.response), json.loads(row.input_items), json.loads(row.conversation)
+        )
+
+    def delete(self, response_id: str, owner: Owner) -> bool:
+        """Delete the response if ``owner`` may see it; whether there was one."""
+        statement = delete(stored_responses).where(stored_responses.c.id == response_id)
+        tags = owner.tags()
+        if tags is not None:
+            statement = statement.where(stored_responses.c.owner.in_(tags))
+        with self._tx() as conn:
+            return conn.execute(statement).rowcount > 0
