@@ -73,19 +73,36 @@ class ReasoningItem(_Item):
     summary: list[dict[str, Any]] = []
 
 
-def _item_type(value: Any) -> str:
-    if isinstance(value, dict):
-        return str(value.get("type", "message"))
-    return str(getattr(value, "type", "message"))
+_ITEM_TAGS = {
+    "message": "Message",
+    "function_call": "FunctionCall",
+    "function_call_output": "FunctionCallOutput",
+    "reasoning": "Reasoning",
+}
 
 
+def _item_tag(value: Any) -> str | None:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return _ITEM_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+# Tags are capitalised so error locations leave them out (``input[2].call_id``).
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_type),
+    Annotated[MessageItem, Tag("Message")]
+    | Annotated[FunctionCallItem, Tag("FunctionCall")]
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")]
+    | Annotated[ReasoningItem, Tag("Reasoning")],
+    Discriminator(
+        _item_tag,
+        custom_error_type="unsupported_item_type",
+        custom_error_message="the item's type is not one this server takes: "
+        + ", ".join(_ITEM_TAGS),
+    ),
 ]
+
+
+def _text_or_items(value: Any) -> str:
+    return "list" if isinstance(value, list) else "str"
 
 
 class FunctionTool(RequestModel):
@@ -139,7 +156,10 @@ class ResponsesRequest(RequestModel):
     __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
     model: str
-    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    input: Annotated[
+        Annotated[str, Tag("str")] | Annotated[list[InputItem], Tag("list"), Field(min_length=1)],
+        Discriminator(_text_or_items),
+    ]
     instructions: str | None = None
     max_output_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None

@@ -84,7 +84,7 @@ class ResponsesFormat:
         body = self.body
         text_format = body.text.format if body.text and body.text.format else None
         tool_choice = body.tool_choice
-        return {
+        response = {
             "id": self.response_id,
             "object": "response",
             "created_at": self.created_at,
@@ -116,10 +116,11 @@ class ResponsesFormat:
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
             "top_p": body.top_p,
             "truncation": "disabled",
-            "usage": None,
-            "user": body.user,
             "metadata": body.metadata or {},
         }
+        if body.user is not None:
+            response["user"] = body.user
+        return response
 
     def _message(self, text: str, status: str) -> dict[str, Any]:
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
