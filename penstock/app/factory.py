@@ -193,7 +193,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.admin_plane = await install_admin_plane(gateway)
         media = app.state.media = open_media_service(gateway)
-        app.state.responses = AsyncResponseStore(response_db_path(gateway))
+        app.state.responses = AsyncResponseStore(functools.partial(response_db_path, gateway))
         # One client for every media fetch of the server: its connection pool is shared.
         http_client = create_http_client(settings)
         app.state.media_inputs = MediaInputs.from_settings(settings, http_client)

@@ -11,10 +11,12 @@ its caller waits at most :data:`~penstock.media.async_jobs.CALL_TIMEOUT_S`, then
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from penstock.errors import JobDatabaseError
 from penstock.media.async_jobs import CALL_TIMEOUT_S, DaemonThreads
 from penstock.media.records import Owner
 
@@ -22,19 +24,24 @@ if TYPE_CHECKING:
     from penstock.responses.records import StoredResponse
     from penstock.responses.store import ResponseStore
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # Threads making the calls on a shared database; SQLite takes one.
 _SHARED_THREADS = 4
 
 
 class AsyncResponseStore:
-    def __init__(self, location: Path | str | None) -> None:
-        self._location = location
+    def __init__(self, locate: Callable[[], Path | str | None]) -> None:
+        """``locate`` names the database (a SQLite file, None for memory, or a URL); it is
+        asked on first use, as what it imports to find the media store's place is."""
+        self._locate = locate
         self._store: ResponseStore | None = None
         self._threads: DaemonThreads | None = None
         self._opening = asyncio.Lock()
 
     async def _opened(self) -> tuple[ResponseStore, DaemonThreads]:
+        if self._store is not None and self._threads is not None:
+            return self._store, self._threads
         async with self._opening:
             if self._store is None or self._threads is None:
                 from penstock.responses.store import ResponseStore, unavailable
@@ -42,11 +49,15 @@ class AsyncResponseStore:
                 opener = DaemonThreads(1, "response-store-open")
                 try:
                     pending = asyncio.get_running_loop().run_in_executor(
-                        opener, ResponseStore, self._location
+                        opener, lambda: ResponseStore(self._locate())
                     )
                     store = await asyncio.wait_for(pending, CALL_TIMEOUT_S)
                 except TimeoutError:
                     raise unavailable(f"did not open within {CALL_TIMEOUT_S:g}s") from None
+                except JobDatabaseError as exc:
+                    # The reason may name the database's host: it goes to the log only.
+                    logger.error("%s", exc)
+                    raise unavailable("cannot be opened") from exc
                 finally:
                     opener.shutdown()
                 self._threads = DaemonThreads(
