@@ -245,6 +245,58 @@ def test_stored_responses_outlive_the_server(
         assert client_for(second).responses.retrieve(created.id).output_text == REPLY
 
 
+@pytest.fixture(scope="module")
+def sample_server(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Iterator[ServerProcess]:
+    """The sample engine: it writes until ``max_output_tokens``."""
+    args = ["--engine", "sample", "--cache-dir", str(cache), "--", "--delay", "0"]
+    with running_server(args, tmp_path_factory.mktemp("sample")) as process:
+        yield process
+
+
+def test_max_output_tokens_cuts_the_response_incomplete(sample_server: ServerProcess) -> None:
+    server, client = sample_server, client_for(sample_server)
+    cut = client.responses.create(model="sample-model", input="Hi", max_output_tokens=3)
+    assert cut.status == "incomplete"
+    assert cut.incomplete_details is not None
+    assert cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage is not None and cut.usage.output_tokens == 3
+    body = {"model": "sample-model", "input": "Hi", "max_output_tokens": 3, "stream": True}
+    with raw(server).stream("POST", "/v1/responses", json=body) as answer:
+        events = sse_events(answer)
+    assert events[-1][1]["type"] == "response.incomplete"
+    assert spec_errors("ResponseIncompleteEvent", events[-1][1]) == []
+
+
+@pytest.fixture(scope="module")
+def capable_server(
+    tmp_path_factory: pytest.TempPathFactory, cache: Path
+) -> Iterator[ServerProcess]:
+    """An engine that honours response_format and answers with what it was handed."""
+    args = ["--engine", "tests.support.doubles:CapableEngine", "--cache-dir", str(cache)]
+    with running_server(args, tmp_path_factory.mktemp("capable")) as process:
+        yield process
+
+
+def test_text_format_reaches_the_engine_as_response_format(
+    capable_server: ServerProcess,
+) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    response = client_for(capable_server).responses.create(
+        model="sample-model",
+        input="Where?",
+        text={"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}},
+    )
+    handed = json.loads(response.output_text)["response_format"]
+    assert handed["type"] == "json_schema"
+    assert {k: handed["json_schema"][k] for k in ("name", "schema", "strict")} == {
+        "name": "place",
+        "schema": schema,
+        "strict": True,
+    }
+    assert response.text is not None and response.text.format is not None
+    assert response.text.format.type == "json_schema"
+
+
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
