@@ -12,11 +12,7 @@ on threads (:mod:`penstock.responses.async_store`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import json
-import secrets
-from collections.abc import Iterator
 from pathlib import Path
 
 from sqlalchemy import (
@@ -32,13 +28,17 @@ from sqlalchemy import (
     select,
     text,
 )
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from sqlalchemy.exc import DBAPIError
 
 from penstock.errors import JobDatabaseError, JobStoreUnavailableError
-from penstock.media.jobs import RETRY_AFTER_S, database_url, open_database
+from penstock.media.jobs import (
+    RETRY_AFTER_S,
+    database_url,
+    keyed_tag,
+    open_database,
+    owner_secret,
+    transaction,
+)
 from penstock.media.records import Owner
 from penstock.responses.records import StoredResponse
 
@@ -58,14 +58,6 @@ stored_responses = Table(
     Column("input_items", Text, nullable=False),
     Column("conversation", Text, nullable=False),
     sqlite_autoincrement=True,
-)
-
-# The media store's table of secrets: one owner secret serves both.
-_secrets = Table(
-    "meta",
-    _metadata,
-    Column("name", Text, primary_key=True),
-    Column("value", Text, nullable=False),
 )
 
 
@@ -95,29 +87,13 @@ class ResponseStore:
         if self.shared:
             conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK_KEY})
         _metadata.create_all(conn)
-        insert_new = pg_insert if self.shared else sqlite_insert
-        conn.execute(
-            insert_new(_secrets)
-            .values(name="owner_secret", value=secrets.token_hex(32))
-            .on_conflict_do_nothing()
-        )
-        query = select(_secrets.c.value).where(_secrets.c.name == "owner_secret")
-        return str(conn.scalar(query))
+        return owner_secret(conn)
 
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[Connection]:
-        try:
-            with self._engine.begin() as conn:
-                yield conn
-        except (OperationalError, PoolTimeoutError) as exc:
-            raise unavailable("cannot be reached") from exc
-        except DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise unavailable("dropped the connection") from exc
-            raise
+    def _tx(self) -> contextlib.AbstractContextManager[Connection]:
+        return transaction(self._engine, unavailable)
 
     def owner_tag(self, api_key: str) -> str:
-        return hmac.new(self._owner_secret, api_key.encode(), hashlib.sha256).hexdigest()
+        return keyed_tag(self._owner_secret, api_key)
 
     def close(self) -> None:
         self._engine.dispose()
