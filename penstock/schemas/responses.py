@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
-from penstock.schemas.openai import PositiveInt
+from penstock.schemas.openai import FunctionDefinition, PositiveInt
 from penstock.schemas.unicode import JSONValue, RequestModel
 
 
@@ -105,16 +105,10 @@ def _text_or_items(value: Any) -> str:
     return "list" if isinstance(value, list) else "str"
 
 
-class FunctionTool(RequestModel):
+class FunctionTool(FunctionDefinition):
     """A tool as the Responses API spells it: the function's fields at the top."""
 
-    model_config = ConfigDict(extra="forbid")
-
     type: str
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
     def as_chat_tool(self) -> dict[str, Any]:
         function = self.model_dump(exclude={"type"}, exclude_none=True)
