@@ -44,8 +44,9 @@ def turn_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 "function": {"name": item.name, "arguments": item.arguments},
             }
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            # The calls of one turn follow its text, as the chat route answers them.
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):

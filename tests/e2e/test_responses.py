@@ -123,6 +123,39 @@ def test_instructions_and_items_are_the_chat_prompt(
     )
 
 
+def test_function_call_items_are_the_assistant_turn_and_its_tool_messages(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    calls = [("call_1", '{"city": "Paris"}'), ("call_2", '{"city": "Rome"}')]
+    response = client.responses.create(
+        model="sample-model",
+        input=[
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {"role": "assistant", "content": "Looking."},
+            *[
+                {"type": "function_call", "call_id": c, "name": "get_weather", "arguments": a}
+                for c, a in calls
+            ],
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "call_2", "output": "rain"},
+        ],
+    )
+    assert response.usage is not None
+    tool_calls = [
+        {"id": c, "type": "function", "function": {"name": "get_weather", "arguments": a}}
+        for c, a in calls
+    ]
+    assert response.usage.input_tokens == prompt_tokens(
+        server,
+        [
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {"role": "assistant", "content": "Looking.", "tool_calls": tool_calls},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+        ],
+    )
+
+
 def test_previous_response_id_continues_the_stored_conversation(
     server: ServerProcess, client: openai.OpenAI
 ) -> None:

@@ -4,6 +4,7 @@ gateway answers while that database hangs."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,6 +73,16 @@ def test_a_hung_database_answers_503_and_leaves_the_rest_serving(
                 unstored = http.post("/v1/responses", json=body, timeout=PROMPT_S)
                 assert unstored.status_code == 200, unstored.text
                 assert http.get("/live", timeout=PROMPT_S).status_code == 200
+                # A stream whose response can't be stored ends with the error, not with
+                # response.completed: no client is told a response is kept that is not.
+                body = {"model": "sample-model", "input": "Kept?", "stream": True}
+                with http.stream("POST", "/v1/responses", json=body) as streamed:
+                    lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+                assert lines[-1] == "data: [DONE]"
+                assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == (
+                    "job_store_unavailable"
+                )
+                assert not any("response.completed" in line for line in lines)
             assert (
                 http.get(f"/v1/responses/{kept.id}").json()["output"][0]["content"][0]["text"]
                 == REPLY
