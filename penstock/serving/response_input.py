@@ -105,12 +105,46 @@ def _tool_choice(body: ResponsesRequest) -> str | dict[str, Any] | None:
     return {"type": "function", "function": {"name": choice.name}}
 
 
+# The chat fields a Responses request may carry at its top level: the sampling extensions
+# vLLM and SGLang clients send. Any other chat field (``n``, ``messages``, ``logprobs``,
+# ...) has a Responses spelling or no meaning here; fields chat doesn't know either are
+# refused by the chat request's own check, by name.
+_CHAT_EXTENSIONS = frozenset(
+    {
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_tokens",
+        "nvext",
+        "chat_template_kwargs",
+    }
+)
+
+
+def _extensions(body: ResponsesRequest) -> dict[str, Any]:
+    extra = body.model_extra or {}
+    for name in extra:
+        if name in ChatCompletionRequest.model_fields and name not in _CHAT_EXTENSIONS:
+            raise InvalidRequestError(
+                f"'{name}' is a chat completions field, not a Responses API one",
+                param=name,
+                code="unknown_field",
+            )
+    return extra
+
+
 def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request of ``body`` over ``messages`` (the whole conversation)."""
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}, *messages]
     fields: dict[str, Any] = {
-        **(body.model_extra or {}),
+        **_extensions(body),
         "model": body.model,
         "messages": messages,
         "max_tokens": body.max_output_tokens,

@@ -330,6 +330,13 @@ def test_text_format_reaches_the_engine_as_response_format(
     assert response.text.format.type == "json_schema"
 
 
+def test_sampling_extensions_pass_through(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model="sample-model", input="Hi", extra_body={"top_k": 5, "seed": 1}
+    )
+    assert response.output_text == REPLY
+
+
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
@@ -350,6 +357,8 @@ def test_text_format_reaches_the_engine_as_response_format(
         ),
         ({"input": "Hi", "tools": [TOOL], "tool_choice": "required"}, "tool_choice", "force"),
         ({"input": "Hi", "no_such_field": 1}, "no_such_field", "Unknown"),
+        ({"input": "Hi", "n": 2}, "n", "not a Responses API"),
+        ({"input": "Hi", "top_k": "many"}, "top_k", "integer"),
     ],
 )
 def test_bad_input_is_refused_naming_the_field(
