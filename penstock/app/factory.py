@@ -30,6 +30,7 @@ from penstock.media.requests import generates_media
 from penstock.media.service import MediaService
 from penstock.metrics.http import HttpMetricsMiddleware
 from penstock.multimodal.inputs import MediaInputs
+from penstock.responses.async_store import AsyncResponseStore
 from penstock.rl.plane import install_admin_plane
 from penstock.routers import (
     admin,
@@ -41,6 +42,7 @@ from penstock.routers import (
     lora,
     metrics,
     models,
+    responses,
     sglang_compat,
     tokenize,
     trainer_compat,
@@ -62,6 +64,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     metrics.router,
     models.router,
     chat.router,
+    responses.router,
     completions.router,
     generate.router,
     tokenize.router,
@@ -106,6 +109,13 @@ def job_db_path(settings: Settings, store: str, model: str) -> Path | str | None
     if folder is not None:
         return folder / "jobs.sqlite3"
     return Path(settings.cache_dir) / "media-jobs" / f"{filesystem_name(model)}.sqlite3"
+
+
+def response_db_path(gateway: Gateway) -> Path | str | None:
+    """The database of stored responses: the media job database's, a table of its own."""
+    settings = gateway.settings
+    model = gateway.listed_models()[0].name
+    return job_db_path(settings, media_store_location(settings, model), model)
 
 
 def open_media_service(gateway: Gateway) -> MediaService | None:
@@ -185,6 +195,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.admin_plane = await install_admin_plane(gateway)
         media = app.state.media = open_media_service(gateway)
+        app.state.responses = AsyncResponseStore(functools.partial(response_db_path, gateway))
         # One client for every media fetch of the server: its connection pool is shared.
         http_client = create_http_client(settings)
         app.state.media_inputs = MediaInputs.from_settings(settings, http_client)
@@ -199,6 +210,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             if media is not None:
                 await media.stop()
             await http_client.close()
+            app.state.responses.close()
 
     # FastAPI's own doc pages skip the app's dependencies, so unless they are public the
     # same pages are added as ordinary routes, which the inference key guards.

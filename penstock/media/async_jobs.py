@@ -44,7 +44,7 @@ P = ParamSpec("P")
 _Call = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
 
 
-class _DaemonThreads(concurrent.futures.Executor):
+class DaemonThreads(concurrent.futures.Executor):
     """A fixed set of daemon threads taking calls in order. The standard pool's threads
     are joined when the interpreter exits; one stuck on a database that hangs would keep
     a stopped gateway from exiting."""
@@ -114,7 +114,7 @@ class AsyncJobStore:
         self.sync: JobStore = JobStore(location)
         # One thread for SQLite, whose writes take turns anyway (and whose in-memory
         # database is one connection); on PostgreSQL one per pooled connection.
-        self._threads = _DaemonThreads(POOL_CONNECTIONS if self.sync.shared else 1, "job-store")
+        self._threads = DaemonThreads(POOL_CONNECTIONS if self.sync.shared else 1, "job-store")
         self._counts: dict[str, int] = {}
         self._counting: concurrent.futures.Future[dict[str, int]] | None = None
 

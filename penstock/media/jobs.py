@@ -38,7 +38,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -195,7 +195,9 @@ def _redacted(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def _open(url: str) -> Engine:
+def open_database(url: str) -> Engine:
+    """An engine on ``url`` (from :func:`database_url`): SQLite in WAL mode, or PostgreSQL
+    with every call bounded."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database or ""
@@ -240,6 +242,40 @@ def _open(url: str) -> Engine:
         ) from exc
 
 
+def owner_secret(conn: Connection) -> str:
+    """The database's owner secret (hex), made on first use; every store in the database
+    tags owners with it."""
+    _meta.create(conn, checkfirst=True)
+    upsert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+    conn.execute(
+        upsert(_meta)
+        .values(name="owner_secret", value=secrets.token_hex(32))
+        .on_conflict_do_nothing()
+    )
+    return str(conn.scalar(select(_meta.c.value).where(_meta.c.name == "owner_secret")))
+
+
+def keyed_tag(secret: bytes, api_key: str) -> str:
+    return hmac.new(secret, api_key.encode(), hashlib.sha256).hexdigest()
+
+
+@contextlib.contextmanager
+def transaction(
+    engine: Engine, unavailable: Callable[[str], JobStoreUnavailableError]
+) -> Iterator[Connection]:
+    """One committed transaction; a database that is away gives ``unavailable(why)``."""
+    try:
+        with engine.begin() as conn:
+            yield conn
+    except (OperationalError, PoolTimeoutError) as exc:
+        # The server is gone, too slow or the file is locked, not a statement that is wrong.
+        raise unavailable("cannot be reached") from exc
+    except DBAPIError as exc:
+        if exc.connection_invalidated:
+            raise unavailable("dropped the connection") from exc
+        raise
+
+
 class JobStore:
     """CRUD over the ``video_jobs`` table; newest first means highest insertion order."""
 
@@ -250,7 +286,7 @@ class JobStore:
         url = database_url(location)
         self.path = location if isinstance(location, Path) else None
         self.url = _redacted(url)
-        self._engine = _open(url)
+        self._engine = open_database(url)
         self.backend = self._engine.dialect.name
         try:
             with self._engine.begin() as conn:
@@ -275,30 +311,14 @@ class JobStore:
         for name, ddl in _ADDED_COLUMNS.items():
             if name not in columns:
                 conn.execute(text(ddl))
-        upsert = pg_insert if self.backend == "postgresql" else sqlite_insert
-        conn.execute(
-            upsert(_meta)
-            .values(name="owner_secret", value=secrets.token_hex(32))
-            .on_conflict_do_nothing()
-        )
-        return str(conn.scalar(select(_meta.c.value).where(_meta.c.name == "owner_secret")))
+        return owner_secret(conn)
 
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[Connection]:
-        try:
-            with self._engine.begin() as conn:
-                yield conn
-        except (OperationalError, PoolTimeoutError) as exc:
-            # The server is gone, too slow or the file is locked, not a statement that is wrong.
-            raise unavailable("cannot be reached") from exc
-        except DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise unavailable("dropped the connection") from exc
-            raise
+    def _tx(self) -> contextlib.AbstractContextManager[Connection]:
+        return transaction(self._engine, unavailable)
 
     def owner_tag(self, api_key: str) -> str:
         """What the rows of ``api_key``'s jobs store: a keyed hash, so the key never is."""
-        return hmac.new(self._owner_secret, api_key.encode(), hashlib.sha256).hexdigest()
+        return keyed_tag(self._owner_secret, api_key)
 
     def close(self) -> None:
         self._engine.dispose()

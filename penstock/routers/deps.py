@@ -11,6 +11,7 @@ from fastapi import Request
 from penstock.media.records import NO_JOBS, JobRecords
 from penstock.media.service import MediaService
 from penstock.multimodal.inputs import MediaInputs
+from penstock.responses.async_store import AsyncResponseStore
 from penstock.rl.plane import AdminPlane
 
 
@@ -40,3 +41,9 @@ def media_service(request: Request) -> MediaService:
     if service is None:
         raise RuntimeError("no media service: no served model generates media")
     return service
+
+
+def response_store(request: Request) -> AsyncResponseStore:
+    """The stored responses of the Responses API (opened on first use)."""
+    store: AsyncResponseStore = request.app.state.responses
+    return store

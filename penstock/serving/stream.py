@@ -57,6 +57,9 @@ class ResponseFormat(Protocol):
 # without them the OpenAI chunk and response shapes apply. With the OpenAI framing it may
 # define ``text_only(delta)`` and ``text_choice(index)``: a delta that is text only is then
 # framed by ``ChunkEncoder.text_frame``, the choice's constant bytes encoded once.
+# A format whose answer is not made of choices defines ``async finished(generations)``,
+# the whole non-stream body once every delta is in, and ``async closing(generations)``,
+# the stream items sent after the last delta.
 
 
 def shows_anything(text: str, delta: Delta, with_token_ids: bool) -> bool:
@@ -215,6 +218,9 @@ async def _frames(
             # open: close it now rather than whenever the generator is collected.
             await deltas.aclose()
         await _upload_metadata(generations, uploader)
+        closing = getattr(framing.format, "closing", None)
+        if closing is not None:
+            yield framing.encoder.frame(await closing(generations), generations[-1].weight_version)
         if include_usage:
             yield framing.encoder.frame([], generations[-1].weight_version, usage(generations))
         yield DONE_FRAME
@@ -229,6 +235,10 @@ async def _fold(plan: ResponsePlan) -> dict[str, Any]:
         pass
     await _upload_metadata(generations, plan.uploader)
     fmt = plan.format
+    finished = getattr(fmt, "finished", None)
+    if finished is not None:
+        answer: dict[str, Any] = await finished(generations)
+        return answer
     response: dict[str, Any] = {
         "id": plan.response_id,
         "object": fmt.response_object,

@@ -17,7 +17,7 @@ LAYERS: list[set[str]] = [
     {"app", "ray", "__main__"},
     {"routers"},
     {"serving"},
-    {"rl", "lora", "media", "metadata_upload"},
+    {"rl", "lora", "media", "responses", "metadata_upload"},
     {"gateway"},
     {"engines"},
     {"preprocess", "multimodal"},

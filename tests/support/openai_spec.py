@@ -40,3 +40,15 @@ def spec_errors(schema_name: str, payload: Any) -> list[str]:
         {"$ref": f"urn:openai#/components/schemas/{schema_name}"}, registry=_registry()
     )
     return [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(payload)]
+
+
+@functools.cache
+def stream_event_schema(event_type: str) -> str:
+    """The schema of one Responses API stream event type (``response.created``, ...), so a
+    wrong event is told by its own schema's errors rather than by the union's."""
+    schemas = _registry().contents("urn:openai")["components"]["schemas"]
+    for option in schemas["ResponseStreamEvent"]["anyOf"]:
+        name = option["$ref"].rsplit("/", 1)[-1]
+        if schemas[name]["properties"]["type"]["enum"] == [event_type]:
+            return str(name)
+    raise KeyError(f"no stream event of type {event_type!r} in the spec")
