@@ -33,13 +33,9 @@ from penstock.schemas.responses import ResponsesRequest
 from penstock.serving.choice import ChoiceState, Delta
 from penstock.serving.deadline import request_deadline
 from penstock.serving.generation import Generation, usage
-from penstock.serving.requests import (
-    chat_prompt,
-    check_budget,
-    engine_context,
-    generate_request,
-    served_model,
-)
+from penstock.serving.limits import check_budget, served_model
+from penstock.serving.prompts import chat_prompt
+from penstock.serving.requests import engine_context, generate_request
 from penstock.serving.response_input import chat_request, turn_messages
 from penstock.serving.stream import ResponsePlan, respond
 
