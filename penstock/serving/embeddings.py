@@ -96,11 +96,11 @@ async def _token_lists(
     for number, item in enumerate(inputs):
         if len(item) == 0:
             raise InvalidRequestError(f"input[{number}] is empty", param="input")
-    if isinstance(inputs[0], str):
-        texts: list[str] = inputs  # type: ignore[assignment]
+    texts = [item for item in inputs if isinstance(item, str)]
+    if texts:
         token_lists = await _tokenized(gateway, served, texts, body.add_special_tokens)
     else:
-        token_lists = inputs  # type: ignore[assignment]
+        token_lists = [item for item in inputs if isinstance(item, list)]
         for ids in token_lists:
             check_token_ids(ids, served, "input")
     context = served.context_length
@@ -207,7 +207,12 @@ async def create_embeddings(
 def activated(logits: list[float]) -> list[float]:
     """Class probabilities: a sigmoid for one class (a score), else a softmax."""
     if len(logits) == 1:
-        return [1.0 / (1.0 + math.exp(-logits[0]))]
+        # Written so that neither branch overflows for a logit far from zero.
+        score = logits[0]
+        if score >= 0:
+            return [1.0 / (1.0 + math.exp(-score))]
+        odds = math.exp(score)
+        return [odds / (1.0 + odds)]
     top = max(logits)
     weights = [math.exp(x - top) for x in logits]
     total = sum(weights)

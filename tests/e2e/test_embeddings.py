@@ -30,8 +30,8 @@ TOLERANCE = 1e-5
 
 
 def _serve(folder: Path, name: str, logs: Path) -> Iterator[ServerProcess]:
-    args = ["--engine", "transformers-pooling", "--served-model-name", name, "--"]
-    with running_server([*args, "--model", str(folder)], logs, ready_timeout=120) as server:
+    args = ["--engine", "transformers-pooling", "--model", str(folder), "--served-model-name", name]
+    with running_server([*args, "--", "--cpu-threads", "1"], logs, ready_timeout=120) as server:
         yield server
 
 
