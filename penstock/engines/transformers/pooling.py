@@ -6,9 +6,10 @@ or decoder checkpoint as an embedding model (``AutoModel``, pooled as
 ``*ForSequenceClassification`` checkpoint (a reward model) for scoring, per the contract of
 :mod:`penstock.engines.pooling`.
 
-A request's inputs run together: sorted by length and cut into forward passes of at most
-``--max-batch-tokens`` padded tokens, one pass at a time on a worker thread, so the event
-loop keeps serving while the model computes.
+The inputs of every request waiting run together: sorted by length and cut into forward
+passes of at most ``--max-batch-tokens`` padded tokens, one pass at a time on a worker
+thread, so the event loop keeps serving while the model computes. A request whose client
+left is answered ``cancelled`` once its set of passes is done.
 """
 
 from __future__ import annotations
@@ -171,6 +172,14 @@ def pool(
     return hidden.masked_fill(keep == 0, float("-inf")).amax(dim=1)
 
 
+@dataclass
+class _Waiting:
+    """One request's inputs, and the future its vectors arrive on."""
+
+    inputs: list[list[int]]
+    vectors: asyncio.Future[list[list[float]]]
+
+
 class TransformersPoolingEngine(LLMEngine):
     """Embeddings (``embed``) or class logits (``classify``) of whole inputs, batched."""
 
@@ -185,8 +194,10 @@ class TransformersPoolingEngine(LLMEngine):
         self.context_length = 0
         self.vocab_size = 0
         self.pad_token_id: int | None = None
-        # One forward pass at a time: concurrent requests would only contend for the cores.
-        self._forward_lock = asyncio.Lock()
+        # Requests waiting for the next set of passes, and the task running them: one set
+        # at a time, since concurrent passes would only contend for the same cores.
+        self._waiting: list[_Waiting] = []
+        self._runner: asyncio.Task[None] | None = None
 
     @classmethod
     async def from_args(
@@ -275,15 +286,15 @@ class TransformersPoolingEngine(LLMEngine):
         self, request: dict[str, Any], context: Context
     ) -> AsyncGenerator[PoolingChunk, None]:
         inputs = self._checked_inputs(request)
-        vectors: list[list[float]] = [[] for _ in inputs]
-        for batch in _batches([len(ids) for ids in inputs], self._batch_tokens()):
-            if context.is_stopped():
-                yield {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
-                return
-            async with self._forward_lock:
-                rows = await asyncio.to_thread(self._forward, [inputs[i] for i in batch])
-            for index, row in zip(batch, rows, strict=True):
-                vectors[index] = row
+        loop = asyncio.get_running_loop()
+        waiting = _Waiting(inputs, loop.create_future())
+        self._waiting.append(waiting)
+        if self._runner is None or self._runner.done():
+            self._runner = loop.create_task(self._run_waiting())
+        vectors = await waiting.vectors
+        if context.is_stopped():
+            yield {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
+            return
         yield {
             "token_ids": [],
             "index": 0,
@@ -291,6 +302,35 @@ class TransformersPoolingEngine(LLMEngine):
             "embeddings": vectors,
             "prompt_tokens": sum(len(ids) for ids in inputs),
         }
+
+    async def _run_waiting(self) -> None:
+        """While requests wait, the inputs of all that are waiting run as one set of passes
+        (a request that arrives meanwhile joins the next set)."""
+        while self._waiting:
+            group = [waiting for waiting in self._waiting if not waiting.vectors.done()]
+            self._waiting = []
+            inputs = [ids for waiting in group for ids in waiting.inputs]
+            try:
+                rows = await self._passes(inputs)
+            except Exception as exc:
+                for waiting in group:
+                    if not waiting.vectors.done():
+                        waiting.vectors.set_exception(exc)
+                continue
+            start = 0
+            for waiting in group:
+                end = start + len(waiting.inputs)
+                if not waiting.vectors.done():
+                    waiting.vectors.set_result(rows[start:end])
+                start = end
+
+    async def _passes(self, inputs: list[list[int]]) -> list[list[float]]:
+        vectors: list[list[float]] = [[] for _ in inputs]
+        for batch in _batches([len(ids) for ids in inputs], self._batch_tokens()):
+            rows = await asyncio.to_thread(self._forward, [inputs[i] for i in batch])
+            for index, row in zip(batch, rows, strict=True):
+                vectors[index] = row
+        return vectors
 
     def _batch_tokens(self) -> int:
         # Without a pad token a classifier cannot find each row's last token in a padded
@@ -341,4 +381,6 @@ class TransformersPoolingEngine(LLMEngine):
         return torch.nn.functional.normalize(vectors, p=2, dim=-1).cpu().tolist()
 
     async def cleanup(self) -> None:
+        if self._runner is not None:
+            self._runner.cancel()
         self.model = None
