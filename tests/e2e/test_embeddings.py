@@ -281,6 +281,12 @@ def test_the_wrong_model_for_the_route_is_refused(
         json={"model": "tiny-bert", "messages": [{"role": "user", "content": "hi"}]},
     )
     assert _error(chat, 400)["param"] == "model"
+    completion = httpx.post(
+        f"{bert.base_url}/v1/completions", json={"model": "tiny-bert", "prompt": "hi"}
+    )
+    assert _error(completion, 400)["param"] == "model"
+    generate = httpx.post(f"{bert.base_url}/generate", json={"model": "tiny-bert", "text": "hi"})
+    assert generate.status_code == 400, generate.text
     generation_only = httpx.post(
         f"{sample.base_url}/v1/embeddings", json={"model": "sample-model", "input": "hi"}
     )
