@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassificati
 from penstock.engines.context import Context
 from penstock.engines.contract import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
 from penstock.engines.pooling import POOLING_RUNTIME_KEY, PoolingCapabilities, PoolingChunk
+from penstock.engines.transformers.args import _positive_int
 from penstock.engines.transformers.pooling_config import POOLINGS, Pooling, choose_pooling
 from penstock.engines.transformers.weights import CheckpointError, check_checkpoint_folder
 from penstock.errors import InvalidRequestError
@@ -50,16 +51,6 @@ class PoolingArgs:
     max_model_len: int | None
     max_batch_tokens: int
     cpu_threads: int | None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def parse_pooling_args(argv: list[str]) -> PoolingArgs:
@@ -103,18 +94,15 @@ def parse_pooling_args(argv: list[str]) -> PoolingArgs:
         help="padded tokens in one forward pass (default: 16384)",
     )
     parser.add_argument("--cpu-threads", type=_positive_int, help="torch intra-op threads on cpu")
-    ns = parser.parse_args(argv)
-    return PoolingArgs(
-        model=ns.model.expanduser(),
-        served_model_name=ns.served_model_name,
-        task=ns.task,
-        pooling=ns.pooling,
-        device=ns.device,
-        dtype=ns.dtype,
-        max_model_len=ns.max_model_len,
-        max_batch_tokens=ns.max_batch_tokens,
-        cpu_threads=ns.cpu_threads,
-    )
+    options = vars(parser.parse_args(argv))
+    return PoolingArgs(**{**options, "model": options["model"].expanduser()})
+
+
+def _checkpoint_config(folder: Path) -> Any:
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read the config of {folder}: {exc}") from exc
 
 
 def _device(asked: str) -> torch.device:
@@ -132,6 +120,18 @@ def _dtype(asked: str, device: torch.device, config: Any) -> torch.dtype:
         return torch.float32
     stored = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
     return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _context_length(asked: int | None, limit: int | None) -> int:
+    """The longest input: ``--max-model-len`` within the model's positions, else those."""
+    longest = asked if asked is not None else limit
+    if longest is None:
+        raise ValueError("the model config has no max_position_embeddings; pass --max-model-len")
+    if limit is not None and longest > limit:
+        raise ValueError(
+            f"--max-model-len {longest} exceeds the model's max_position_embeddings of {limit}"
+        )
+    return int(longest)
 
 
 def _task_of(asked: str, config: Any) -> str:
@@ -216,33 +216,19 @@ class TransformersPoolingEngine(LLMEngine):
         return cls(args, model_path, served), worker
 
     async def start(self, worker_id: int) -> EngineConfig:
-        try:
-            config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
-        except Exception as exc:
-            raise CheckpointError(f"cannot read the config of {self.model_path}: {exc}") from exc
-        self.device = _device(self.args.device)
-        if self.args.cpu_threads is not None:
-            torch.set_num_threads(self.args.cpu_threads)
+        config = _checkpoint_config(self.model_path)
         self.task = _task_of(self.args.task, config)
         if self.task == "embed":
             self.pooling = choose_pooling(self.model_path, config, self.args.pooling)
+        self.device = _device(self.args.device)
+        if self.args.cpu_threads is not None:
+            torch.set_num_threads(self.args.cpu_threads)
         self.model = await asyncio.to_thread(
             self._load, _dtype(self.args.dtype, self.device, config)
         )
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        if self.args.max_model_len is not None:
-            if limit is not None and self.args.max_model_len > limit:
-                raise ValueError(
-                    f"--max-model-len {self.args.max_model_len} exceeds the model's "
-                    f"max_position_embeddings of {limit}"
-                )
-            self.context_length = self.args.max_model_len
-        elif limit is not None:
-            self.context_length = int(limit)
-        else:
-            raise ValueError(
-                "the model config has no max_position_embeddings; pass --max-model-len"
-            )
+        self.context_length = _context_length(
+            self.args.max_model_len, getattr(self.model.config, "max_position_embeddings", None)
+        )
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.pad_token_id = getattr(self.model.config, "pad_token_id", None)
         logger.info(
