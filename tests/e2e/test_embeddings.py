@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
+from tests.support.openai_spec import spec_errors
 from tests.support.server import ServerProcess, running_server
 from tests.support.tiny_llm import build_tiny_llama
 from tests.support.tiny_pooling import (
@@ -116,6 +117,15 @@ def test_mean_pooled_encoder_matches_transformers(bert: ServerProcess, bert_fold
     assert answer.usage.prompt_tokens == prompt_tokens
     assert answer.usage.total_tokens == prompt_tokens
     assert answer.model == "tiny-bert"
+
+
+def test_the_answer_matches_the_openai_spec(bert: ServerProcess) -> None:
+    answer = httpx.post(
+        f"{bert.base_url}/v1/embeddings",
+        json={"model": "tiny-bert", "input": TEXTS, "encoding_format": "float"},
+    )
+    assert answer.status_code == 200, answer.text
+    assert spec_errors("CreateEmbeddingResponse", answer.json()) == []
 
 
 def test_last_token_pooled_decoder_matches_transformers(
