@@ -14,6 +14,7 @@ from penstock.settings import Settings
 
 BUILTIN_ENGINES: dict[str, str] = {
     "transformers": "penstock.engines.transformers:TransformersEngine",
+    "transformers-pooling": "penstock.engines.transformers.pooling:TransformersPoolingEngine",
     "sample": "penstock.engines.sample:SampleLLMEngine",
     "sample-diffusion": "penstock.engines.sample_diffusion:SampleDiffusionEngine",
     "diffusion": "penstock.engines.diffusion:DiffusersEngine",

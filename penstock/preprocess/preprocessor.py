@@ -83,6 +83,12 @@ class Preprocessor:
             return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_inputs(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text with the special tokens the tokenizer adds around an
+        input (BERT's ``[CLS]`` and ``[SEP]``, a BOS): what embedding and classification
+        checkpoints were trained on. One batch call, which leaves the GIL."""
+        return [encoding.ids for encoding in self._tokenizer.encode_batch(texts)]
+
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         if len(token_ids) > RELEASE_GIL_SIZE:
             return self._tokenizer.decode_batch(

@@ -1,0 +1,372 @@
+"""The ``transformers-pooling`` engine: embeddings and sequence scores from local checkpoints.
+
+``penstock serve --engine transformers-pooling -- --model DIR`` serves an encoder (BERT-like)
+or decoder checkpoint as an embedding model (``AutoModel``, pooled as
+:mod:`~penstock.engines.transformers.pooling_config` decides, then L2-normalised), or a
+``*ForSequenceClassification`` checkpoint (a reward model) for scoring, per the contract of
+:mod:`penstock.engines.pooling`.
+
+The inputs of every request waiting run together: sorted by length and cut into forward
+passes of at most ``--max-batch-tokens`` padded tokens, one pass at a time on a worker
+thread, so the event loop keeps serving while the model computes. A request whose client
+left is answered ``cancelled`` once its set of passes is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+from penstock.engines.context import Context
+from penstock.engines.contract import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
+from penstock.engines.pooling import POOLING_RUNTIME_KEY, PoolingCapabilities, PoolingChunk
+from penstock.engines.transformers.args import _positive_int
+from penstock.engines.transformers.pooling_config import POOLINGS, Pooling, choose_pooling
+from penstock.engines.transformers.weights import CheckpointError, check_checkpoint_folder
+from penstock.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("auto", "embed", "classify")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PoolingArgs:
+    model: Path
+    served_model_name: str | None
+    task: str
+    pooling: str
+    device: str
+    dtype: str
+    max_model_len: int | None
+    max_batch_tokens: int
+    cpu_threads: int | None
+
+
+def parse_pooling_args(argv: list[str]) -> PoolingArgs:
+    """Parse ``argv``; bad options print usage and raise ``SystemExit(2)``."""
+    parser = argparse.ArgumentParser(
+        prog="penstock serve --engine transformers-pooling",
+        description="Serve a local Hugging Face checkpoint for embeddings or classification.",
+    )
+    parser.add_argument("--model", type=Path, required=True, help="checkpoint folder")
+    parser.add_argument("--served-model-name", help="name clients use in 'model'")
+    parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default="auto",
+        help="embed = /v1/embeddings; classify = /classify and /pooling (reward models); "
+        "auto = classify for a *ForSequenceClassification checkpoint, else embed",
+    )
+    parser.add_argument(
+        "--pooling",
+        choices=("auto", *POOLINGS),
+        default="auto",
+        help="how embed pools token states: auto = the checkpoint's sentence-transformers "
+        "config, else last token for *ForCausalLM checkpoints and the first token otherwise",
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", *_DTYPES),
+        default="auto",
+        help="auto = float32 on cpu, the checkpoint's half precision (else bfloat16) on cuda",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        help="longest input in tokens (default: the model's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=_positive_int,
+        default=16384,
+        help="padded tokens in one forward pass (default: 16384)",
+    )
+    parser.add_argument("--cpu-threads", type=_positive_int, help="torch intra-op threads on cpu")
+    options = vars(parser.parse_args(argv))
+    return PoolingArgs(**{**options, "model": options["model"].expanduser()})
+
+
+def _checkpoint_config(folder: Path) -> Any:
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read the config of {folder}: {exc}") from exc
+
+
+def _device(asked: str) -> torch.device:
+    if asked == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if asked == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return torch.device(asked)
+
+
+def _dtype(asked: str, device: torch.device, config: Any) -> torch.dtype:
+    if asked != "auto":
+        return _DTYPES[asked]
+    if device.type == "cpu":
+        return torch.float32
+    stored = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+    return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _context_length(asked: int | None, limit: int | None) -> int:
+    """The longest input: ``--max-model-len`` within the model's positions, else those."""
+    longest = asked if asked is not None else limit
+    if longest is None:
+        raise ValueError("the model config has no max_position_embeddings; pass --max-model-len")
+    if limit is not None and longest > limit:
+        raise ValueError(
+            f"--max-model-len {longest} exceeds the model's max_position_embeddings of {limit}"
+        )
+    return int(longest)
+
+
+def _task_of(asked: str, config: Any) -> str:
+    if asked != "auto":
+        return asked
+    architectures = getattr(config, "architectures", None) or []
+    classifies = any(name.endswith("ForSequenceClassification") for name in architectures)
+    return "classify" if classifies else "embed"
+
+
+def _batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Input indices grouped into passes, shortest first, each within ``max_tokens``
+    padded tokens (a single input longer than that runs alone)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for index in order:
+        if current and lengths[index] * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def pool(
+    hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, how: Pooling
+) -> torch.Tensor:
+    """One vector per row of right-padded ``hidden`` (``[rows, tokens, width]``)."""
+    if how == "cls":
+        return hidden[:, 0]
+    if how == "last":
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
+    keep = mask.unsqueeze(-1).to(hidden.dtype)
+    if how == "mean":
+        return (hidden * keep).sum(dim=1) / keep.sum(dim=1)
+    return hidden.masked_fill(keep == 0, float("-inf")).amax(dim=1)
+
+
+@dataclass
+class _Waiting:
+    """One request's inputs, and the future its vectors arrive on."""
+
+    inputs: list[list[int]]
+    vectors: asyncio.Future[list[list[float]]]
+
+
+class TransformersPoolingEngine(LLMEngine):
+    """Embeddings (``embed``) or class logits (``classify``) of whole inputs, batched."""
+
+    def __init__(self, args: PoolingArgs, model_path: Path, served_model_name: str) -> None:
+        self.args = args
+        self.model_path = model_path
+        self.served_model_name = served_model_name
+        self.model: Any = None
+        self.device = torch.device("cpu")
+        self.task = args.task
+        self.pooling: Pooling = "cls"
+        self.context_length = 0
+        self.vocab_size = 0
+        self.pad_token_id: int | None = None
+        # Requests waiting for the next set of passes, and the task running them: one set
+        # at a time, since concurrent passes would only contend for the same cores.
+        self._waiting: list[_Waiting] = []
+        self._runner: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def from_args(
+        cls, argv: list[str] | None = None
+    ) -> tuple[TransformersPoolingEngine, WorkerConfig]:
+        args = parse_pooling_args(sys.argv[1:] if argv is None else list(argv))
+        model_path = check_checkpoint_folder(args.model)
+        served = args.served_model_name or str(args.model)
+        worker = WorkerConfig(
+            namespace="penstock",
+            component="backend",
+            model_name=str(model_path),
+            served_model_name=served,
+            endpoint_types="embeddings",
+        )
+        return cls(args, model_path, served), worker
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        config = _checkpoint_config(self.model_path)
+        self.task = _task_of(self.args.task, config)
+        if self.task == "embed":
+            self.pooling = choose_pooling(self.model_path, config, self.args.pooling)
+        self.device = _device(self.args.device)
+        if self.args.cpu_threads is not None:
+            torch.set_num_threads(self.args.cpu_threads)
+        self.model = await asyncio.to_thread(
+            self._load, _dtype(self.args.dtype, self.device, config)
+        )
+        self.context_length = _context_length(
+            self.args.max_model_len, getattr(self.model.config, "max_position_embeddings", None)
+        )
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.pad_token_id = getattr(self.model.config, "pad_token_id", None)
+        logger.info(
+            "transformers pooling engine ready: %s on %s, task %s%s, context %d",
+            self.model_path,
+            self.device,
+            self.task,
+            f", {self.pooling} pooling" if self.task == "embed" else "",
+            self.context_length,
+        )
+        return EngineConfig(
+            model=str(self.model_path),
+            served_model_name=self.served_model_name,
+            runtime_data={POOLING_RUNTIME_KEY: self._capabilities().advertise()},
+            llm=LlmRegistration(context_length=self.context_length),
+        )
+
+    def _load(self, dtype: torch.dtype) -> Any:
+        loader = AutoModel if self.task == "embed" else AutoModelForSequenceClassification
+        try:
+            model = loader.from_pretrained(self.model_path, dtype=dtype, local_files_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"cannot load {self.model_path} for {self.task}: {exc}") from exc
+        return model.to(self.device).eval()
+
+    def _capabilities(self) -> PoolingCapabilities:
+        config = self.model.config
+        if self.task == "embed":
+            return PoolingCapabilities(
+                tasks=frozenset({"embed"}), dimensions=int(config.hidden_size)
+            )
+        labels = getattr(config, "id2label", None) or {}
+        count = int(config.num_labels)
+        return PoolingCapabilities(
+            tasks=frozenset({"classify"}),
+            dimensions=count,
+            labels=tuple(str(labels.get(i, f"LABEL_{i}")) for i in range(count)),
+        )
+
+    async def generate(
+        self, request: dict[str, Any], context: Context
+    ) -> AsyncGenerator[PoolingChunk, None]:
+        inputs = self._checked_inputs(request)
+        loop = asyncio.get_running_loop()
+        waiting = _Waiting(inputs, loop.create_future())
+        self._waiting.append(waiting)
+        if self._runner is None or self._runner.done():
+            self._runner = loop.create_task(self._run_waiting())
+        vectors = await waiting.vectors
+        if context.is_stopped():
+            yield {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
+            return
+        yield {
+            "token_ids": [],
+            "index": 0,
+            "finish_reason": "stop",
+            "embeddings": vectors,
+            "prompt_tokens": sum(len(ids) for ids in inputs),
+        }
+
+    async def _run_waiting(self) -> None:
+        """While requests wait, the inputs of all that are waiting run as one set of passes
+        (a request that arrives meanwhile joins the next set)."""
+        while self._waiting:
+            group = [waiting for waiting in self._waiting if not waiting.vectors.done()]
+            self._waiting = []
+            inputs = [ids for waiting in group for ids in waiting.inputs]
+            try:
+                rows = await self._passes(inputs)
+            except Exception as exc:
+                for waiting in group:
+                    if not waiting.vectors.done():
+                        waiting.vectors.set_exception(exc)
+                continue
+            start = 0
+            for waiting in group:
+                end = start + len(waiting.inputs)
+                if not waiting.vectors.done():
+                    waiting.vectors.set_result(rows[start:end])
+                start = end
+
+    async def _passes(self, inputs: list[list[int]]) -> list[list[float]]:
+        vectors: list[list[float]] = [[] for _ in inputs]
+        for batch in _batches([len(ids) for ids in inputs], self._batch_tokens()):
+            rows = await asyncio.to_thread(self._forward, [inputs[i] for i in batch])
+            for index, row in zip(batch, rows, strict=True):
+                vectors[index] = row
+        return vectors
+
+    def _batch_tokens(self) -> int:
+        # Without a pad token a classifier cannot find each row's last token in a padded
+        # batch (transformers refuses), so its inputs run one per pass.
+        if self.task == "classify" and self.pad_token_id is None:
+            return 1
+        return self.args.max_batch_tokens
+
+    def _checked_inputs(self, request: dict[str, Any]) -> list[list[int]]:
+        task = request.get("pooling_task", self.task)
+        if task != self.task:
+            raise InvalidRequestError(
+                f"this model serves the {self.task} task, not {task}", param="model"
+            )
+        inputs = request.get("token_ids")
+        if not isinstance(inputs, list) or not inputs:
+            raise InvalidRequestError("token_ids must be a non-empty list of inputs", param="input")
+        for number, ids in enumerate(inputs):
+            if not isinstance(ids, list) or not ids or len(ids) > self.context_length:
+                raise InvalidRequestError(
+                    f"input {number} must hold 1 to {self.context_length} token ids",
+                    param="input",
+                )
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequestError(
+                    f"input {number} has a token id outside the vocabulary "
+                    f"(size {self.vocab_size})",
+                    param="input",
+                )
+        return inputs
+
+    @torch.inference_mode()
+    def _forward(self, inputs: list[list[int]]) -> list[list[float]]:
+        """Pooled, normalised vectors (``embed``) or class logits (``classify``) of one pass."""
+        width = max(len(ids) for ids in inputs)
+        pad = self.pad_token_id if self.pad_token_id is not None else 0
+        ids = torch.full((len(inputs), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(inputs), width), dtype=torch.long)
+        for row, tokens in enumerate(inputs):
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+            mask[row, : len(tokens)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        output = self.model(input_ids=ids, attention_mask=mask)
+        if self.task == "classify":
+            return output.logits.float().cpu().tolist()
+        lengths = mask.sum(dim=1)
+        vectors = pool(output.last_hidden_state, mask, lengths, self.pooling).float()
+        return torch.nn.functional.normalize(vectors, p=2, dim=-1).cpu().tolist()
+
+    async def cleanup(self) -> None:
+        if self._runner is not None:
+            self._runner.cancel()
+        self.model = None
