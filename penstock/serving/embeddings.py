@@ -32,7 +32,9 @@ from penstock.schemas.embeddings import (
     PoolingFields,
     PoolingRequest,
 )
-from penstock.serving.requests import check_prompt_length, check_token_ids, engine_context, off_loop
+from penstock.serving.limits import check_prompt_length, check_token_ids
+from penstock.serving.prompts import off_loop
+from penstock.serving.requests import engine_context
 
 # OpenAI's limit on the inputs of one embeddings request.
 MAX_INPUTS = 2048
