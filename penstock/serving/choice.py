@@ -166,24 +166,15 @@ class ChoiceState:
         reason = chunk.get("finish_reason")
         if reason and detokenizer is not None:
             text += detokenizer.flush()
+        # Stop strings and parsers cost a call only to the requests that have them.
         if self.stop is not None:
-            text, matched = self.stop.feed(text)
-            if matched:
-                reason = "stop"
-                # Once: after the match the matcher answers every chunk with no text.
-                if self.include_stop and self.finish_reason is None:
-                    text += self.stop.matched
-            elif reason:
-                text += self.stop.flush()
+            text, reason = self._match_stops(self.stop, text, reason)
         tool_calls: tuple[ParsedToolCall, ...] = ()
         reasoning = ""
         if self.parser is not None:
-            reasoning, text, tool_calls = self.parser.feed(text, bool(reason))
+            reasoning, text, tool_calls = self._parse(self.parser, text, bool(reason))
             if tool_calls:
-                self.tool_calls = tool_calls
                 reason = "tool_calls"
-            if reasoning and self.keep_text and self.reasoning_parts is not None:
-                self.reasoning_parts.append(reasoning)
         entries = None
         if self.logprobs is not None and "log_probs" in chunk:
             entries = _logprob_entries(token_ids, chunk)
@@ -203,6 +194,29 @@ class ChoiceState:
             reasoning,
         )
         return _new_delta(Delta, fields)
+
+    def _match_stops(
+        self, stop: StopStringMatcher, text: str, reason: str | None
+    ) -> tuple[str, str | None]:
+        text, matched = stop.feed(text)
+        if matched:
+            # Once: after the match the matcher answers every chunk with no text.
+            if self.include_stop and self.finish_reason is None:
+                text += stop.matched
+            return text, "stop"
+        if reason:
+            text += stop.flush()
+        return text, reason
+
+    def _parse(
+        self, parser: ChoiceParser, text: str, final: bool
+    ) -> tuple[str, str, tuple[ParsedToolCall, ...]]:
+        reasoning, text, tool_calls = parser.feed(text, final)
+        if tool_calls:
+            self.tool_calls = tool_calls
+        if reasoning and self.keep_text and self.reasoning_parts is not None:
+            self.reasoning_parts.append(reasoning)
+        return reasoning, text, tool_calls
 
 
 def _logprob_entries(token_ids: list[int], chunk: dict[str, Any]) -> list[LogprobEntry]:
