@@ -323,7 +323,10 @@ async def load_lora_adapter(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
     body = await json_object_body(request)
     name = required_str(body, "lora_name")
-    await plane.adapters.load(name, required_str(body, "lora_path"), field="lora_path")
+    # Reloading a loaded name replaces it in place (prime-rl reloads one name every step
+    # at this route).
+    path = required_str(body, "lora_path")
+    await plane.adapters.load(name, path, field="lora_path", in_place=True)
     return {"success": True, "error_message": "", "loaded_adapters": _loaded_adapters(plane)}
 
 
