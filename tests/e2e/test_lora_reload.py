@@ -162,6 +162,8 @@ def test_a_request_running_across_a_reload_keeps_its_adapter(
                     break
             # Frozen where it is, so the reload lands while it runs.
             assert admin.post("/pause", params={"mode": "keep"}).status_code == 200
+            (load,) = admin.get("/v1/loads").json()["loads"]
+            assert load["num_reqs"] == 1
             reload = {"lora_name": ADAPTER, "lora_path": str(steps[1])}
             assert admin.post("/load_lora_adapter", json=reload).status_code == 200
             assert admin.post("/resume").status_code == 200
