@@ -356,8 +356,9 @@ async def load_lora_adapter(request: Request) -> dict[str, Any]:
     name = required_str(body, "lora_name")
     # Reloading a loaded name replaces it in place (prime-rl reloads one name every step
     # at this route).
-    path = required_str(body, "lora_path")
-    await plane.adapters.load(name, path, field="lora_path", in_place=True)
+    await plane.adapters.load(
+        name, required_str(body, "lora_path"), field="lora_path", in_place=True
+    )
     return {"success": True, "error_message": "", "loaded_adapters": _loaded_adapters(plane)}
 
 
