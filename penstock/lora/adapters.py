@@ -113,11 +113,12 @@ class LoadedAdapters:
                     raise ConflictError(
                         f"'{clip(name)}' is already a served model name", param="lora_name"
                     )
-                adapter = await self._load_slot(name, name, uri, field)
+                adapter = await self._load_slot(name, name, uri, field, next(self._ids))
             elif in_place:
                 slot = self._other_slot(existing)
                 await self._finish_retiring(slot)
-                adapter = await self._load_slot(name, slot, uri, field)
+                # The name keeps its id across reloads, as in vLLM.
+                adapter = await self._load_slot(name, slot, uri, field, existing.info.id)
             elif existing.source == uri:
                 return existing, False
             else:
@@ -146,13 +147,15 @@ class LoadedAdapters:
             )
         return slot
 
-    async def _load_slot(self, name: str, slot: str, uri: str, field: str) -> LoadedAdapter:
+    async def _load_slot(
+        self, name: str, slot: str, uri: str, field: str, lora_id: int
+    ) -> LoadedAdapter:
         fetched = await self.manager.download_lora(uri)
         if fetched.get("status") != "success":
             raise InvalidRequestError(str(fetched.get("message")), param=field)
         local_path = str(fetched["local_path"])
         await self.admin.run_update("load_lora", {"lora_name": slot, "lora_path": local_path})
-        return LoadedAdapter(name, uri, LoRAInfo(next(self._ids), local_path), slot)
+        return LoadedAdapter(name, uri, LoRAInfo(lora_id, local_path), slot)
 
     def _serve(self, adapter: LoadedAdapter) -> None:
         """Point the served name at ``adapter``: requests from now on reach the engine
