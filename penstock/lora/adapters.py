@@ -11,36 +11,28 @@ An engine that does not list ``load_lora`` in ``supported_updates()`` gets a 400
 
 Reloading a name in place (``in_place``; vLLM's ``load_inplace``, RL trainers that load one
 name from a new folder every step) never swaps weights under a running request: the new
-folder loads into the engine under the name's other slot (:data:`RELOAD_SLOT_SUFFIX`), the
-served name then points at it, so every request from then on gets the new adapter, and the
-old slot is unloaded in the background, which the engine does once the requests already
-running with it have ended. A load that fails leaves the old adapter served.
+folder loads into the engine under the name's other slot (:data:`RELOAD_SLOT_SUFFIX`), and
+only then does the served name point at it, so every request from then on gets the new
+adapter. The replaced adapter stays loaded for the requests that began with it (those
+still queued in the gateway included) until the next reload needs its slot, when the
+engine unloads it once they have ended. A load that fails leaves the old adapter served.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from penstock.errors import (
-    ConflictError,
-    InvalidRequestError,
-    NotFoundError,
-    PenstockError,
-    clip,
-)
+from penstock.errors import ConflictError, InvalidRequestError, NotFoundError, clip
 from penstock.gateway import ServedModel
 from penstock.lora.manager import LoRAInfo, LoRAManager
 
 if TYPE_CHECKING:
     from penstock.gateway import Gateway
     from penstock.rl.state import AdminStateMachine
-
-logger = logging.getLogger(__name__)
 
 # The engine-side name an adapter alternates to on each in-place reload.
 RELOAD_SLOT_SUFFIX = "#reloaded"
@@ -80,8 +72,8 @@ class LoadedAdapters:
         self.adapters: dict[str, LoadedAdapter] = {}
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
-        # Engine slots of replaced adapters, being unloaded: slot -> whether that worked.
-        self._retiring: dict[str, asyncio.Task[bool]] = {}
+        # Engine slots of replaced adapters, still loaded for the requests that use them.
+        self._replaced: set[str] = set()
 
     @property
     def supported(self) -> bool:
@@ -116,7 +108,7 @@ class LoadedAdapters:
                 adapter = await self._load_slot(name, name, uri, field, next(self._ids))
             elif in_place:
                 slot = self._other_slot(existing)
-                await self._finish_retiring(slot)
+                await self._unload_replaced(slot)
                 # The name keeps its id across reloads, as in vLLM.
                 adapter = await self._load_slot(name, slot, uri, field, existing.info.id)
             elif existing.source == uri:
@@ -130,9 +122,7 @@ class LoadedAdapters:
             self._serve(adapter)
             self.adapters[name] = adapter
             if existing is not None:
-                self._retiring[existing.engine_name] = asyncio.create_task(
-                    self._retire(existing.engine_name)
-                )
+                self._replaced.add(existing.engine_name)
             return adapter, True
 
     def _other_slot(self, adapter: LoadedAdapter) -> str:
@@ -169,22 +159,12 @@ class LoadedAdapters:
             lora_adapter=adapter.info.path,
         )
 
-    async def _retire(self, slot: str) -> bool:
-        """Unload a slot no request is sent to any more; False (logged) if the engine
-        refused, for :meth:`_finish_retiring` to try again."""
-        try:
+    async def _unload_replaced(self, slot: str) -> None:
+        """Unload a replaced adapter's slot, once its requests have ended; the engine's
+        refusal (requests still running with it while paused) is the caller's error."""
+        if slot in self._replaced:
             await self.admin.run_update("unload_lora", {"lora_name": slot})
-        except PenstockError as exc:
-            logger.warning("replaced LoRA adapter slot %r not unloaded yet: %s", slot, exc.message)
-            return False
-        return True
-
-    async def _finish_retiring(self, slot: str) -> None:
-        """Make sure ``slot`` is unloaded before it is used again; the engine's refusal
-        (requests still running with it while paused) is the caller's error."""
-        retiring = self._retiring.pop(slot, None)
-        if retiring is not None and not await retiring:
-            await self.admin.run_update("unload_lora", {"lora_name": slot})
+            self._replaced.discard(slot)
 
     async def unload(self, name: str) -> LoadedAdapter:
         async with self._lock:
@@ -198,7 +178,7 @@ class LoadedAdapters:
                 )
             for slot in (name, name + RELOAD_SLOT_SUFFIX):
                 if slot != adapter.engine_name:
-                    await self._finish_retiring(slot)
+                    await self._unload_replaced(slot)
             await self.admin.run_update("unload_lora", {"lora_name": adapter.engine_name})
             self.gateway.models.pop(name, None)
             del self.adapters[name]
