@@ -166,6 +166,11 @@ def test_a_request_running_across_a_reload_keeps_its_adapter(
             assert load["num_reqs"] == 1
             reload = {"lora_name": ADAPTER, "lora_path": str(steps[1])}
             assert admin.post("/load_lora_adapter", json=reload).status_code == 200
+            # The next reload needs the frozen request's slot: refused, nothing changes.
+            early = {"lora_name": ADAPTER, "lora_path": str(steps[2])}
+            refused = admin.post("/load_lora_adapter", json=early)
+            assert refused.status_code == 400, refused.text
+            assert "paused" in refused.json()["error"]["message"]
             assert admin.post("/resume").status_code == 200
             for line in lines:
                 if line.startswith("data: {"):
