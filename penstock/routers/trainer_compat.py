@@ -116,6 +116,8 @@ async def tokens_generate(body: TokensGenerateBody, request: Request) -> Respons
     gateway = request.app.state.gateway
     refuse_unsupported(body, _TOKENS_UNSUPPORTED)
     refuse_unknown(body, gateway.settings.allow_unknown_fields)
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options", "is only allowed when 'stream' is true")
     completion = sampling_request(
         body.sampling_params,
         "sampling_params",

@@ -216,6 +216,9 @@ def test_vllm_tokens_generate_streams_new_tokens(admin: httpx.Client) -> None:
     assert logprobs == [item["logprob"] for item in whole["logprobs"]["content"]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all(event["choices"][0]["finish_reason"] is None for event in chunks[:-1])
+    not_streamed = admin.post("/inference/v1/generate", json={**streamed, "stream": False})
+    assert not_streamed.status_code == 400
+    assert not_streamed.json()["error"]["param"] == "stream_options"
 
 
 # -- prime-rl ------------------------------------------------------------------------
