@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from penstock.errors import ConflictError, InvalidRequestError, clip
+from penstock.errors import (
+    ConflictError,
+    InternalServerError,
+    InvalidRequestError,
+    PenstockError,
+    clip,
+)
 from penstock.rl.fields import bool_field, invalid, json_object_body, required_str
 
 router = APIRouter()
@@ -39,22 +46,78 @@ def _refuse(field: str, reason: str) -> InvalidRequestError:
 
 
 class TorchProfile:
-    """One running ``torch.profiler`` session and where its trace goes."""
+    """One ``torch.profiler`` session over every thread of the process.
+
+    The profiler is started and stopped on one thread of its own: torch's profiler must
+    stop on the thread that started it, and the event loop must not wait on the export.
+    """
 
     def __init__(self, output_dir: Path, with_stack: bool, record_shapes: bool) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
         self.output_dir = output_dir
-        self.profiler = profile(
-            activities=[ProfilerActivity.CPU], with_stack=with_stack, record_shapes=record_shapes
-        )
-        self.profiler.start()
+        self._options = {"with_stack": with_stack, "record_shapes": record_shapes}
+        self._started = threading.Event()
+        self._stop = threading.Event()
+        self._trace: Path | None = None
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, name="torch-profile", daemon=True)
+
+    def start(self) -> None:
+        """Returns once the profiler records, or raises why it could not start."""
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            self._thread.join()
+            if isinstance(self._error, PenstockError):
+                raise self._error
+            raise ConflictError(f"torch's profiler did not start: {self._error}")
 
     def finish(self) -> Path:
-        self.profiler.stop()
-        path = self.output_dir / f"penstock-{time.time_ns()}.trace.json"
-        self.profiler.export_chrome_trace(str(path))
-        return path
+        self._stop.set()
+        self._thread.join()
+        if self._error is not None:
+            raise InternalServerError(f"the profile trace was not written: {self._error}")
+        assert self._trace is not None
+        return self._trace
+
+    def _run(self) -> None:
+        try:
+            profiler = _all_threads_profiler(**self._options)
+            profiler.start()
+        except Exception as exc:
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        self._stop.wait()
+        try:
+            profiler.stop()
+            path = self.output_dir / f"penstock-{time.time_ns()}.trace.json"
+            profiler.export_chrome_trace(str(path))
+            self._trace = path
+        except Exception as exc:
+            self._error = exc
+
+
+def _all_threads_profiler(with_stack: bool, record_shapes: bool) -> Any:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        # The engine runs on threads of its own; by default torch records only the
+        # thread that started the profiler.
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        raise InvalidRequestError(
+            f"profiling is not supported with torch {torch.__version__}: its profiler "
+            "cannot record every thread (profile_all_threads)",
+            code="unsupported_operation",
+        ) from None
+    return profile(
+        activities=[ProfilerActivity.CPU],
+        with_stack=with_stack,
+        record_shapes=record_shapes,
+        experimental_config=config,
+    )
 
 
 def _output_dir(body: dict[str, Any]) -> Path:
@@ -93,8 +156,14 @@ async def start_profile(request: Request) -> PlainTextResponse:
     folder = _output_dir(body)
     if getattr(request.app.state, _PROFILE_KEY, None) is not None:
         raise ConflictError("a profile is running already: POST /stop_profile first")
-    profile = await asyncio.to_thread(TorchProfile, folder, with_stack, record_shapes)
+    profile = TorchProfile(folder, with_stack, record_shapes)
+    # Claimed before the wait, so a second start can't begin meanwhile.
     setattr(request.app.state, _PROFILE_KEY, profile)
+    try:
+        await asyncio.to_thread(profile.start)
+    except BaseException:
+        setattr(request.app.state, _PROFILE_KEY, None)
+        raise
     return PlainTextResponse("Start profiling.\n")
 
 
