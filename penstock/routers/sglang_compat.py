@@ -24,7 +24,12 @@ responses:
   "is_sleeping", "state"}``
 * ``POST /load_lora_adapter {lora_name, lora_path}``, ``POST /unload_lora_adapter
   {lora_name}`` -> ``{"success": true, "error_message": "", "loaded_adapters": {name:
-  path}}``
+  path}}``; loading a loaded name again replaces it in place
+* ``POST /post_process_weights {restore_weights_before_load, post_process_quantization}``
+  (slime's hooks for quantized weights) -> ``{"success": true, "message"}`` with both
+  false, else a 400 naming the field; ``POST /pull_weights`` (slime's delta disk sync):
+  400 ``unsupported_operation``
+* ``POST /start_profile``, ``POST /stop_profile``: see :mod:`penstock.routers.profiling`
 * ``POST /init_weights_update_group {master_address, master_port, rank_offset,
   world_size, group_name="weight_update_group", backend}`` (the trainer joins as rank 0
   at the same time; fails within the admin timeout if it never does) and
@@ -63,7 +68,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
-from penstock.errors import clip
+from penstock.errors import InvalidRequestError, clip
 from penstock.rl.fields import (
     bool_field,
     invalid,
@@ -73,6 +78,7 @@ from penstock.rl.fields import (
     tags_field,
 )
 from penstock.rl.plane import AdminPlane
+from penstock.routers import profiling
 from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
 
@@ -231,6 +237,31 @@ async def weights_checker(request: Request) -> dict[str, Any]:
     return await plane.checker.run(await json_object_body(request))
 
 
+@router.post("/post_process_weights")
+async def post_process_weights(request: Request) -> dict[str, Any]:
+    body = await json_object_body(request)
+    # slime's hooks for quantized weights (int4/fp4): none are served quantized here.
+    for field in ("restore_weights_before_load", "post_process_quantization"):
+        if bool_field(body, field, False):
+            raise InvalidRequestError(
+                f"{field} is not supported by this server: it serves no quantized weights "
+                "to restore or repack",
+                param=field,
+                code="unsupported_parameter",
+            )
+    return {"success": True, "message": "No weights need post-processing."}
+
+
+@router.post("/pull_weights")
+async def pull_weights(request: Request) -> dict[str, Any]:
+    await json_object_body(request)
+    raise InvalidRequestError(
+        "/pull_weights applies slime's published delta checkpoints, which this server does "
+        "not; reload the full checkpoint with /update_weights_from_disk {model_path}",
+        code="unsupported_operation",
+    )
+
+
 @router.get("/get_weights_by_name", operation_id="get_weights_by_name_get")
 @router.post("/get_weights_by_name", operation_id="get_weights_by_name_post")
 async def get_weights_by_name(request: Request) -> dict[str, Any]:
@@ -323,7 +354,11 @@ async def load_lora_adapter(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
     body = await json_object_body(request)
     name = required_str(body, "lora_name")
-    await plane.adapters.load(name, required_str(body, "lora_path"), field="lora_path")
+    # Reloading a loaded name replaces it in place (prime-rl reloads one name every step
+    # at this route).
+    await plane.adapters.load(
+        name, required_str(body, "lora_path"), field="lora_path", in_place=True
+    )
     return {"success": True, "error_message": "", "loaded_adapters": _loaded_adapters(plane)}
 
 
@@ -423,3 +458,6 @@ async def loads(request: Request) -> dict[str, Any]:
             }
         ]
     }
+
+
+router.include_router(profiling.router)

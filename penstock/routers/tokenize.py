@@ -47,8 +47,9 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    # The tokenizer's BOS token first, as vLLM's ``add_special_tokens``.
-    add_special_tokens: bool = False
+    # The tokenizer's BOS token first; vLLM's defaults: on for a prompt, off for
+    # messages (a chat template writes its own).
+    add_special_tokens: bool | None = None
     # ``token_strs`` are always in the answer.
     return_token_strs: bool | None = None
 
@@ -103,7 +104,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         text = body.prompt or ""
         check_prompt_length(settings, model, pre, len(text), param)
         tokens = await off_loop(gateway, None, len(text), pre.encode, text)
-    if body.add_special_tokens:
+    add_bos = body.add_special_tokens
+    if add_bos is None:
+        add_bos = body.prompt is not None
+    if add_bos:
         tokens = with_bos(pre, tokens)
     token_strs = await off_loop(gateway, None, len(tokens), _token_strs, pre, tokens)
     return {

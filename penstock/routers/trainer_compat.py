@@ -6,6 +6,8 @@ Inference routes (the inference keys guard them like ``/v1/completions``; bodies
 
 * ``POST /inference/v1/generate``: vLLM's token-in/token-out generation (SkyRL, prime-rl)
 * ``POST /generate/``: ``trl vllm-serve``'s batch generation (TRL's ``VLLMClient``)
+* ``POST /skyrl/v1/generate`` (SkyRL, for a mixture-of-experts model's routed experts): a
+  400 naming ``routed_experts``, which no engine here records
 
 Health, as the inference keys allow: ``GET /health/`` (TRL; 200 ``{"status": "ok"}``
 when requests would be served now, else 503) and ``GET /liveness`` (prime-rl; 200 while
@@ -24,6 +26,8 @@ Admin routes (the admin key, as every admin dialect):
   refused (below), another method a 400 naming it
 * ``POST /reset_prefix_cache/`` (TRL) -> ``{"message"}``; ``POST /close_communicator/``
   -> ``{"message"}`` (no communicator is ever open)
+* ``POST /fetch_weights {target_version, sync_dir?, uri?}`` (SkyRL's delta checkpoints):
+  400 ``transport_unavailable``
 * ``POST /init_communicator/`` and ``POST /update_named_param/`` (TRL) and
   ``POST /init_broadcaster`` (prime-rl): 400 ``transport_unavailable`` naming what is
   missing, as every transfer this server cannot make. These trainers broadcast over NCCL through
@@ -84,6 +88,7 @@ class TokensGenerateBody(RequestModel):
     sampling_params: dict[str, JSONValue] = Field(default_factory=dict)
     model: str | None = None
     stream: bool = False
+    stream_options: dict[str, JSONValue] | None = None
     # Keeps requests from reusing cached KV: a cached prefix only saves work here (every
     # weight update clears it), so the output is the same with or without it.
     cache_salt: str | None = None
@@ -111,16 +116,16 @@ async def tokens_generate(body: TokensGenerateBody, request: Request) -> Respons
     gateway = request.app.state.gateway
     refuse_unsupported(body, _TOKENS_UNSUPPORTED)
     refuse_unknown(body, gateway.settings.allow_unknown_fields)
-    if body.stream:
-        raise InvalidRequestError(
-            "stream is not supported on /inference/v1/generate by this server", param="stream"
-        )
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options", "is only allowed when 'stream' is true")
     completion = sampling_request(
         body.sampling_params,
         "sampling_params",
         gateway.settings.allow_unknown_fields,
         model=body.model or _default_model(request),
         prompt=body.token_ids,
+        stream=body.stream,
+        stream_options=body.stream_options,
     )
     return await run_tokens(gateway, completion, request, "vllm")
 
@@ -143,6 +148,18 @@ class TrlGenerateBody(RequestModel):
     logprobs: int | None = 0
     structured_outputs_regex: str | None = None
     generation_kwargs: dict[str, JSONValue] = Field(default_factory=dict)
+
+
+@inference_router.post("/skyrl/v1/generate", response_model=None)
+async def skyrl_generate(body: TokensGenerateBody) -> NoReturn:
+    # SkyRL calls this route instead of /inference/v1/generate only to read each choice's
+    # ``routed_experts`` (the experts a mixture-of-experts model routed every token to).
+    raise InvalidRequestError(
+        "routed_experts are not supported by this server: it records no expert routing; "
+        "turn off SkyRL's enable_return_routed_experts to generate at /inference/v1/generate",
+        param="routed_experts",
+        code="unsupported_parameter",
+    )
 
 
 @inference_router.post("/generate/", response_model=None)
@@ -219,6 +236,19 @@ async def update_named_param(request: Request) -> NoReturn:
 async def init_broadcaster(request: Request) -> NoReturn:
     await json_object_body(request)
     raise _nccl_unavailable("/init_broadcaster", "prime-rl")
+
+
+@admin_router.post("/fetch_weights", response_model=None)
+async def fetch_weights(request: Request) -> NoReturn:
+    body = await json_object_body(request)
+    target = body.get("target_version")
+    if not isinstance(target, int) or isinstance(target, bool):
+        raise invalid("target_version", "must be an integer")
+    raise TransportUnavailableError(
+        "/fetch_weights pulls SkyRL's delta checkpoints (XOR patches of the previous "
+        "weights), which this server does not apply; sync full weights with "
+        "/update_weights from a folder or over a broadcast group"
+    )
 
 
 @admin_router.post("/close_communicator/")

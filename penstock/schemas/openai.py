@@ -316,8 +316,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: PositiveInt | None = None
     suffix: str | None = None
-    # Text prompts: the tokenizer's BOS token first (as vLLM's ``add_special_tokens``).
-    add_special_tokens: bool = False
+    # Text prompts: the tokenizer's BOS token first, by default as in vLLM.
+    add_special_tokens: bool = True
     unsupported: ClassVar[dict[str, Any]] = {
         **VLLM_UNSUPPORTED,
         "response_format": None,

@@ -10,7 +10,11 @@ as is a field vLLM does not define (unless ``--allow-unknown-fields``).
 vLLM: ``{"token_ids", "sampling_params", "model"?, "cache_salt"?}`` ->
 ``{"request_id", "choices": [{"index", "token_ids", "finish_reason", "logprobs":
 {"content": [{"token", "logprob", "bytes", "top_logprobs"}]} | null}],
-"prompt_logprobs": null, "kv_transfer_params": null, "weight_version"}``.
+"prompt_logprobs": null, "kv_transfer_params": null, "weight_version"}``; with ``stream``,
+one ``data: {"request_id", "choices": [{"index", "token_ids", "finish_reason", "logprobs"}],
+"weight_version"}`` event per engine output that adds tokens or ends a choice (the new
+tokens only), ``{"request_id", "choices": [], "usage"}`` last with
+``stream_options.include_usage``, then ``data: [DONE]``.
 
 TRL: ``{"prompts": [str] | [[int]], "n", "temperature", "top_p", "top_k", "min_p",
 "repetition_penalty", "max_tokens", "logprobs", "generation_kwargs"}`` ->
@@ -24,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
@@ -32,10 +37,11 @@ from penstock.errors import InvalidRequestError, clip
 from penstock.gateway import Gateway, ServedModel
 from penstock.schemas.fields import unknown_field_error
 from penstock.schemas.openai import CompletionRequest
-from penstock.serving.choice import ChoiceState, LogprobEntry
+from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.completions import completion_generations
 from penstock.serving.deadline import request_deadline
 from penstock.serving.generation import Generation
+from penstock.serving.sse import data_frame
 from penstock.serving.stream import ResponsePlan, respond
 
 # Fields of vLLM's ``SamplingParams`` that completions does not declare, each with the
@@ -110,8 +116,20 @@ class VllmTokensFormat:
     def prelude(self, generations: Sequence[Generation]) -> list[dict[str, Any]]:
         return []
 
-    def chunk_choice(self, delta: Any) -> dict[str, Any] | None:
-        return None
+    def encoder(self, plan: ResponsePlan) -> VllmTokensEvents:
+        return VllmTokensEvents(plan.response_id)
+
+    def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
+        if not delta.token_ids and delta.finish_reason is None:
+            return None
+        return {
+            "index": delta.choice.index,
+            "token_ids": delta.token_ids,
+            "finish_reason": delta.finish_reason,
+            "logprobs": {"content": self._content(delta.logprobs)}
+            if delta.logprobs is not None
+            else None,
+        }
 
     def _token(self, token_id: int) -> str:
         pre = self.model.preprocessor
@@ -152,6 +170,26 @@ class VllmTokensFormat:
             "kv_transfer_params": None,
             "weight_version": response["weight_version"],
         }
+
+
+class VllmTokensEvents:
+    """The stream events of vLLM's ``/inference/v1/generate``: no ``object`` or ``model``."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+    def frame(
+        self,
+        choices: list[dict[str, Any]],
+        weight_version: str | None,
+        usage: dict[str, Any] | None = None,
+    ) -> bytes:
+        event: dict[str, Any] = {"request_id": self.request_id, "choices": choices}
+        if weight_version is not None:
+            event["weight_version"] = weight_version
+        if usage is not None:
+            event["usage"] = usage
+        return data_frame(orjson.dumps(event))
 
 
 class TrlFormat:

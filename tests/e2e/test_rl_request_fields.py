@@ -237,15 +237,20 @@ def test_add_special_tokens_puts_the_bos_token_first(with_bos: httpx.Client) -> 
         body = {"model": MODEL, "prompt": "hello world", **fields}
         return list(with_bos.post("/tokenize", json=body).json()["tokens"])
 
-    plain = tokens()
+    # vLLM's defaults: a prompt gets the BOS token unless asked not to; messages do not.
+    plain = tokens(add_special_tokens=False)
     assert plain[0] != 1
-    assert tokens(add_special_tokens=True) == [1, *plain]
+    assert tokens() == tokens(add_special_tokens=True) == [1, *plain]
+    messages = [{"role": "user", "content": "hi"}]
+    chat = tokens(prompt=None, messages=messages)
+    assert chat == tokens(prompt=None, messages=messages, add_special_tokens=False)
 
     def prompt_tokens(**fields: Any) -> int:
         body = {"model": MODEL, "prompt": "hello world", "max_tokens": 1, **fields}
         return int(with_bos.post("/v1/completions", json=body).json()["usage"]["prompt_tokens"])
 
-    assert prompt_tokens(add_special_tokens=True) == prompt_tokens() + 1
+    assert prompt_tokens() == prompt_tokens(add_special_tokens=False) + 1
+    assert prompt_tokens() == prompt_tokens(add_special_tokens=True)
 
 
 def test_allow_unknown_fields_reaches_every_depth(lenient: httpx.Client) -> None:

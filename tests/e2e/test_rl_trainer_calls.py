@@ -8,6 +8,7 @@ shift ``s`` moves every output token ``s`` places, which tells a real update fro
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,48 @@ def test_slime_weight_step_from_disk(admin: httpx.Client, tmp_path: Path) -> Non
     assert ok(admin.get("/health_generate"))["status"] == "ok"
 
 
+def test_slime_post_process_hooks_and_delta_pull(admin: httpx.Client) -> None:
+    # ``post_process_weights``: both hooks off asks for nothing; each on is refused.
+    hooks = {"restore_weights_before_load": False, "post_process_quantization": False}
+    assert ok(admin.post("/post_process_weights", json=hooks))["success"] is True
+    for field in hooks:
+        refused = admin.post("/post_process_weights", json={**hooks, field: True})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == field
+    pull = {"local_checkpoint_dir": "/tmp/ckpt", "source_dir": "/tmp/pub", "target_version": 3}
+    refused = admin.post("/pull_weights", json=pull)
+    assert refused.status_code == 400
+    assert "/update_weights_from_disk" in refused.json()["error"]["message"]
+    assert len(generated(admin)) == 4
+
+
+def test_slime_profiles_the_server_to_a_folder(admin: httpx.Client, tmp_path: Path) -> None:
+    # ``start_profile``'s body with slime's defaults; it reads the status only.
+    body: dict[str, Any] = {
+        "output_dir": str(tmp_path / "profile"),
+        "start_step": None,
+        "num_steps": None,
+        "activities": ["CPU"],
+        "profile_by_stage": False,
+        "with_stack": None,
+        "record_shapes": None,
+    }
+    assert admin.post("/start_profile", json=body).status_code == 200
+    assert admin.post("/start_profile", json=body).status_code == 409
+    assert len(generated(admin)) == 4
+    stopped = admin.post("/stop_profile", json={})
+    assert stopped.status_code == 200, stopped.text
+    (trace,) = (tmp_path / "profile").iterdir()
+    assert trace.name in stopped.text
+    assert "traceEvents" in json.loads(trace.read_text())
+    assert admin.post("/stop_profile", json={}).status_code == 409
+    for field, value in (("num_steps", 5), ("activities", ["GPU"]), ("profile_by_stage", True)):
+        refused = admin.post("/start_profile", json={**body, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+    missing = admin.post("/start_profile", json={**body, "output_dir": None})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "output_dir"
+
+
 # -- SkyRL ---------------------------------------------------------------------------
 
 
@@ -135,6 +178,47 @@ def test_skyrl_tokenizes_one_text_at_a_time(admin: httpx.Client) -> None:
     tokens = ok(admin.post("/tokenize", json=body))["tokens"]
     text = ok(admin.post("/detokenize", json={"model": MODEL, "tokens": tokens}))["prompt"]
     assert text == "hello"
+
+
+def test_skyrl_routed_experts_and_delta_fetch_are_refused_by_name(admin: httpx.Client) -> None:
+    body = {"sampling_params": {"max_tokens": 4}, "model": MODEL, "token_ids": PROMPT}
+    routed = admin.post("/skyrl/v1/generate", json=body)
+    assert routed.status_code == 400
+    assert routed.json()["error"]["param"] == "routed_experts"
+    fetch = {"target_version": 2, "sync_dir": "/tmp/sync"}
+    refused = admin.post("/fetch_weights", json=fetch)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["code"] == "transport_unavailable"
+    bad = admin.post("/fetch_weights", json={"sync_dir": "/tmp/sync"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "target_version"
+
+
+def test_vllm_tokens_generate_streams_new_tokens(admin: httpx.Client) -> None:
+    params = {"max_tokens": 5, "temperature": 0, "logprobs": 0}
+    body = {"sampling_params": params, "model": MODEL, "token_ids": PROMPT}
+    whole = ok(admin.post("/inference/v1/generate", json=body))["choices"][0]
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    events = []
+    with admin.stream("POST", "/inference/v1/generate", json=streamed) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert len({event["request_id"] for event in events}) == 1
+    *chunks, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+    tokens = [t for event in chunks for t in event["choices"][0]["token_ids"]]
+    logprobs = [
+        item["logprob"] for event in chunks for item in event["choices"][0]["logprobs"]["content"]
+    ]
+    assert tokens == whole["token_ids"]
+    assert logprobs == [item["logprob"] for item in whole["logprobs"]["content"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(event["choices"][0]["finish_reason"] is None for event in chunks[:-1])
+    not_streamed = admin.post("/inference/v1/generate", json={**streamed, "stream": False})
+    assert not_streamed.status_code == 400
+    assert not_streamed.json()["error"]["param"] == "stream_options"
 
 
 # -- prime-rl ------------------------------------------------------------------------

@@ -12,6 +12,7 @@ are the trainer's own, and its logprobs are the trainer's ``log_softmax``.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -223,3 +224,25 @@ def test_areal_broadcast_changes_the_served_weights(
         assert admin.post("/areal_continue_generation", json={}).status_code == 200
         destroy_process_group(group)
     assert_serves(admin, model)
+
+
+def test_slime_profile_records_the_engines_forward_passes(
+    admin: httpx.Client, tmp_path: Path
+) -> None:
+    # slime's ``start_profile`` body with its defaults, one rollout, ``stop_profile``.
+    body = {
+        "output_dir": str(tmp_path),
+        "start_step": None,
+        "num_steps": None,
+        "activities": None,
+        "profile_by_stage": False,
+        "with_stack": None,
+        "record_shapes": None,
+    }
+    assert admin.post("/start_profile", json=body).status_code == 200
+    engine_rollout(admin)
+    assert admin.post("/stop_profile", json={}).status_code == 200
+    (trace,) = tmp_path.glob("*.trace.json")
+    names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+    # The engine's matmuls run on its own thread: they are in the trace.
+    assert names & {"aten::linear", "aten::mm", "aten::matmul", "aten::addmm"}
