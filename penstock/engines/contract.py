@@ -41,7 +41,7 @@ over in ``request["multi_modal_data"]``, Dynamo's item shape: ``{"image_url": [{
 
 Controls (pause, sleep, wake, abort, flush, weight checks): an engine that offers one
 takes the body and gives the answer :mod:`penstock.engines.controls` defines, re-exported
-here: its vocabulary (``PAUSE_MODES``, ``SLEEP_TAGS``), its parsers, the one refusal
+here: its vocabulary (``PAUSE_MODES``, ``SLEEP_TAGS``), the one refusal
 (:class:`ControlRejected`) and :class:`ControlTable`, which builds ``supported_controls``,
 ``engine_control`` and their update twins from an engine's handler tables.
 """

@@ -5,7 +5,7 @@ advertises one as ``EngineConfig.runtime_data[TOKEN_BUDGET_RUNTIME_KEY] =
 budget.as_runtime_data()`` (or, as Dynamo's ``publish_token_budget`` writes it, that dict
 as JSON text). The gateway then checks prompts against ``combined_limit`` instead of the
 context length and rejects only the overflows whose flag is set
-(:func:`penstock.serving.requests.check_budget`); ``/metrics`` shows the limit and the
+(:func:`penstock.serving.limits.check_budget`); ``/metrics`` shows the limit and the
 flags (``penstock_frontend_model_context_length``,
 ``penstock_frontend_model_token_budget_enforced``). Without one, the context length is the
 limit and both overflows are rejected.
