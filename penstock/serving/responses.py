@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from penstock.errors import InvalidRequestError, NotFoundError
-from penstock.gateway import Gateway, ServedModel
+from penstock.gateway import Gateway
 from penstock.media.records import Owner
 from penstock.multimodal.inputs import MediaInputs
 from penstock.responses.async_store import AsyncResponseStore
@@ -34,6 +34,7 @@ from penstock.serving.choice import ChoiceState, Delta
 from penstock.serving.deadline import request_deadline
 from penstock.serving.generation import Generation, usage
 from penstock.serving.limits import check_budget, served_model
+from penstock.serving.parsing import output_parsing
 from penstock.serving.prompts import chat_prompt
 from penstock.serving.requests import engine_context, generate_request
 from penstock.serving.response_input import chat_request, turn_messages
@@ -70,9 +71,12 @@ class ResponsesFormat:
         self.owner = owner
         self.response_id = _new_id("resp_")
         self.message_id = _new_id("msg_")
+        self.reasoning_id = _new_id("rs_")
         self.created_at = int(time.time())
         self.sequence = 0
         self.message_open = False
+        # Streamed reasoning opens its item first; the message then comes second.
+        self.reasoning_open = False
 
     # -- the response object ---------------------------------------------------------------
 
@@ -128,8 +132,21 @@ class ResponsesFormat:
             "content": [part] if text or status == "completed" else [],
         }
 
+    def _reasoning(self, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": text}] if text else []
+        return {
+            "id": self.reasoning_id,
+            "type": "reasoning",
+            "summary": [],
+            "content": content,
+            "status": status,
+        }
+
     def _output(self, choice: ChoiceState) -> list[dict[str, Any]]:
-        output = [self._message(choice.text, "completed")] if choice.text else []
+        reasoning = choice.reasoning
+        output = [self._reasoning(reasoning, "completed")] if reasoning else []
+        if choice.text:
+            output.append(self._message(choice.text, "completed"))
         for call in choice.tool_calls:
             output.append(
                 {
@@ -171,6 +188,8 @@ class ResponsesFormat:
         for item in response["output"]:
             if item["type"] == "message":
                 reply["content"] = item["content"][0]["text"]
+            elif item["type"] == "reasoning":
+                reply["reasoning_content"] = item["content"][0]["text"]
             else:
                 call = {"name": item["name"], "arguments": item["arguments"]}
                 call_entry = {"id": item["call_id"], "type": "function", "function": call}
@@ -195,31 +214,51 @@ class ResponsesFormat:
             {"events": [self._event("response.in_progress", response=opening)]},
         ]
 
+    @property
+    def _message_index(self) -> int:
+        return 1 if self.reasoning_open else 0
+
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
+        events = self._reasoning_events(delta.reasoning) if delta.reasoning else []
         if not delta.text:
-            return None
-        events = []
+            return {"events": events} if events else None
         if not self.message_open:
             self.message_open = True
             events += self._message_opening()
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        where = {
+            "item_id": self.message_id,
+            "output_index": self._message_index,
+            "content_index": 0,
+        }
         events.append(
             self._event("response.output_text.delta", **where, delta=delta.text, logprobs=[])
         )
         return {"events": events}
 
+    def _reasoning_events(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        # The parsers give all of a choice's reasoning before any of its text.
+        if not self.reasoning_open:
+            self.reasoning_open = True
+            item = self._reasoning("", "in_progress")
+            events.append(self._event("response.output_item.added", output_index=0, item=item))
+        where = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+        events.append(self._event("response.reasoning_text.delta", **where, delta=text))
+        return events
+
     def _message_opening(self) -> list[dict[str, Any]]:
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        index = self._message_index
         return [
             self._event(
                 "response.output_item.added",
-                output_index=0,
+                output_index=index,
                 item=self._message("", "in_progress"),
             ),
             self._event(
                 "response.content_part.added",
                 item_id=self.message_id,
-                output_index=0,
+                output_index=index,
                 content_index=0,
                 part=part,
             ),
@@ -231,20 +270,30 @@ class ResponsesFormat:
         events: list[dict[str, Any]] = []
         for index, item in enumerate(response["output"]):
             if item["type"] == "message":
-                events += self._message_closing(item)
+                events += self._message_closing(item, index)
+            elif item["type"] == "reasoning":
+                events += self._reasoning_closing(item)
             else:
                 events += self._function_call_events(index, item)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         events.append(self._event(kind, response=response))
         return [{"events": events}]
 
-    def _message_closing(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+    def _message_closing(self, message: dict[str, Any], index: int) -> list[dict[str, Any]]:
         part = message["content"][0]
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        where = {"item_id": self.message_id, "output_index": index, "content_index": 0}
         return [
             self._event("response.output_text.done", **where, text=part["text"], logprobs=[]),
             self._event("response.content_part.done", **where, part=part),
-            self._event("response.output_item.done", output_index=0, item=message),
+            self._event("response.output_item.done", output_index=index, item=message),
+        ]
+
+    def _reasoning_closing(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        text = item["content"][0]["text"]
+        where = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+        return [
+            self._event("response.reasoning_text.done", **where, text=text),
+            self._event("response.output_item.done", output_index=0, item=item),
         ]
 
     def _function_call_events(self, index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
@@ -293,14 +342,13 @@ class ResponseEventEncoder:
         )
 
 
-def _parse_tool_calls(chat: ChatCompletionRequest, model: ServedModel) -> bool:
+def _check_tool_choice(chat: ChatCompletionRequest) -> None:
     """Calls are parsed with a configured parser; this server can't force one."""
     if chat.tool_choice not in (None, "auto", "none"):
         raise InvalidRequestError(
             "only tool_choice 'auto' and 'none' are supported: this server can't force a call",
             param="tool_choice",
         )
-    return bool(chat.tools) and chat.tool_choice != "none" and model.tool_call_parser is not None
 
 
 async def _history(
@@ -353,8 +401,18 @@ async def create_response(
         want_logprobs=False,
         endpoint="responses",
         streaming=body.stream,
-        parse_tool_calls=_parse_tool_calls(chat, model),
         deadline=deadline,
     )
+    _check_tool_choice(chat)
+    parsing = output_parsing(
+        chat,
+        model.tool_call_parser,
+        gateway.settings.reasoning_parser,
+        model.preprocessor,
+        prompt.token_ids,
+    )
+    if parsing is not None:
+        for choice in generation.choices:
+            choice.parse_with(parsing)
     fmt = ResponsesFormat(body, conversation, store, owner)
     return await respond(request, ResponsePlan(fmt, [generation], chat, None, deadline))

@@ -176,3 +176,31 @@ def test_an_answer_with_reasoning_goes_back_as_the_next_turn(r1_server: ServerPr
     ]
     second = client.chat.completions.create(model="sample-model", messages=turns, tools=TOOLS)
     assert second.choices[0].message.reasoning_content == THOUGHT
+
+
+def test_responses_give_reasoning_its_own_item_whole_and_streamed(
+    qwen_server: ServerProcess,
+) -> None:
+    from tests.e2e.test_responses import sse_events
+    from tests.support.openai_spec import stream_event_schema
+
+    client = client_of(qwen_server)
+    answer = client.responses.create(model="sample-model", input="Umbrella?")
+    reasoning, _ = answer.output
+    assert reasoning.type == "reasoning"
+    assert [part.text for part in reasoning.content or []] == ["Paris is rainy."]
+    assert answer.output_text == "Take an umbrella."
+
+    body = {"model": "sample-model", "input": "Umbrella?", "stream": True}
+    with httpx.Client(base_url=qwen_server.base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/responses", json=body) as streamed_answer:
+            events = [event for _, event in sse_events(streamed_answer)]
+    for event in events:
+        assert spec_errors(stream_event_schema(event["type"]), event) == [], event
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert thought == "Paris is rainy."
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == "Take an umbrella."
+    assert {e["output_index"] for e in events if e["type"] == "response.output_text.delta"} == {1}
+    final = events[-1]["response"]["output"]
+    assert [item["type"] for item in final] == ["reasoning", "message"]
