@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import weakref
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from penstock.ray.fleet_admin import FleetEngine
 from penstock.ray.metrics import SCRAPE_TIMEOUT_S, fleet_families, labelled_families, render
 from penstock.ray.replica import EngineReplica
 from penstock.ray.routing import affinity_key
+from penstock.ray.streams import FleetStreams, IngressStream
 from penstock.ray.wire import entry_error
 from penstock.settings import Settings
 
@@ -80,14 +82,16 @@ class FleetHost:
     """Stands where :class:`~penstock.engines.host.EngineHost` stands, for a Serve fleet."""
 
     def __init__(
-        self, handle: Any, description: dict[str, Any], settings: Settings, *, owns_ray: bool
+        self,
+        handle: Any,
+        description: dict[str, Any],
+        settings: Settings,
+        *,
+        owns_ray: bool,
+        data_token: str,
     ) -> None:
         self._ray, self._serve = require_ray()
-        from ray.serve.exceptions import RequestCancelledError
-
-        self._cancelled_error = RequestCancelledError
         self._handle = handle
-        self._stream_handle = handle.options(stream=True)
         self._settings = settings
         self._owns_ray = owns_ray
         self.adapters = FleetAdapters(handle, set(description.get("updates", ())))
@@ -100,8 +104,17 @@ class FleetHost:
         self.health = HealthStatus()
         self.admission: AdmissionGate | None = None
         self.replicas: dict[str, ReplicaLoad] = {}
+        self.streams = FleetStreams(
+            data_token,
+            settings.ray_app_name,
+            settings.ray_affinity_max_imbalance,
+            lambda name: self.replicas[name].running if name in self.replicas else 0,
+        )
+        self.engine.on_view = self.streams.update
         self._background: set[asyncio.Task[Any]] = set()
-        self._streams: weakref.WeakKeyDictionary[Context, Any] = weakref.WeakKeyDictionary()
+        self._streams: weakref.WeakKeyDictionary[Context, IngressStream] = (
+            weakref.WeakKeyDictionary()
+        )
         self._view_task: asyncio.Task[Any] | None = None
 
     @property
@@ -160,47 +173,35 @@ class FleetHost:
                 gate.release()
 
     async def _remote(self, request: dict[str, Any], context: Context) -> AsyncIterator[dict]:
-        """The ingress's end of the data plane: the replica's batches
-        (:mod:`penstock.ray.batching`) as chunks, its error raised again."""
-        stream = self._stream_handle.generate.remote(
-            request,
+        """The ingress's end of the data plane (:mod:`penstock.ray.streams`): the chosen
+        replica's batches as chunks, its error raised again."""
+        name, stream = await self.streams.open(
             context.id(),
-            affinity=affinity_key(request, context, self._settings.ray_affinity_prefix_tokens),
-            adapter=self.adapters.route(request.get("model")),
+            request,
+            self.adapters.route(request.get("model")),
+            affinity_key(request, context, self._settings.ray_affinity_prefix_tokens),
         )
         self._streams[context] = stream
-        load: ReplicaLoad | None = None
+        load = self.replicas.setdefault(name, ReplicaLoad())
+        load.served += 1
+        load.running += 1
         completed = False
         try:
-            async for message in stream:
-                if isinstance(message, str):
-                    load = self.replicas.setdefault(message, ReplicaLoad())
-                    load.served += 1
-                    load.running += 1
-                    continue
-                for item in message:
+            async for batch in stream.batches():
+                for item in batch:
                     error = entry_error(item)
                     if error is not None:
                         raise error
-                    if load is not None:
-                        load.tokens += len(item.get("token_ids") or ())
+                    load.tokens += len(item.get("token_ids") or ())
                     yield item
             completed = True
-        except self._cancelled_error:
-            completed = True
-            if not context.is_stopped():
-                raise
-        except self._ray.exceptions.RayError as exc:
-            if load is not None:
-                load.lost += 1
-            logger.warning("request %s lost its engine replica: %s", context.id(), exc)
-            raise ReplicaLostError(
-                "the engine replica serving this request failed; retry the request"
-            ) from exc
+        except ReplicaLostError as exc:
+            load.lost += 1
+            logger.warning("request %s lost its engine replica %s: %s", context.id(), name, exc)
+            raise
         finally:
             self._streams.pop(context, None)
-            if load is not None:
-                load.running -= 1
+            load.running -= 1
             if not completed:
                 stream.cancel()
 
@@ -236,6 +237,7 @@ class FleetHost:
         if self.state is EngineState.STOPPED:
             return
         self.state = EngineState.STOPPED
+        self.streams.close()
         try:
             async with asyncio.timeout(_SHUTDOWN_S):
                 await asyncio.to_thread(self._stop_serving)
@@ -285,7 +287,7 @@ def deployment_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
-def _deploy(settings: Settings) -> tuple[Any, dict[str, Any], bool]:
+def _deploy(settings: Settings, data_token: str) -> tuple[Any, dict[str, Any], bool]:
     ray, serve = require_ray()
     owns_ray = not ray.is_initialized() and not settings.ray_address
     try:
@@ -300,7 +302,10 @@ def _deploy(settings: Settings) -> tuple[Any, dict[str, Any], bool]:
         serve.start(proxy_location="Disabled")
         app = serve.deployment(EngineReplica).options(**deployment_options(settings))
         handle = serve.run(
-            app.bind(settings), name=settings.ray_app_name, route_prefix=None, blocking=False
+            app.bind(settings, data_token),
+            name=settings.ray_app_name,
+            route_prefix=None,
+            blocking=False,
         )
         description = handle.describe.remote().result()
     except Exception as exc:
@@ -332,8 +337,11 @@ async def start_fleet(settings: Settings) -> FleetHost:
     """Deploy the engine replicas and wait until they serve; raises
     :class:`~penstock.errors.RaySetupError` with the reason otherwise."""
     require_ray()
-    handle, description, owns_ray = await asyncio.to_thread(_deploy, settings)
-    host = FleetHost(handle, description, settings, owns_ray=owns_ray)
+    data_token = secrets.token_hex(16)
+    handle, description, owns_ray = await asyncio.to_thread(_deploy, settings, data_token)
+    host = FleetHost(handle, description, settings, owns_ray=owns_ray, data_token=data_token)
+    # The first view gives the routing its replicas' data plane addresses.
+    await host.engine.refresh()
     host.admission = AdmissionGate(
         settings.max_concurrency,
         settings.max_queue,
