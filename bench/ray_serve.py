@@ -128,14 +128,16 @@ def penstock(port: int, gateway_args: list[str]) -> Iterator[tuple[str, Callable
 def forwarded(port: int) -> Iterator[tuple[str, Callable[[], dict]]]:
     forwarder = [sys.executable, str(REPO / "bench" / "byte_forwarder.py"), "--port", str(port)]
     forwarder += ["--upstream", f"http://127.0.0.1:{port + 1}"]
-    with started(serve_argv(port + 1, [])) as replica, started(forwarder) as ingress:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, ingress)
+    with started(serve_argv(port + 1, [])) as replica:
+        wait_healthy(f"http://127.0.0.1:{port + 1}", replica)
+        with started(forwarder) as ingress:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, ingress)
 
-        def cpu() -> dict:
-            return {"ingress": cpu_seconds(ingress.pid), "replicas": cpu_seconds(replica.pid)}
+            def cpu() -> dict:
+                return {"ingress": cpu_seconds(ingress.pid), "replicas": cpu_seconds(replica.pid)}
 
-        yield url, cpu
+            yield url, cpu
 
 
 def load(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import sys
 import weakref
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from penstock.errors import (
 from penstock.ray import require_ray
 from penstock.ray.adapters import FleetAdapters
 from penstock.ray.fleet_admin import FleetEngine
+from penstock.ray.local_cluster import LocalCluster
 from penstock.ray.metrics import SCRAPE_TIMEOUT_S, fleet_families, labelled_families, render
 from penstock.ray.replica import EngineReplica
 from penstock.ray.routing import affinity_key
@@ -87,13 +89,13 @@ class FleetHost:
         description: dict[str, Any],
         settings: Settings,
         *,
-        owns_ray: bool,
+        cluster: LocalCluster | None,
         data_token: str,
     ) -> None:
         self._ray, self._serve = require_ray()
         self._handle = handle
         self._settings = settings
-        self._owns_ray = owns_ray
+        self._cluster = cluster
         self.adapters = FleetAdapters(handle, set(description.get("updates", ())))
         self.engine = FleetEngine(handle, description, self.adapters, settings.ray_app_name)
         self.engine_config: EngineConfig = description["engine_config"]
@@ -110,7 +112,7 @@ class FleetHost:
             settings.ray_affinity_max_imbalance,
             lambda name: self.replicas[name].running if name in self.replicas else 0,
         )
-        self.engine.on_view = self.streams.update
+        self.engine.on_view = self._take_view
         self._background: set[asyncio.Task[Any]] = set()
         self._streams: weakref.WeakKeyDictionary[Context, IngressStream] = (
             weakref.WeakKeyDictionary()
@@ -127,7 +129,8 @@ class FleetHost:
         return str(configured or self.engine_config.served_model_name or self.engine_config.model)
 
     def describe_fleet(self) -> dict[str, Any]:
-        """Per replica, as seen from here: requests served, running, lost to its death."""
+        """Per live replica (those that answered the last view), as seen from here: its
+        state and checksum, requests served, running, lost to its death."""
         view = self.engine.view
         return {
             "deployment": DEPLOYMENT_NAME,
@@ -139,12 +142,18 @@ class FleetHost:
                     **vars(self.replicas.get(name, ReplicaLoad())),
                     **self.engine.rotation.state(name),
                 }
-                for name in sorted(set(self.replicas) | set(view))
+                for name in sorted(view)
             },
             "fleet_weights": self.engine.rotation.fleet_weights,
             "weight_versions": sorted({v.get("weight_version") for v in view.values()}, key=str),
             "checked_at": self.engine.view_at,
         }
+
+    def _take_view(self, view: dict[str, dict[str, Any]]) -> None:
+        self.streams.update(view)
+        # A replica gone from the fleet (dead, scaled in) leaves /health and the metrics.
+        for name in [n for n, load in self.replicas.items() if n not in view and not load.running]:
+            del self.replicas[name]
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -216,7 +225,8 @@ class FleetHost:
             logger.warning("the replicas' metrics did not arrive within %gs", SCRAPE_TIMEOUT_S)
             replies = []
         texts = {str(r[0]): str(r[1]) for r in replies if isinstance(r, tuple | list)}
-        families = fleet_families(self.replicas, texts) + labelled_families(texts)
+        live = {name: load for name, load in self.replicas.items() if name in self.engine.view}
+        families = fleet_families(live, texts) + labelled_families(texts)
         return render(families)
 
     def start_monitor(self) -> None:
@@ -232,8 +242,9 @@ class FleetHost:
                 await task
 
     async def cleanup(self) -> None:
-        """Delete the deployment, or shut down the Ray cluster this process started; bounded,
-        since a cluster whose processes were signalled too may no longer answer."""
+        """Delete the deployment, or stop Serve and end the Ray cluster this process
+        started; bounded, since a cluster whose processes were signalled too may no
+        longer answer."""
         if self.state is EngineState.STOPPED:
             return
         self.state = EngineState.STOPPED
@@ -243,12 +254,13 @@ class FleetHost:
                 await asyncio.to_thread(self._stop_serving)
         except TimeoutError:
             logger.warning("Ray Serve did not stop within %gs; leaving it", _SHUTDOWN_S)
-        if self._owns_ray:
+        if self._cluster is not None:
             self._ray.shutdown()
+            await asyncio.to_thread(self._cluster.stop)
 
     def _stop_serving(self) -> None:
         try:
-            if self._owns_ray:
+            if self._cluster is not None:
                 self._serve.shutdown()
             else:
                 self._serve.delete(self._settings.ray_app_name)
@@ -287,17 +299,17 @@ def deployment_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
-def _deploy(settings: Settings, data_token: str) -> tuple[Any, dict[str, Any], bool]:
+def _deploy(
+    settings: Settings, data_token: str, cluster: LocalCluster | None
+) -> tuple[Any, dict[str, Any]]:
     ray, serve = require_ray()
-    owns_ray = not ray.is_initialized() and not settings.ray_address
     try:
         if not ray.is_initialized():
-            if settings.ray_address:
-                ray.init(address=settings.ray_address, log_to_driver=False)
-            else:
-                # "local": a new cluster even where another one runs on this machine (a
-                # bare init joins that one, and this server would then stop its Serve).
-                ray.init(address="local", include_dashboard=False, log_to_driver=False)
+            # "local" (Ray imported before a cluster could be made): a new one in this
+            # server's group, not one another process runs on this machine.
+            address = settings.ray_address or (cluster.start() if cluster else "local")
+            local = {"include_dashboard": False} if address == "local" else {}
+            ray.init(address=address, log_to_driver=False, **local)
         # The gateway process is the HTTP ingress: no Serve proxy is needed.
         serve.start(proxy_location="Disabled")
         app = serve.deployment(EngineReplica).options(**deployment_options(settings))
@@ -310,16 +322,17 @@ def _deploy(settings: Settings, data_token: str) -> tuple[Any, dict[str, Any], b
         description = handle.describe.remote().result()
     except Exception as exc:
         reason = _replica_failure(serve, settings.ray_app_name) or str(exc)
-        if owns_ray:
+        if cluster is not None:
             with contextlib.suppress(Exception):
                 serve.shutdown()
             ray.shutdown()
+            cluster.stop()
         else:
             # Serve would go on retrying the replicas on a cluster that outlives this server.
             with contextlib.suppress(Exception):
                 serve.delete(settings.ray_app_name)
         raise RaySetupError(f"the engine deployment on Ray failed to start: {reason}") from exc
-    return handle, description, owns_ray
+    return handle, description
 
 
 def _replica_failure(serve: Any, app_name: str) -> str | None:
@@ -336,10 +349,16 @@ def _replica_failure(serve: Any, app_name: str) -> str | None:
 async def start_fleet(settings: Settings) -> FleetHost:
     """Deploy the engine replicas and wait until they serve; raises
     :class:`~penstock.errors.RaySetupError` with the reason otherwise."""
-    require_ray()
+    # Without an address, a new cluster of this server's own (never one already running
+    # on this machine, whose Serve this server would then stop), in a process group of
+    # its own; made before Ray is imported (see LocalCluster).
+    cluster = None if settings.ray_address or "ray" in sys.modules else LocalCluster()
+    ray, _ = require_ray()
+    if ray.is_initialized():
+        cluster = None
     data_token = secrets.token_hex(16)
-    handle, description, owns_ray = await asyncio.to_thread(_deploy, settings, data_token)
-    host = FleetHost(handle, description, settings, owns_ray=owns_ray, data_token=data_token)
+    handle, description = await asyncio.to_thread(_deploy, settings, data_token, cluster)
+    host = FleetHost(handle, description, settings, cluster=cluster, data_token=data_token)
     # The first view gives the routing its replicas' data plane addresses.
     await host.engine.refresh()
     host.admission = AdmissionGate(

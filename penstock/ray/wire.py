@@ -124,6 +124,7 @@ class FrameProtocol(asyncio.Protocol):
         self._trusted = trusted
         self._unpacker = msgpack.Unpacker(raw=False, ext_hook=self._unpickled)
         self._transport: asyncio.Transport | None = None
+        self._pending: list[bytes] = []
         self._writable = asyncio.Event()
         self._writable.set()
 
@@ -167,9 +168,18 @@ class FrameProtocol(asyncio.Protocol):
         self._writable.set()
 
     def send(self, *frame: Any) -> None:
+        """Queue ``frame``; the frames of one turn of the event loop leave in one write."""
+        if self.closed:
+            return
+        self._pending.append(msgpack.packb(frame, default=_pickled))
+        if len(self._pending) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
         if not self.closed:
             assert self._transport is not None
-            self._transport.write(msgpack.packb(frame, default=_pickled))
+            self._transport.write(b"".join(pending))
 
     async def drain(self) -> None:
         """Wait while the socket's send buffer is full (the peer reads slower)."""
