@@ -9,6 +9,7 @@ serving processes around the run) and at concurrency 1 (TTFT). The setups:
 * ``fleet, N replica(s)``: ``penstock serve --ray`` on a local cluster of its own, the
   data plane one TCP connection per replica (``penstock.ray.streams``); its CPU is the
   ingress's plus every Serve replica process's (Ray's own daemons are left out);
+* ``single process, again`` last: how far the shared machine's load moved meanwhile;
 * ``forwarded bytes`` (with ``--forwarded``): the other data plane design, each replica
   running the whole gateway and the ingress forwarding its HTTP bytes
   (``bench/byte_forwarder.py`` in front of a plain ``penstock serve``); its CPU is the
@@ -42,6 +43,7 @@ from load import run
 
 REPO = Path(__file__).resolve().parents[1]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+IDLE_S = 3.0
 
 
 def cpu_seconds(pid: int) -> float:
@@ -153,6 +155,10 @@ def load(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
 
 def measure(name: str, serving: Any, args: argparse.Namespace) -> dict:
     with serving as (url, cpu):
+        # What the serving processes spend idle (Ray's threads, the fleet view), per second.
+        idle_before = cpu()
+        time.sleep(IDLE_S)
+        idle_after = cpu()
         before = cpu()
         busy = load(url, args.concurrency, args.requests, args.max_tokens)
         after = cpu()
@@ -162,8 +168,10 @@ def measure(name: str, serving: Any, args: argparse.Namespace) -> dict:
     spent = {part: after[part] - before[part] for part in after}
     per_1k = {part: 1000 * seconds / tokens for part, seconds in spent.items()}
     ingress_per_token = spent["ingress"] / tokens
+    idle = sum(idle_after.values()) - sum(idle_before.values())
     return {
         "setup": name,
+        "idle_cpu_s_per_s": round(idle / IDLE_S, 4),
         "tokens_per_s": round(busy["tokens_per_s"]),
         "errors": busy["errors"] + serial["errors"],
         "cpu_s_per_1k_tokens": round(sum(per_1k.values()), 4),
@@ -190,12 +198,14 @@ def main() -> None:
         setups.append((f"fleet, {n} replica(s)", penstock(args.port, fleet)))
     if args.forwarded:
         setups.append(("forwarded bytes, 1 replica", forwarded(args.port)))
+    # Again at the end: how far the machine's load moved during the run.
+    setups.append(("single process, again", penstock(args.port, [])))
     rows = []
     for name, serving in setups:
         rows.append(measure(name, serving, args))
         print(json.dumps(rows[-1]), flush=True)
     single = rows[0]
-    for row in rows[1:]:
+    for row in rows[1:-1]:
         ratios = {
             "setup": row["setup"],
             "cpu_per_token_vs_single": round(

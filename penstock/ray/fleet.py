@@ -7,14 +7,15 @@ the served model from what a replica describes, as ``build_gateway`` does for a 
 engine, so the serving layer, the routers and the server (drain, connection limits) run
 unchanged.
 
-* Routing: :class:`~penstock.ray.router.AffinityRouter` picks the replica: the least
-  loaded, or the one a request's session or prompt prefix prefers within a bound
-  (:mod:`penstock.ray.routing`). LoRA adapters: :mod:`penstock.ray.adapters`. Metrics:
+* Data plane and routing: :mod:`penstock.ray.streams` picks each stream's replica (the
+  least loaded, or the one a request's session or prompt prefix prefers within a bound:
+  :mod:`penstock.ray.routing`) and carries its chunks over one connection per replica;
+  Ray carries the control plane only. LoRA adapters: :mod:`penstock.ray.adapters`. Metrics:
   :mod:`penstock.ray.metrics`.
 * Admission: the ingress holds the one :class:`AdmissionGate`, so ``--max-concurrency`` and
   ``--max-queue`` bound the whole fleet; each replica accepts as many requests as that.
 * Cancellation: a consumer going away (client gone, deadline, a stop string, ``cancel``)
-  cancels the Serve stream; the replica's host then kills the request's context and
+  cancels the stream on its replica; the replica's host then kills the request's context and
   aborts it once. A request whose replica dies fails with :class:`ReplicaLostError`
   (an error frame and ``[DONE]`` once streaming) and Serve starts a replacement.
 * Admin: the admin plane drives :class:`~penstock.ray.fleet_admin.FleetEngine`, which fans
@@ -61,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "penstock-engine"
 # Imported by Serve, so this module needs no Ray to import (see penstock.ray.router).
-ROUTER_IMPORT_PATH = "penstock.ray.router:AffinityRouter"
+ROUTER_IMPORT_PATH = "penstock.ray.router:RotationRouter"
 # How long stopping the deployment may take at exit (replicas drain their own requests).
 _SHUTDOWN_S = 20.0
 # How often /health's per-replica view (state, weight version, running) is refreshed.
@@ -279,10 +280,7 @@ def deployment_options(settings: Settings) -> dict[str, Any]:
         # The ingress gate bounds the fleet; a replica never refuses what it admitted.
         "max_ongoing_requests": max(settings.max_concurrency, 1) + _ADMIN_SLOTS,
         "graceful_shutdown_timeout_s": settings.graceful_shutdown_s,
-        "request_router_config": {
-            "request_router_class": ROUTER_IMPORT_PATH,
-            "request_router_kwargs": {"max_imbalance": settings.ray_affinity_max_imbalance},
-        },
+        "request_router_config": {"request_router_class": ROUTER_IMPORT_PATH},
     }
     low, high = settings.ray_min_replicas, settings.ray_max_replicas
     if low is None and high is None:
