@@ -22,18 +22,8 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from penstock.errors import ReplicaLostError
+from penstock.ray import wire
 from penstock.ray.routing import SAMPLE, choose, in_rotation, preference
-from penstock.ray.wire import (
-    ADDRESS_KEY,
-    BATCH,
-    CANCEL,
-    CREDIT,
-    END,
-    HELLO,
-    OPEN,
-    WINDOW,
-    FrameProtocol,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +49,14 @@ class IngressStream:
                 )
             yield batch
             consumed += 1
-            if consumed == WINDOW // 2:
-                self._channel.send(CREDIT, self._id, consumed)
+            if consumed == wire.WINDOW // 2:
+                self._channel.send(wire.CREDIT, self._id, consumed)
                 consumed = 0
 
     def cancel(self) -> None:
         """Stop the stream on the replica (its host aborts the request once) and end it here."""
         if self._channel.detach(self._id):
-            self._channel.send(CANCEL, self._id)
+            self._channel.send(wire.CANCEL, self._id)
             self.queue.put_nowait(None)
 
 
@@ -78,7 +68,7 @@ class ReplicaChannel:
         self.address = address
         self.lost = False
         self._token = token
-        self._protocol: FrameProtocol | None = None
+        self._protocol: wire.FrameProtocol | None = None
         self._connected: asyncio.Task[None] | None = None
         self._streams: dict[int, IngressStream] = {}
         self._ids = itertools.count()
@@ -98,9 +88,9 @@ class ReplicaChannel:
         host, port = self.address.rsplit(":", 1)
         loop = asyncio.get_running_loop()
         _, self._protocol = await loop.create_connection(
-            lambda: FrameProtocol(self._on_frame, self._on_lost, trusted=True), host, int(port)
+            lambda: wire.FrameProtocol(self._on_frame, self._on_lost, trusted=True), host, int(port)
         )
-        self._protocol.send(HELLO, self._token)
+        self._protocol.send(wire.HELLO, self._token)
 
     def open(
         self, request_id: str, request: dict[str, Any], adapter: tuple[str, str] | None
@@ -110,7 +100,7 @@ class ReplicaChannel:
         if self.lost:
             stream.queue.put_nowait(_LOST)
         else:
-            self.send(OPEN, stream_id, request_id, request, adapter)
+            self.send(wire.OPEN, stream_id, request_id, request, adapter)
         return stream
 
     def send(self, *frame: Any) -> None:
@@ -129,9 +119,9 @@ class ReplicaChannel:
         stream = self._streams.get(stream_id)
         if stream is None:
             return  # cancelled here; the replica's last frames were under way
-        if kind == BATCH:
+        if kind == wire.BATCH:
             stream.queue.put_nowait(frame[2])
-        elif kind == END:
+        elif kind == wire.END:
             del self._streams[stream_id]
             stream.queue.put_nowait(None)
 
@@ -165,7 +155,9 @@ class FleetStreams:
     def update(self, view: Mapping[str, Mapping[str, Any]]) -> None:
         """Take the replicas of a fresh fleet view (name: status with its address)."""
         self._addresses = {
-            name: str(entry[ADDRESS_KEY]) for name, entry in view.items() if entry.get(ADDRESS_KEY)
+            name: str(entry[wire.ADDRESS_KEY])
+            for name, entry in view.items()
+            if entry.get(wire.ADDRESS_KEY)
         }
         for name, channel in list(self._channels.items()):
             if channel.lost or self._addresses.get(name) != channel.address:
