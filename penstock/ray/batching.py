@@ -152,6 +152,8 @@ class _ReplicaConnection:
             )
         elif (stream := self._streams.get(frame[1])) is not None:
             if kind == CANCEL and stream.task is not None:
+                # Dropped here too: a task cancelled before it ran never reaches its finally.
+                del self._streams[frame[1]]
                 stream.task.cancel()
             elif kind == CREDIT:
                 stream.credit += int(frame[2])
