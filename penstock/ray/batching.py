@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from penstock.errors import PenstockError
+from penstock.ray.inbox import Inbox
 from penstock.ray.wire import (
     BATCH,
     CANCEL,
@@ -47,7 +48,7 @@ class ChunkBatcher:
 
     def __init__(self, chunks: AsyncIterator[dict[str, Any]], label: str) -> None:
         self._label = label
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._inbox: Inbox[Any] = Inbox()
         self._ended = False
         self._pump = asyncio.get_running_loop().create_task(self._run(chunks))
 
@@ -56,9 +57,10 @@ class ChunkBatcher:
         stream has ended."""
         if self._ended:
             return None
-        batch = [await self._queue.get()]
-        while not self._queue.empty():
-            batch.append(self._queue.get_nowait())
+        await self._inbox.wait()
+        # One turn of the loop more: what the engine yields meanwhile rides in this batch.
+        await asyncio.sleep(0)
+        batch = self._inbox.take_all()
         if batch[-1] is _END:
             self._ended = True
             batch.pop()
@@ -75,13 +77,13 @@ class ChunkBatcher:
     async def _run(self, chunks: AsyncIterator[dict[str, Any]]) -> None:
         try:
             async for chunk in chunks:
-                self._queue.put_nowait(chunk)
+                self._inbox.put(chunk)
         except PenstockError as exc:
-            self._queue.put_nowait(error_entry(exc))
+            self._inbox.put(error_entry(exc))
         except Exception:
             logger.exception("%s failed", self._label)
-            self._queue.put_nowait(error_entry(PenstockError("Internal server error")))
-        self._queue.put_nowait(_END)
+            self._inbox.put(error_entry(PenstockError("Internal server error")))
+        self._inbox.put(_END)
 
 
 # Opens a request's chunks: (request id, request, LoRA adapter or None).

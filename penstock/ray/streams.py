@@ -23,6 +23,7 @@ from typing import Any
 
 from penstock.errors import ReplicaLostError
 from penstock.ray import wire
+from penstock.ray.inbox import Inbox
 from penstock.ray.routing import SAMPLE, choose, in_rotation, preference
 
 logger = logging.getLogger(__name__)
@@ -36,20 +37,29 @@ class IngressStream:
     def __init__(self, channel: ReplicaChannel, stream_id: int) -> None:
         self._channel = channel
         self._id = stream_id
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.inbox: Inbox[Any] = Inbox()
 
     async def batches(self) -> AsyncIterator[list[dict[str, Any]]]:
-        """The replica's batches until it ends the stream; raises
-        :class:`~penstock.errors.ReplicaLostError` when the connection closed first."""
+        """The replica's chunks, as many as have arrived at a time, until it ends the
+        stream; raises :class:`~penstock.errors.ReplicaLostError` when the connection
+        closed first."""
         consumed = 0
-        while (batch := await self.queue.get()) is not None:
-            if batch is _LOST:
+        while True:
+            arrived = await self.inbox.take()
+            # The end, a loss or a cancel comes last: nothing is put after it.
+            last = arrived[-1] if arrived[-1] is None or arrived[-1] is _LOST else False
+            if last is not False:
+                arrived.pop()
+            if arrived:
+                yield [chunk for batch in arrived for chunk in batch]
+            if last is _LOST:
                 raise ReplicaLostError(
                     "the engine replica serving this request failed; retry the request"
                 )
-            yield batch
-            consumed += 1
-            if consumed == wire.WINDOW // 2:
+            if last is None:
+                return
+            consumed += len(arrived)
+            if consumed >= wire.WINDOW // 2:
                 self._channel.send(wire.CREDIT, self._id, consumed)
                 consumed = 0
 
@@ -57,7 +67,7 @@ class IngressStream:
         """Stop the stream on the replica (its host aborts the request once) and end it here."""
         if self._channel.detach(self._id):
             self._channel.send(wire.CANCEL, self._id)
-            self.queue.put_nowait(None)
+            self.inbox.put(None)
 
 
 class ReplicaChannel:
@@ -98,7 +108,7 @@ class ReplicaChannel:
         stream_id = next(self._ids)
         stream = self._streams[stream_id] = IngressStream(self, stream_id)
         if self.lost:
-            stream.queue.put_nowait(_LOST)
+            stream.inbox.put(_LOST)
         else:
             self.send(wire.OPEN, stream_id, request_id, request, adapter)
         return stream
@@ -120,17 +130,17 @@ class ReplicaChannel:
         if stream is None:
             return  # cancelled here; the replica's last frames were under way
         if kind == wire.BATCH:
-            stream.queue.put_nowait(frame[2])
+            stream.inbox.put(frame[2])
         elif kind == wire.END:
             del self._streams[stream_id]
-            stream.queue.put_nowait(None)
+            stream.inbox.put(None)
 
     def _on_lost(self, exc: Exception | None) -> None:
         self.lost = True
         if self._streams:
             logger.warning("the connection to engine replica %s closed: %s", self.name, exc)
         for stream in self._streams.values():
-            stream.queue.put_nowait(_LOST)
+            stream.inbox.put(_LOST)
         self._streams.clear()
 
 

@@ -95,7 +95,7 @@ def test_a_stream_the_ingress_stops_reading_holds_a_window_of_batches_here() -> 
         for _ in range(50):
             await asyncio.sleep(0.01)
         # The replica queues the rest (its engine runs on); the ingress holds a window.
-        assert 0 < stream.queue.qsize() <= WINDOW
+        assert 0 < len(stream.inbox) <= WINDOW
         received += [chunk async for batch in batches for chunk in batch]
         assert [c["token_ids"][0] for c in received] == list(range(10_000))
         await server.close()
