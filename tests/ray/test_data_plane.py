@@ -11,6 +11,7 @@ import pytest
 
 from penstock.errors import InvalidRequestError, ReplicaLostError
 from penstock.ray.batching import StreamServer
+from penstock.ray.routing import set_rotation
 from penstock.ray.streams import FleetStreams
 from penstock.ray.wire import ADDRESS_KEY, WINDOW, entry_error
 
@@ -148,5 +149,30 @@ def test_a_connection_without_the_fleet_token_opens_no_stream() -> None:
             await collect(streams, "intruder")
         assert source.produced == {}
         await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_waits_for_a_replica_in_rotation_then_streams_there() -> None:
+    async def scenario() -> None:
+        first, second = Source(3), Source(3)
+        servers = [StreamServer(s, TOKEN, f"replica {i}") for i, s in enumerate((first, second))]
+        addresses = [await server.start("127.0.0.1") for server in servers]
+        streams = FleetStreams(TOKEN, "rotation-test", 8, lambda name: 0)
+        view = {"r0": {ADDRESS_KEY: addresses[0]}, "r1": {ADDRESS_KEY: addresses[1]}}
+        set_rotation("rotation-test", frozenset())
+        try:
+            streams.update(view)
+            waiting = asyncio.ensure_future(collect(streams, "held"))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            set_rotation("rotation-test", frozenset({"r1"}))
+            streams.update(view)
+            assert len(await waiting) == 3
+            assert (first.produced, second.produced) == ({}, {"held": 3})
+        finally:
+            set_rotation("rotation-test", None)
+            for server in servers:
+                await server.close()
 
     asyncio.run(scenario())
