@@ -170,11 +170,24 @@ class _ReplicaConnection:
                     await stream.credited.wait()
                 stream.credit -= 1
                 await self.protocol.drain()
-                self.protocol.send(BATCH, stream_id, batch)
+                if not self._send_batch(stream_id, batch):
+                    break
             self.protocol.send(END, stream_id)
         finally:
             self._streams.pop(stream_id, None)
             await batcher.close()
+
+    def _send_batch(self, stream_id: int, batch: list[dict[str, Any]]) -> bool:
+        """Send ``batch``; a chunk that cannot be encoded ends its own stream with an error
+        (``False``), not the connection's other streams."""
+        try:
+            self.protocol.send(BATCH, stream_id, batch)
+        except Exception:
+            logger.exception("%s: stream %s: a chunk cannot be sent", self._server.label, stream_id)
+            failed = error_entry(PenstockError("Internal server error"))
+            self.protocol.send(BATCH, stream_id, [failed])
+            return False
+        return True
 
     def _on_lost(self, exc: Exception | None) -> None:
         self._server.connections.discard(self)

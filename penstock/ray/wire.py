@@ -122,7 +122,7 @@ class FrameProtocol(asyncio.Protocol):
         self._on_frame = on_frame
         self._on_lost = on_lost
         self._trusted = trusted
-        self._unpacker = msgpack.Unpacker(raw=False, ext_hook=self._unpickled)
+        self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=self._unpickled)
         self._transport: asyncio.Transport | None = None
         self._pending: list[bytes] = []
         self._writable = asyncio.Event()

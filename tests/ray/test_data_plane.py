@@ -176,3 +176,28 @@ def test_a_request_waits_for_a_replica_in_rotation_then_streams_there() -> None:
                 await server.close()
 
     asyncio.run(scenario())
+
+
+class Unpicklable:
+    def __reduce__(self) -> Any:
+        raise TypeError("not picklable")
+
+
+def test_a_chunk_that_cannot_be_sent_fails_its_own_stream_only() -> None:
+    async def broken(
+        request_id: str, request: dict[str, Any], adapter: tuple[str, str] | None
+    ) -> AsyncIterator[dict[str, Any]]:
+        yield {"token_ids": [1], "int_keys": {7: 0.5}}
+        yield {"token_ids": [2], "extra": Unpicklable() if request_id == "bad" else None}
+
+    async def scenario() -> None:
+        server = StreamServer(broken, TOKEN, "replica r0")
+        streams = FleetStreams(TOKEN, "broken-test", 8, lambda name: 0)
+        streams.update({"r0": {ADDRESS_KEY: await server.start("127.0.0.1")}})
+        good, bad = await asyncio.gather(collect(streams, "good"), collect(streams, "bad"))
+        assert [c["token_ids"] for c in good] == [[1], [2]] and good[0]["int_keys"] == {7: 0.5}
+        error = entry_error(bad[-1])
+        assert error is not None and error.status_code == 500
+        await server.close()
+
+    asyncio.run(scenario())
