@@ -110,7 +110,11 @@ class ReplicaChannel:
         if self.lost:
             stream.inbox.put(_LOST)
         else:
-            self.send(wire.OPEN, stream_id, request_id, request, adapter)
+            try:
+                self.send(wire.OPEN, stream_id, request_id, request, adapter)
+            except Exception:
+                del self._streams[stream_id]
+                raise
         return stream
 
     def send(self, *frame: Any) -> None:
