@@ -7,14 +7,15 @@ the served model from what a replica describes, as ``build_gateway`` does for a 
 engine, so the serving layer, the routers and the server (drain, connection limits) run
 unchanged.
 
-* Routing: :class:`~penstock.ray.router.AffinityRouter` picks the replica: the least
-  loaded, or the one a request's session or prompt prefix prefers within a bound
-  (:mod:`penstock.ray.routing`). LoRA adapters: :mod:`penstock.ray.adapters`. Metrics:
+* Data plane and routing: :mod:`penstock.ray.streams` picks each stream's replica (the
+  least loaded, or the one a request's session or prompt prefix prefers within a bound:
+  :mod:`penstock.ray.routing`) and carries its chunks over one connection per replica;
+  Ray carries the control plane only. LoRA adapters: :mod:`penstock.ray.adapters`. Metrics:
   :mod:`penstock.ray.metrics`.
 * Admission: the ingress holds the one :class:`AdmissionGate`, so ``--max-concurrency`` and
   ``--max-queue`` bound the whole fleet; each replica accepts as many requests as that.
 * Cancellation: a consumer going away (client gone, deadline, a stop string, ``cancel``)
-  cancels the Serve stream; the replica's host then kills the request's context and
+  cancels the stream on its replica; the replica's host then kills the request's context and
   aborts it once. A request whose replica dies fails with :class:`ReplicaLostError`
   (an error frame and ``[DONE]`` once streaming) and Serve starts a replacement.
 * Admin: the admin plane drives :class:`~penstock.ray.fleet_admin.FleetEngine`, which fans
@@ -27,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
+import sys
 import weakref
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
@@ -47,9 +50,11 @@ from penstock.errors import (
 from penstock.ray import require_ray
 from penstock.ray.adapters import FleetAdapters
 from penstock.ray.fleet_admin import FleetEngine
+from penstock.ray.local_cluster import LocalCluster
 from penstock.ray.metrics import SCRAPE_TIMEOUT_S, fleet_families, labelled_families, render
 from penstock.ray.replica import EngineReplica
 from penstock.ray.routing import affinity_key
+from penstock.ray.streams import FleetStreams, IngressStream
 from penstock.ray.wire import entry_error
 from penstock.settings import Settings
 
@@ -57,7 +62,7 @@ logger = logging.getLogger(__name__)
 
 DEPLOYMENT_NAME = "penstock-engine"
 # Imported by Serve, so this module needs no Ray to import (see penstock.ray.router).
-ROUTER_IMPORT_PATH = "penstock.ray.router:AffinityRouter"
+ROUTER_IMPORT_PATH = "penstock.ray.router:RotationRouter"
 # How long stopping the deployment may take at exit (replicas drain their own requests).
 _SHUTDOWN_S = 20.0
 # How often /health's per-replica view (state, weight version, running) is refreshed.
@@ -80,16 +85,18 @@ class FleetHost:
     """Stands where :class:`~penstock.engines.host.EngineHost` stands, for a Serve fleet."""
 
     def __init__(
-        self, handle: Any, description: dict[str, Any], settings: Settings, *, owns_ray: bool
+        self,
+        handle: Any,
+        description: dict[str, Any],
+        settings: Settings,
+        *,
+        cluster: LocalCluster | None,
+        data_token: str,
     ) -> None:
         self._ray, self._serve = require_ray()
-        from ray.serve.exceptions import RequestCancelledError
-
-        self._cancelled_error = RequestCancelledError
         self._handle = handle
-        self._stream_handle = handle.options(stream=True)
         self._settings = settings
-        self._owns_ray = owns_ray
+        self._cluster = cluster
         self.adapters = FleetAdapters(handle, set(description.get("updates", ())))
         self.engine = FleetEngine(handle, description, self.adapters, settings.ray_app_name)
         self.engine_config: EngineConfig = description["engine_config"]
@@ -100,8 +107,17 @@ class FleetHost:
         self.health = HealthStatus()
         self.admission: AdmissionGate | None = None
         self.replicas: dict[str, ReplicaLoad] = {}
+        self.streams = FleetStreams(
+            data_token,
+            settings.ray_app_name,
+            settings.ray_affinity_max_imbalance,
+            lambda name: self.replicas[name].running if name in self.replicas else 0,
+        )
+        self.engine.on_view = self._take_view
         self._background: set[asyncio.Task[Any]] = set()
-        self._streams: weakref.WeakKeyDictionary[Context, Any] = weakref.WeakKeyDictionary()
+        self._streams: weakref.WeakKeyDictionary[Context, IngressStream] = (
+            weakref.WeakKeyDictionary()
+        )
         self._view_task: asyncio.Task[Any] | None = None
 
     @property
@@ -114,7 +130,8 @@ class FleetHost:
         return str(configured or self.engine_config.served_model_name or self.engine_config.model)
 
     def describe_fleet(self) -> dict[str, Any]:
-        """Per replica, as seen from here: requests served, running, lost to its death."""
+        """Per live replica (those that answered the last view), as seen from here: its
+        state and checksum, requests served, running, lost to its death."""
         view = self.engine.view
         return {
             "deployment": DEPLOYMENT_NAME,
@@ -126,12 +143,18 @@ class FleetHost:
                     **vars(self.replicas.get(name, ReplicaLoad())),
                     **self.engine.rotation.state(name),
                 }
-                for name in sorted(set(self.replicas) | set(view))
+                for name in sorted(view)
             },
             "fleet_weights": self.engine.rotation.fleet_weights,
             "weight_versions": sorted({v.get("weight_version") for v in view.values()}, key=str),
             "checked_at": self.engine.view_at,
         }
+
+    def _take_view(self, view: dict[str, dict[str, Any]]) -> None:
+        self.streams.update(view)
+        # A replica gone from the fleet (dead, scaled in) leaves /health and the metrics.
+        for name in [n for n, load in self.replicas.items() if n not in view and not load.running]:
+            del self.replicas[name]
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -160,47 +183,35 @@ class FleetHost:
                 gate.release()
 
     async def _remote(self, request: dict[str, Any], context: Context) -> AsyncIterator[dict]:
-        """The ingress's end of the data plane: the replica's batches
-        (:mod:`penstock.ray.batching`) as chunks, its error raised again."""
-        stream = self._stream_handle.generate.remote(
-            request,
+        """The ingress's end of the data plane (:mod:`penstock.ray.streams`): the chosen
+        replica's batches as chunks, its error raised again."""
+        name, stream = await self.streams.open(
             context.id(),
-            affinity=affinity_key(request, context, self._settings.ray_affinity_prefix_tokens),
-            adapter=self.adapters.route(request.get("model")),
+            request,
+            self.adapters.route(request.get("model")),
+            affinity_key(request, context, self._settings.ray_affinity_prefix_tokens),
         )
         self._streams[context] = stream
-        load: ReplicaLoad | None = None
+        load = self.replicas.setdefault(name, ReplicaLoad())
+        load.served += 1
+        load.running += 1
         completed = False
         try:
-            async for message in stream:
-                if isinstance(message, str):
-                    load = self.replicas.setdefault(message, ReplicaLoad())
-                    load.served += 1
-                    load.running += 1
-                    continue
-                for item in message:
+            async for batch in stream.batches():
+                for item in batch:
                     error = entry_error(item)
                     if error is not None:
                         raise error
-                    if load is not None:
-                        load.tokens += len(item.get("token_ids") or ())
+                    load.tokens += len(item.get("token_ids") or ())
                     yield item
             completed = True
-        except self._cancelled_error:
-            completed = True
-            if not context.is_stopped():
-                raise
-        except self._ray.exceptions.RayError as exc:
-            if load is not None:
-                load.lost += 1
-            logger.warning("request %s lost its engine replica: %s", context.id(), exc)
-            raise ReplicaLostError(
-                "the engine replica serving this request failed; retry the request"
-            ) from exc
+        except ReplicaLostError as exc:
+            load.lost += 1
+            logger.warning("request %s lost its engine replica %s: %s", context.id(), name, exc)
+            raise
         finally:
             self._streams.pop(context, None)
-            if load is not None:
-                load.running -= 1
+            load.running -= 1
             if not completed:
                 stream.cancel()
 
@@ -215,7 +226,8 @@ class FleetHost:
             logger.warning("the replicas' metrics did not arrive within %gs", SCRAPE_TIMEOUT_S)
             replies = []
         texts = {str(r[0]): str(r[1]) for r in replies if isinstance(r, tuple | list)}
-        families = fleet_families(self.replicas, texts) + labelled_families(texts)
+        live = {name: load for name, load in self.replicas.items() if name in self.engine.view}
+        families = fleet_families(live, texts) + labelled_families(texts)
         return render(families)
 
     def start_monitor(self) -> None:
@@ -231,22 +243,25 @@ class FleetHost:
                 await task
 
     async def cleanup(self) -> None:
-        """Delete the deployment, or shut down the Ray cluster this process started; bounded,
-        since a cluster whose processes were signalled too may no longer answer."""
+        """Delete the deployment, or stop Serve and end the Ray cluster this process
+        started; bounded, since a cluster whose processes were signalled too may no
+        longer answer."""
         if self.state is EngineState.STOPPED:
             return
         self.state = EngineState.STOPPED
+        self.streams.close()
         try:
             async with asyncio.timeout(_SHUTDOWN_S):
                 await asyncio.to_thread(self._stop_serving)
         except TimeoutError:
             logger.warning("Ray Serve did not stop within %gs; leaving it", _SHUTDOWN_S)
-        if self._owns_ray:
+        if self._cluster is not None:
             self._ray.shutdown()
+            await asyncio.to_thread(self._cluster.stop)
 
     def _stop_serving(self) -> None:
         try:
-            if self._owns_ray:
+            if self._cluster is not None:
                 self._serve.shutdown()
             else:
                 self._serve.delete(self._settings.ray_app_name)
@@ -265,10 +280,7 @@ def deployment_options(settings: Settings) -> dict[str, Any]:
         # The ingress gate bounds the fleet; a replica never refuses what it admitted.
         "max_ongoing_requests": max(settings.max_concurrency, 1) + _ADMIN_SLOTS,
         "graceful_shutdown_timeout_s": settings.graceful_shutdown_s,
-        "request_router_config": {
-            "request_router_class": ROUTER_IMPORT_PATH,
-            "request_router_kwargs": {"max_imbalance": settings.ray_affinity_max_imbalance},
-        },
+        "request_router_config": {"request_router_class": ROUTER_IMPORT_PATH},
     }
     low, high = settings.ray_min_replicas, settings.ray_max_replicas
     if low is None and high is None:
@@ -285,36 +297,40 @@ def deployment_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
-def _deploy(settings: Settings) -> tuple[Any, dict[str, Any], bool]:
+def _deploy(
+    settings: Settings, data_token: str, cluster: LocalCluster | None
+) -> tuple[Any, dict[str, Any]]:
     ray, serve = require_ray()
-    owns_ray = not ray.is_initialized() and not settings.ray_address
     try:
         if not ray.is_initialized():
-            if settings.ray_address:
-                ray.init(address=settings.ray_address, log_to_driver=False)
-            else:
-                # "local": a new cluster even where another one runs on this machine (a
-                # bare init joins that one, and this server would then stop its Serve).
-                ray.init(address="local", include_dashboard=False, log_to_driver=False)
+            # "local" (Ray imported before a cluster could be made): a new one in this
+            # server's group, not one another process runs on this machine.
+            address = settings.ray_address or (cluster.start() if cluster else "local")
+            local = {"include_dashboard": False} if address == "local" else {}
+            ray.init(address=address, log_to_driver=False, **local)
         # The gateway process is the HTTP ingress: no Serve proxy is needed.
         serve.start(proxy_location="Disabled")
         app = serve.deployment(EngineReplica).options(**deployment_options(settings))
         handle = serve.run(
-            app.bind(settings), name=settings.ray_app_name, route_prefix=None, blocking=False
+            app.bind(settings, data_token),
+            name=settings.ray_app_name,
+            route_prefix=None,
+            blocking=False,
         )
         description = handle.describe.remote().result()
     except Exception as exc:
         reason = _replica_failure(serve, settings.ray_app_name) or str(exc)
-        if owns_ray:
+        if cluster is not None:
             with contextlib.suppress(Exception):
                 serve.shutdown()
             ray.shutdown()
+            cluster.stop()
         else:
             # Serve would go on retrying the replicas on a cluster that outlives this server.
             with contextlib.suppress(Exception):
                 serve.delete(settings.ray_app_name)
         raise RaySetupError(f"the engine deployment on Ray failed to start: {reason}") from exc
-    return handle, description, owns_ray
+    return handle, description
 
 
 def _replica_failure(serve: Any, app_name: str) -> str | None:
@@ -331,9 +347,18 @@ def _replica_failure(serve: Any, app_name: str) -> str | None:
 async def start_fleet(settings: Settings) -> FleetHost:
     """Deploy the engine replicas and wait until they serve; raises
     :class:`~penstock.errors.RaySetupError` with the reason otherwise."""
-    require_ray()
-    handle, description, owns_ray = await asyncio.to_thread(_deploy, settings)
-    host = FleetHost(handle, description, settings, owns_ray=owns_ray)
+    # Without an address, a new cluster of this server's own (never one already running
+    # on this machine, whose Serve this server would then stop), in a process group of
+    # its own; made before Ray is imported (see LocalCluster).
+    cluster = None if settings.ray_address or "ray" in sys.modules else LocalCluster()
+    ray, _ = require_ray()
+    if ray.is_initialized():
+        cluster = None
+    data_token = secrets.token_hex(16)
+    handle, description = await asyncio.to_thread(_deploy, settings, data_token, cluster)
+    host = FleetHost(handle, description, settings, cluster=cluster, data_token=data_token)
+    # The first view gives the routing its replicas' data plane addresses.
+    await host.engine.refresh()
     host.admission = AdmissionGate(
         settings.max_concurrency,
         settings.max_queue,

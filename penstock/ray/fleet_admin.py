@@ -66,6 +66,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from penstock.engines.weight_sync import DEFAULT_GROUP_NAME
@@ -130,6 +131,8 @@ class FleetEngine:
         self._updates = set(description.get("updates", ()))
         self.view: dict[str, dict[str, Any]] = {}
         self.view_at: float | None = None
+        # Told every fresh view (the ingress's routing takes the replicas from it).
+        self.on_view: Callable[[dict[str, dict[str, Any]]], None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         # Weight transactions and catch-ups of late replicas run one at a time.
         self._weights_lock = asyncio.Lock()
@@ -416,6 +419,8 @@ class FleetEngine:
             for a in answers
         }
         self.view_at = time.time()
+        if self.on_view is not None:
+            self.on_view(self.view)
         return self.view
 
     async def refresh_forever(self, interval_s: float) -> None:

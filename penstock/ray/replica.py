@@ -6,9 +6,10 @@ start once, cleanup once (Serve calls ``__del__`` when it stops the replica), on
 per choice, a consumer going away kills the request's context and aborts it once, the
 canary. Admission is not applied here: the ingress holds the one fleet-wide gate.
 
-Streams leave the replica as batches (:mod:`penstock.ray.batching`, the data plane); admin
-calls run in :class:`~penstock.ray.replica_admin.ReplicaAdmin` (the control plane). Errors
-cross to the ingress in the one format of :mod:`penstock.ray.wire`.
+Streams leave the replica as batches over its own port (:mod:`penstock.ray.batching`, the
+data plane, off Ray's per-message path); admin calls run in
+:class:`~penstock.ray.replica_admin.ReplicaAdmin` (the control plane). Errors cross to the
+ingress in the one format of :mod:`penstock.ray.wire`.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from penstock.engines.loading import engine_argv, load_engine_class
 from penstock.engines.metric_outlets import bridge_engine_metrics
 from penstock.errors import PenstockError
 from penstock.ray.adapters import ReplicaAdapters
-from penstock.ray.batching import ChunkBatcher
+from penstock.ray.batching import StreamServer
 from penstock.ray.metrics import ReplicaMetrics
 from penstock.ray.replica_admin import ReplicaAdmin
-from penstock.ray.wire import error_entry
+from penstock.ray.wire import ADDRESS_KEY, error_entry
 from penstock.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -59,10 +60,21 @@ def replica_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def node_address() -> str:
+    """The address other nodes reach this one at (Ray's node IP), else loopback."""
+    with contextlib.suppress(Exception):
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    return "127.0.0.1"
+
+
 class EngineReplica:
     """The engine deployment's class; Serve constructs it once per replica."""
 
-    async def __init__(self, settings: Settings) -> None:
+    async def __init__(self, settings: Settings, data_token: str) -> None:
+        """``data_token``: what an ingress shows to open streams on this replica's data
+        plane port."""
         engine_cls = load_engine_class(settings.engine)
         engine, worker_config = await engine_cls.from_args(engine_argv(settings))
         self.host = build_host(settings, engine, worker_config)
@@ -83,6 +95,8 @@ class EngineReplica:
             await self.host.cleanup()
             raise
         self.host.start_monitor()
+        self._data_plane = StreamServer(self._stream, data_token, f"replica {self.name}")
+        self.data_address = await self._data_plane.start(node_address())
         self._admin = ReplicaAdmin(self.host, self.name)
         logger.info("engine replica %s ready", self.name)
 
@@ -99,35 +113,23 @@ class EngineReplica:
             "updates": sorted(self.host.engine.supported_updates()),
         }
 
-    async def generate(
-        self,
-        request: dict[str, Any],
-        request_id: str,
-        affinity: str | None = None,
-        adapter: tuple[str, str] | None = None,
-    ) -> AsyncIterator[str | list[dict]]:
-        """Stream the request's chunks in batches; the first message is the replica's name.
+    async def _stream(
+        self, request_id: str, request: dict[str, Any], adapter: tuple[str, str] | None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A request's chunks, for the data plane (:class:`StreamServer`).
 
-        ``affinity`` is the routing key (:mod:`penstock.ray.routing`), read by the router
-        only; ``adapter`` the ``(name, path)`` of the LoRA adapter the request names,
-        loaded here first if this replica has not loaded it yet.
-
-        Closing or cancelling the stream (the ingress's client left) ends the request as a
-        local consumer going away does: context killed, the engine aborted once.
+        ``adapter`` is the ``(name, path)`` of the LoRA adapter the request names, loaded
+        here first if this replica has not loaded it yet. Closing the stream (the
+        ingress's client left) ends the request as a local consumer going away does:
+        context killed, the engine aborted once.
         """
         context = Context(request_id)
         self._live[request_id] = context
-        batcher = ChunkBatcher(
-            self._chunks(request, context, adapter),
-            f"replica {self.name}: request {request_id}",
-        )
         try:
-            yield self.name
-            while (batch := await batcher.next_batch()) is not None:
-                yield batch
+            async for chunk in self._chunks(request, context, adapter):
+                yield chunk
         finally:
             self._live.pop(request_id, None)
-            await batcher.close()
 
     async def _chunks(
         self, request: dict[str, Any], context: Context, adapter: tuple[str, str] | None
@@ -143,6 +145,7 @@ class EngineReplica:
         answer = await self._admin.run(operation, *args)
         if operation == "status":
             answer["running"] = len(self._live)
+            answer[ADDRESS_KEY] = self.data_address
         return answer
 
     def stats(self) -> dict[str, Any]:
@@ -178,6 +181,9 @@ class EngineReplica:
 
     async def __del__(self) -> None:
         # Serve calls this after a constructor that failed before the host existed, too.
+        data_plane = getattr(self, "_data_plane", None)
+        if data_plane is not None:
+            await data_plane.close()
         host = getattr(self, "host", None)
         if host is not None:
             await host.cleanup()

@@ -53,6 +53,9 @@ class ReplicaAdmin:
         self.sleeping = False
         # The trainer's weights update groups this replica joined: name -> its rank.
         self.groups: dict[str, int] = {}
+        # The whole-model checksum as last computed (every weight step computes it), so
+        # the fleet view shows it without hashing the model once a second.
+        self.checksum: str | None = None
 
     async def run(self, operation: str, *args: Any) -> dict[str, Any]:
         """Run ``operation`` (``control``, ``update``, ``begin``, ``apply``, ``end``,
@@ -211,7 +214,7 @@ class ReplicaAdmin:
         return {**applied, "current": False}
 
     async def status(self) -> dict[str, Any]:
-        weights = await self._weights(checksum=False)
+        weights = await self._weights(checksum=self.checksum is None)
         return ok_answer(
             self.name,
             state=self.host.state.value,
@@ -220,6 +223,7 @@ class ReplicaAdmin:
             sleeping=self.sleeping,
             updating=self._txn is not None,
             weight_version=weights.get("weight_version"),
+            checksum=self.checksum,
         )
 
     async def _resume(self) -> None:
@@ -242,4 +246,6 @@ class ReplicaAdmin:
         if checksum and self._calls.supports("control", "weights_checksum") and not self.sleeping:
             answer = await self._calls.call_engine("control", "weights_checksum", {})
             found["checksum"] = answer.get("checksum")
+        if found["checksum"] is not None:
+            self.checksum = str(found["checksum"])
         return found

@@ -1,7 +1,7 @@
-"""The Ray Serve request router of the engine deployment: :mod:`penstock.ray.routing`'s
-rule applied to the replicas Serve knows.
+"""The Ray Serve request router of the engine deployment: only replicas in rotation
+(:mod:`penstock.ray.routing`), the least loaded of them.
 
-Serve constructs :class:`AffinityRouter` in the process that holds the deployment handle
+Serve constructs :class:`RotationRouter` in the process that holds the deployment handle
 (the ingress) from its import path, given in the deployment's ``request_router_config``
 (see :func:`penstock.ray.fleet.deployment_options`); this module imports Ray, so nothing
 imports it before Ray is known to be installed.
@@ -10,18 +10,16 @@ imports it before Ray is known to be installed.
 from __future__ import annotations
 
 import random
-from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from penstock.ray.routing import AFFINITY_KWARG, SAMPLE, choose, in_rotation, preference
+from penstock.ray.routing import SAMPLE, in_rotation
 
 
-class AffinityRouter(RequestRouter):
-    """Least loaded, preferring the replica a request's affinity key ranks first."""
-
-    def initialize_state(self, max_imbalance: int = 8, **kwargs: Any) -> None:
-        self._max_imbalance = max_imbalance
+class RotationRouter(RequestRouter):
+    """The least loaded of the replicas in rotation, for the handle's calls to one replica
+    (a LoRA adapter's first load); streams are routed by the ingress itself
+    (:mod:`penstock.ray.streams`), with the same rule."""
 
     async def choose_replicas(
         self,
@@ -38,20 +36,6 @@ class AffinityRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
-        key = None
-        if pending_request is not None:
-            key = pending_request.kwargs.get(AFFINITY_KWARG)
-        if not key or len(candidate_replicas) == 1:
-            count = min(len(candidate_replicas), SAMPLE)
-            # Serve takes the least loaded of one rank, asking each replica its load.
-            return [random.sample(candidate_replicas, count)]
-        by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
-        order = [by_id[name] for name in preference(str(key), list(by_id))]
-        preferred, others = order[0], order[1:]
-        sampled = random.sample(others, min(len(others), SAMPLE - 1))
-        loads = [
-            (replica, load if load is not None and load < replica.max_ongoing_requests else None)
-            for replica, load in await self._probe_queue_lens([preferred, *sampled], 0)
-        ]
-        chosen = choose(preferred, loads, max_imbalance=self._max_imbalance)
-        return [[chosen]] if chosen is not None else []
+        count = min(len(candidate_replicas), SAMPLE)
+        # Serve takes the least loaded of one rank, asking each replica its load.
+        return [random.sample(candidate_replicas, count)]

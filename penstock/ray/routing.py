@@ -9,8 +9,8 @@ The rule (``penstock serve --ray``):
    prompt shorter than that has no key (too little cache to be worth a busier replica),
    and neither has any request without a session key under
    ``--ray-affinity-prefix-tokens 0``.
-2. A request without a key goes to the least-loaded replica (fewest ongoing requests as
-   the replicas report them) among up to :data:`SAMPLE` replicas drawn at random: exact
+2. A request without a key goes to the least-loaded replica (fewest streams the ingress
+   has running on it) among up to :data:`SAMPLE` replicas drawn at random: exact
    for fleets of up to four replicas, "power of d choices" beyond.
 3. A request with a key prefers the replica the key ranks first by rendezvous hashing
    (:func:`preference`): every ingress agrees on it without shared state, and when a
@@ -21,10 +21,11 @@ The rule (``penstock serve --ray``):
    the ingress publishes the replicas that hold the fleet's weights (:func:`set_rotation`)
    and a replica Ray starts later (a replacement, autoscaling) gets no request until the
    ingress has brought it to the fleet's version (:mod:`penstock.ray.rotation`). With no
-   replica in rotation, requests wait (Serve retries with back-off) until one is.
+   replica in rotation, requests wait until one is.
 
-This module is the policy and imports no Ray; :mod:`penstock.ray.router` applies it as a
-Ray Serve request router.
+This module is the policy and imports no Ray; the ingress applies it to each stream
+(:mod:`penstock.ray.streams`), :mod:`penstock.ray.router` to the Serve handle's calls to
+one replica.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ from typing import Any, TypeVar
 
 from penstock.engines.context import Context
 
-# The key-word argument of ``EngineReplica.generate`` the router reads the key from.
-AFFINITY_KWARG = "affinity"
 # Session key in an engine context's metadata (see ``serving.requests.engine_context``).
 SESSION_METADATA = "x-session-id"
 # Replicas whose load is compared per request.

@@ -9,15 +9,27 @@ raises it again (:func:`decode_error`) with the same class, status, param and co
 * in a fleet admin call, each replica's answer is :func:`ok_answer` (its name, ``ok``
   and the operation's fields) or :func:`failed_answer` (its name and the encoded error).
 
+and the frames of the data plane (:class:`FrameProtocol`): the streams between a replica
+and the ingress over one connection.
+
 Both ends import this module and nothing else of each other.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+import pickle
+import socket
+from collections.abc import Callable
+from typing import Any, cast
+
+import msgpack
 
 from penstock import errors
 from penstock.errors import PenstockError
+
+logger = logging.getLogger(__name__)
 
 # Pausing in place freezes in-flight requests and holds new ones: nothing is lost. The
 # ingress asks it of every replica a weight update begins on; a replica replaying the
@@ -72,3 +84,107 @@ def failed_answer(replica: str, error: PenstockError) -> dict[str, Any]:
 def answer_error(answer: dict[str, Any]) -> PenstockError:
     """The error of a :func:`failed_answer`."""
     return decode_error(answer["error"])
+
+
+# The data plane: one TCP connection from the ingress to each replica carries every
+# stream between them, as msgpack arrays one after another (msgpack delimits itself).
+# Ingress to replica: HELLO first (the fleet's token), then OPEN, CANCEL and CREDIT.
+# Replica to ingress: BATCH (a stream's chunks, an error entry last when it failed)
+# and END. A replica sends a stream at most WINDOW batches beyond what the ingress has
+# consumed; the ingress returns credit every WINDOW // 2 batches it consumed.
+HELLO, OPEN, CANCEL, CREDIT, BATCH, END = "hello", "open", "cancel", "credit", "batch", "end"
+WINDOW = 32
+# The key of a replica's status answer holding its data plane address (``host:port``).
+ADDRESS_KEY = "data_address"
+# A value msgpack has no type for (a tensor, an image) crosses pickled, as through Ray;
+# a replica unpickles only once the connection has shown the fleet's token.
+_PICKLED = 1
+
+
+def _pickled(value: Any) -> msgpack.ExtType:
+    return msgpack.ExtType(_PICKLED, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class FrameProtocol(asyncio.Protocol):
+    """One end of a data plane connection: frames in to ``on_frame``, out by :meth:`send`.
+
+    ``trusted``: whether pickled values from the peer are unpickled from the start (the
+    ingress, which connected to the address Ray gave it); else once :meth:`trust` is called.
+    """
+
+    def __init__(
+        self,
+        on_frame: Callable[[list[Any]], None],
+        on_lost: Callable[[Exception | None], None],
+        *,
+        trusted: bool,
+    ) -> None:
+        self._on_frame = on_frame
+        self._on_lost = on_lost
+        self._trusted = trusted
+        self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=self._unpickled)
+        self._transport: asyncio.Transport | None = None
+        self._pending: list[bytes] = []
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    def trust(self) -> None:
+        self._trusted = True
+
+    def _unpickled(self, code: int, data: bytes) -> Any:
+        if code != _PICKLED or not self._trusted:
+            raise ValueError("a pickled value from a peer not known to be of this fleet")
+        return pickle.loads(data)
+
+    @property
+    def closed(self) -> bool:
+        return self._transport is None or self._transport.is_closing()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (asyncio's or uvloop's, which does not subclass asyncio's).
+        self._transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self._unpacker.feed(data)
+        try:
+            for frame in self._unpacker:
+                self._on_frame(frame)
+        except ValueError as exc:
+            logger.warning("closing a data plane connection: %s", exc)
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._writable.set()
+        self._on_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def send(self, *frame: Any) -> None:
+        """Queue ``frame``; the frames of one turn of the event loop leave in one write."""
+        if self.closed:
+            return
+        self._pending.append(msgpack.packb(frame, default=_pickled))
+        if len(self._pending) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if not self.closed:
+            assert self._transport is not None
+            self._transport.write(b"".join(pending))
+
+    async def drain(self) -> None:
+        """Wait while the socket's send buffer is full (the peer reads slower)."""
+        await self._writable.wait()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()

@@ -197,6 +197,12 @@ def test_a_killed_replica_fails_only_its_own_requests_and_is_replaced(
         }
         time.sleep(0.5)
     assert replaced, fleet(server)
+    # The dead replica has left the fleet's view, /health and the metrics.
+    health = httpx.get(f"{server.base_url}/health", timeout=10).json()["fleet"]
+    assert victim not in health["replicas"] and len(health["replicas"]) == health["size"] == 2
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    assert victim not in metrics and all(name in metrics for name in health["replicas"])
+    assert all(entry["checksum"] for entry in health["replicas"].values())
 
 
 def test_a_replica_that_cannot_start_stops_startup_with_its_reason(
