@@ -88,7 +88,8 @@ class WeightSync:
             raise WeightSyncError(f"'backend' must be one of {', '.join(BACKENDS)}")
         if backend == "nccl" and device.type != "cuda":
             raise WeightSyncError(
-                "'backend' nccl needs the engine on CUDA; this engine runs on the CPU: use gloo"
+                "'backend' nccl needs the engine on CUDA, and this engine runs on the CPU, "
+                "where gloo is the backend it can join: send backend gloo"
             )
         world_size = _int(body, "world_size", low=2)
         rank = _int(body, "rank_offset", 1, low=1)
@@ -196,8 +197,20 @@ class WeightSync:
         written = _swap_in(staged, live, lock)
         return self._done(written, "distributed")
 
-    def load_tensors(self, model: torch.nn.Module, body: Body, *, trusted: bool, lock: Any) -> Body:
-        """``update_weights_from_tensor``: decode every entry, validate, then copy."""
+    def load_tensors(
+        self,
+        model: torch.nn.Module,
+        body: Body,
+        *,
+        trusted: bool,
+        lock: Any,
+        device: torch.device | None = None,
+    ) -> Body:
+        """``update_weights_from_tensor``: decode every entry, validate, then copy.
+
+        CUDA tensors shared by IPC handle (``device`` must be theirs) are read in place
+        from the trainer's memory; the copy ends before the answer, so the trainer may
+        reuse that memory once it has it."""
         payloads = body.get("serialized_named_tensors")
         if not isinstance(payloads, list) or not payloads:
             raise WeightSyncError("'serialized_named_tensors' must be a non-empty list")
@@ -211,7 +224,7 @@ class WeightSync:
             raise WeightSyncError(
                 f"'load_format' must be direct or safetensors; got {load_format!r}"
             )
-        tensors = decode_payload(payloads[0], trusted=trusted)
+        tensors = decode_payload(payloads[0], trusted=trusted, device=device)
         if not tensors:
             raise WeightSyncError("the payload holds no tensors")
         live = checkpoint_state_dict(model)
@@ -222,7 +235,10 @@ class WeightSync:
         for name, tensor in tensors.items():
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise WeightSyncError(f"{name} holds NaN or infinite values")
-        return self._done(_swap_in(tensors, live, lock), "tensor")
+        written = _swap_in(tensors, live, lock)
+        if any(tensor.is_cuda for tensor in tensors.values()):
+            torch.cuda.synchronize(device)
+        return self._done(written, "tensor")
 
     def pull_nixl(self, model: torch.nn.Module, body: Body, *, lock: Any) -> Body:
         """``update_weights_from_nixl``: validate, then READ from the trainer's memory."""
