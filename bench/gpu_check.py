@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import pickle
 import queue
 import re
 import subprocess
@@ -38,8 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,13 +45,13 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import base64
 
 import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
 from penstock.rl.trainer import EngineRefused, WeightPusher
+from tests.support.cuda_payloads import verl_cuda_payload
 from tests.support.server import REPO_ROOT, ServerProcess, free_port, running_server
 from tests.support.tiny_llm import build_tiny_llama
 
@@ -271,43 +269,6 @@ def nccl_update(server: ServerProcess, pusher: WeightPusher, setup: Setup) -> Ou
 
 
 # -- refusals on the CPU -----------------------------------------------------------------
-
-
-class _CudaTensorReference:
-    """Pickles as torch's CUDA rebuild with an IPC handle's arguments (never opened)."""
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        return rebuild_cuda_tensor, (torch.Tensor, (4,), (1,), 0, None, torch.float32, 0, b"")
-
-
-@contextlib.contextmanager
-def sglang_local_serialized_tensor() -> Iterator[type]:
-    """A class that pickles as SGLang's ``LocalSerializedTensor`` (a ``values`` list)."""
-    path = "sglang.srt.model_executor.model_runner"
-    parts = path.split(".")
-    names = [".".join(parts[: i + 1]) for i in range(len(parts))]
-    added = [name for name in names if name not in sys.modules]
-    cls = type("LocalSerializedTensor", (), {"__module__": path})
-    for name in added:
-        sys.modules[name] = types.ModuleType(name)
-    sys.modules[path].LocalSerializedTensor = cls  # type: ignore[attr-defined]
-    try:
-        yield cls
-    finally:
-        for name in added:
-            sys.modules.pop(name, None)
-
-
-def verl_cuda_payload() -> str:
-    """What verl and slime post from a colocated trainer: one base64 entry of
-    ``[(name, LocalSerializedTensor(values=[pickled CUDA tensor]))]``."""
-    with sglang_local_serialized_tensor() as local:
-        entry = local()
-        entry.values = [pickle.dumps(_CudaTensorReference())]
-        raw = pickle.dumps([("lm_head.weight", entry)])
-    return base64.b64encode(raw).decode()
 
 
 def refused(pusher: WeightPusher, path: str, body: dict[str, Any], words: list[str]) -> Outcome:
