@@ -249,23 +249,17 @@ class WeightPusher:
         self, tensors: Mapping[str, torch.Tensor], *, weight_version: str | None = None
     ) -> dict[str, Any]:
         """``update_weights_from_tensor`` with base64 safetensors bytes."""
-        body: dict[str, Any] = {
-            "serialized_named_tensors": [encode_safetensors(tensors)],
-            "flush_cache": True,
-        }
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        return self.post("/update_weights_from_tensor", body)
+        return self._post_tensor_entry(encode_safetensors(tensors), weight_version)
 
     def push_cuda_ipc(
         self, tensors: Mapping[str, torch.Tensor], *, weight_version: str | None = None
     ) -> dict[str, Any]:
         """``update_weights_from_tensor`` with CUDA IPC handles: one pickled list of
         ``(name, tensor)``, as SGLang's ``MultiprocessingSerializer`` sends it."""
-        body: dict[str, Any] = {
-            "serialized_named_tensors": [cuda_ipc_entry(tensors)],
-            "flush_cache": True,
-        }
+        return self._post_tensor_entry(cuda_ipc_entry(tensors), weight_version)
+
+    def _post_tensor_entry(self, entry: str, weight_version: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"serialized_named_tensors": [entry], "flush_cache": True}
         if weight_version is not None:
             body["weight_version"] = weight_version
         return self.post("/update_weights_from_tensor", body)
