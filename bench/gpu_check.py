@@ -248,24 +248,43 @@ def nccl_update(server: ServerProcess, pusher: WeightPusher, setup: Setup) -> Ou
     tensors = {name: t.detach() for name, t in trainer.state_dict().items()}
     before = engine_greedy(server)
     torch.cuda.set_device(trainer_device)
+    failure: Exception | None = None
     try:
         pusher.init_group("127.0.0.1", free_port(), backend="nccl", timeout_s=60)
-        reply = paused(pusher, lambda: pusher.broadcast(tensors, weight_version="nccl"))
+        pusher.pause()
+        reply = pusher.broadcast(tensors, weight_version="nccl")
     except (EngineRefused, RuntimeError) as exc:
+        failure = exc
+    finally:
+        resume_when_free(pusher, 70)
+    if failure is not None:
         kept = engine_greedy(server) == before
-        shared = gpus == 1 and "duplicate gpu" in str(exc).lower()
+        text = str(failure).lower()
+        shared = gpus == 1 and ("duplicate gpu" in text or "invalid usage" in text)
         if shared and kept:
             return "SKIP", (
-                "NCCL refused two ranks on one GPU (needs 2 GPUs); the engine answered "
-                f"400 and kept its weights: {first_line(exc)}"
+                "NCCL refused two ranks on one GPU (needs 2 GPUs); the engine kept its "
+                f"weights: {first_line(failure)}"
             )
-        return "FAIL", f"{first_line(exc)}; old weights still served: {kept}"
-    finally:
-        with contextlib.suppress(Exception):
-            pusher.destroy_group()
+        return "FAIL", f"{first_line(failure)}; old weights still served: {kept}"
+    with contextlib.suppress(Exception):
+        pusher.destroy_group()
     if reply.get("checksum") != pusher.checksum(tensors):
         return "FAIL", f"checksum {reply.get('checksum')} != the trainer's"
     return compare_greedy(engine_greedy(server), setup.greedy_b, "to the broadcast weights")
+
+
+def resume_when_free(pusher: WeightPusher, timeout_s: float) -> None:
+    """Resume generation once no update runs (a broken broadcast ends within its timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pusher.resume()
+            return
+        except EngineRefused as exc:
+            if exc.status_code != 409 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
 
 
 # -- refusals on the CPU -----------------------------------------------------------------
@@ -339,17 +358,22 @@ def engine_tokens_per_s(server: ServerProcess, concurrency: int) -> float:
     return tokens / took
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def generate_tokens_per_s(model: Any, device: torch.device, concurrency: int) -> float:
     batch = torch.tensor([prompt_of(i) for i in range(concurrency)], device=device)
     kwargs = {"max_new_tokens": BENCH_TOKENS, "min_new_tokens": BENCH_TOKENS, "do_sample": False}
     runs = SEQUENTIAL_RUNS if concurrency == 1 else 1
     with torch.no_grad():
         model.generate(batch, **kwargs)  # warm-up
-        torch.cuda.synchronize(device)
+        synchronize(device)
         started = time.perf_counter()
         for _ in range(runs):
             model.generate(batch, **kwargs)
-        torch.cuda.synchronize(device)
+        synchronize(device)
     return runs * concurrency * BENCH_TOKENS / (time.perf_counter() - started)
 
 
@@ -457,7 +481,6 @@ def cuda_checks(
     report: Report, server: ServerProcess, pusher: WeightPusher, setup: Setup, off: str | None
 ) -> None:
     report.run("CUDA-IPC push", 60, lambda: cuda_ipc_update(server, pusher, setup))
-    report.run("NCCL broadcast", 90, lambda: nccl_update(server, pusher, setup))
     model = load_hf(setup.model_a, setup.device)
     with contextlib.ExitStack() as stack:
         off_server = None
@@ -471,6 +494,8 @@ def cuda_checks(
                 60,
                 lambda c=c: throughput(server, off_server, model, setup, c),
             )
+    # Last on this server: a broken NCCL group is the likeliest to leave it stuck.
+    report.run("NCCL broadcast", 150, lambda: nccl_update(server, pusher, setup))
     report.run("--ray-replica-gpus", 200, lambda: ray_fleet(setup))
 
 
@@ -484,7 +509,8 @@ def main() -> int:
     cuda = torch.cuda.is_available() and not args.cpu_only
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     mode = f"cuda: {torch.cuda.get_device_name(0)}" if cuda else "cpu-safe parts only"
-    print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}", flush=True)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(f"torch {torch.__version__}, CUDA available: {gpus > 0}, GPUs: {gpus}", flush=True)
     if not torch.cuda.is_available():
         print("this torch has no usable CUDA: running the CPU-safe parts only", flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:

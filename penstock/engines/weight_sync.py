@@ -25,16 +25,8 @@ only form accepted unless the operator trusts payloads). A pickled payload (what
 list of ``(name, tensor)`` pairs, or a dict; on the same host its tensors may live in
 shared memory: CUDA tensors by IPC handle, CPU tensors by shared-memory file name under
 torch's ``file_system`` sharing strategy) is unpickled only with
-``--trust-weight-payloads``, since unpickling runs code the sender chose.
-
-**CUDA-IPC payloads** (colocated trainers, as verl and slime drive SGLang): a pickled CUDA
-tensor carries an IPC handle to the sender's GPU memory, which only a process on the same
-GPU can open; the engine must run on that device. An entry may hold the tensors
-themselves, or, per name, SGLang's ``LocalSerializedTensor`` (``values``: one pickled
-tensor per tensor-parallel rank of the engine; this engine takes exactly one). SGLang's
-patched reductions name the device by UUID instead of index; both are understood. On an
-engine without CUDA, a payload naming a CUDA rebuild is refused before anything of it
-runs, with the reason.
+``--trust-weight-payloads``, since unpickling runs code the sender chose. Decoding is in
+:mod:`penstock.engines.tensor_payloads`.
 
 **NIXL pull** (``update_weights_from_nixl``): the trainer registers its tensors with a
 NIXL agent (UCX) and posts ``agent_name``, ``agent_metadata`` (base64 of the agent's
@@ -55,8 +47,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import io
-import pickle
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -71,10 +61,6 @@ TRUST_FLAG = "--trust-weight-payloads"
 # Pickle protocols 2..5 open with PROTO (0x80) and the protocol number.
 _PICKLE_PREFIXES = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
-_TORCH_CUDA_REBUILD = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
-# SGLang's patched reduction of a CUDA tensor, and where its arguments hold the device.
-_SGLANG_CUDA_REBUILD = "_rebuild_cuda_tensor_modified"
-_REBUILD_DEVICE_ARG = 6
 
 
 class WeightSyncError(ValueError):
@@ -286,150 +272,6 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def is_pickled(raw: bytes) -> bool:
     return raw[:2] in _PICKLE_PREFIXES
-
-
-def decode_payload(
-    text: Any, *, trusted: bool, device: torch.device | None = None
-) -> dict[str, torch.Tensor]:
-    """One ``serialized_named_tensors`` entry as ``{name: tensor}``; ``device`` is the
-    engine's, where a pickled CUDA tensor must live."""
-    if not isinstance(text, str | bytes) or not text:
-        raise WeightSyncError("each entry must be base64 text")
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise WeightSyncError(f"an entry is not valid base64: {exc}") from exc
-    if is_pickled(raw):
-        if not trusted:
-            raise UntrustedPayloadError(
-                "the payload is pickled, and unpickling runs code the sender chose; send "
-                f"safetensors bytes, or start the server with {TRUST_FLAG} to accept it"
-            )
-        return _unpickle(raw, device)
-    from safetensors.torch import load
-
-    try:
-        return dict(load(raw))
-    except Exception as exc:
-        raise WeightSyncError(f"an entry is neither safetensors nor pickled: {exc}") from exc
-
-
-class RankTensors:
-    """SGLang's ``LocalSerializedTensor`` as it unpickles here: ``values`` holds one
-    pickled tensor per tensor-parallel rank of the receiving engine."""
-
-    values: list[Any]
-
-
-class _PayloadUnpickler(pickle.Unpickler):
-    """Pickle's own unpickler, except for SGLang's classes (no SGLang import) and CUDA
-    rebuilds, refused before they run unless the engine is on CUDA."""
-
-    def __init__(self, raw: bytes, device: torch.device | None) -> None:
-        super().__init__(io.BytesIO(raw))
-        self.device = device
-
-    def find_class(self, module: str, name: str) -> Any:
-        from_sglang = module.split(".")[0] == "sglang"
-        if from_sglang and name == "LocalSerializedTensor":
-            return RankTensors
-        if (module, name) == _TORCH_CUDA_REBUILD or (from_sglang and name == _SGLANG_CUDA_REBUILD):
-            self._require_cuda()
-            return _rebuild_by_uuid if from_sglang else super().find_class(module, name)
-        return super().find_class(module, name)
-
-    def _require_cuda(self) -> None:
-        if self.device is None or self.device.type != "cuda":
-            where = "the CPU" if self.device is None else f"{self.device}"
-            raise WeightSyncError(
-                "the payload holds CUDA tensors shared by IPC handle, which only a process "
-                f"on the sender's GPU can open, and this engine runs on {where}: send "
-                "safetensors bytes, or CPU tensors pickled under the file_system sharing "
-                "strategy"
-            )
-
-
-def _rebuild_by_uuid(*args: Any) -> torch.Tensor:
-    """SGLang's CUDA rebuild: the device named by UUID, opened here by its index."""
-    import torch
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    named = args[_REBUILD_DEVICE_ARG]
-    if isinstance(named, str):
-        found = [
-            index
-            for index in range(torch.cuda.device_count())
-            if str(torch.cuda.get_device_properties(index).uuid) == named
-        ]
-        if not found:
-            raise WeightSyncError(f"the payload's GPU {named} is not visible to this engine")
-        args = (*args[:_REBUILD_DEVICE_ARG], found[0], *args[_REBUILD_DEVICE_ARG + 1 :])
-    return rebuild_cuda_tensor(*args)
-
-
-def _load_pickle(raw: bytes, device: torch.device | None) -> Any:
-    # torch's rebuild functions, which the payload names, are imported by the unpickler.
-    from multiprocessing import AuthenticationError
-
-    try:
-        return _PayloadUnpickler(raw, device).load()
-    except WeightSyncError:
-        raise
-    except AuthenticationError as exc:
-        # torch's default "file_descriptor" strategy hands a CPU tensor over through the
-        # sender's resource sharer, which answers only processes of its own family.
-        raise WeightSyncError(
-            "cannot unpickle the payload: its CPU tensors are shared by file descriptor, "
-            "which only a process started by the sender can receive; pickle them after "
-            "torch.multiprocessing.set_sharing_strategy('file_system'), or send "
-            "safetensors bytes"
-        ) from exc
-    except Exception as exc:
-        raise WeightSyncError(f"cannot unpickle the payload: {exc}") from exc
-
-
-def _unpickle(raw: bytes, device: torch.device | None) -> dict[str, torch.Tensor]:
-    import torch
-
-    loaded = _load_pickle(raw, device)
-    pairs = loaded.items() if isinstance(loaded, dict) else loaded
-    try:
-        named = {name: _one_rank(name, value, device) for name, value in pairs}
-    except WeightSyncError:
-        raise
-    except (TypeError, ValueError) as exc:
-        raise WeightSyncError("a pickled payload must hold (name, tensor) pairs") from exc
-    if not all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in named.items()):
-        raise WeightSyncError("a pickled payload must hold (name, tensor) pairs")
-    for name, tensor in named.items():
-        if tensor.is_cuda and (device is None or tensor.device != device):
-            raise WeightSyncError(
-                f"{name} is on {tensor.device}, and this engine on {device}: a CUDA-IPC "
-                "push comes from a trainer on the engine's own GPU"
-            )
-    return named
-
-
-def _one_rank(name: Any, value: Any, device: torch.device | None) -> Any:
-    """A tensor as sent, or the one rank's tensor of a ``LocalSerializedTensor``."""
-    if not isinstance(value, RankTensors):
-        return value
-    values = getattr(value, "values", None)
-    if not isinstance(values, list) or len(values) != 1:
-        count = len(values) if isinstance(values, list) else "no"
-        raise WeightSyncError(
-            f"{name}: a LocalSerializedTensor holds {count} ranks' tensors; this engine has "
-            "one rank"
-        )
-    inner = values[0]
-    if isinstance(inner, str):
-        try:
-            inner = base64.b64decode(inner, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise WeightSyncError(f"{name}: its rank's tensor is not valid base64") from exc
-    if not isinstance(inner, bytes) or not is_pickled(inner):
-        raise WeightSyncError(f"{name}: its rank's tensor is not a pickled tensor")
-    return _load_pickle(inner, device)
 
 
 def encode_safetensors(tensors: Mapping[str, torch.Tensor]) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from penstock.engines.tensor_payloads import decode_payload
 from penstock.engines.transformers.weights import checkpoint_state_dict
 from penstock.engines.weight_sync import (
     DEFAULT_GROUP_NAME,
@@ -35,7 +36,6 @@ from penstock.engines.weight_sync import (
     TensorSpec,
     WeightSyncError,
     check_against,
-    decode_payload,
     destroy_process_group,
     dtype_name,
     init_custom_process_group,
