@@ -32,6 +32,7 @@ import contextlib
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -424,6 +425,8 @@ def ray_fleet(setup: Setup) -> Outcome:
         wait_healthy(server, 60)
         ready = time.perf_counter() - started
         status, detail = compare_greedy(engine_greedy(server), setup.greedy_a, "to generate")
+        # A graceful stop takes the Ray cluster it started down with it.
+        server.stop(signal.SIGTERM, timeout=60)
     return status, f"replica on its reserved GPU ready in {ready:.0f}s; {detail}"
 
 
@@ -485,9 +488,14 @@ def cuda_checks(
     with contextlib.ExitStack() as stack:
         off_server = None
         if off is not None and report.left_s() > 200:
-            off_server = stack.enter_context(
-                running_server(serve_args(setup, off), setup.work, ready_timeout=90, env=HF_OFFLINE)
-            )
+            try:
+                off_server = stack.enter_context(
+                    running_server(
+                        serve_args(setup, off), setup.work, ready_timeout=90, env=HF_OFFLINE
+                    )
+                )
+            except RuntimeError as exc:
+                report.add("FAIL", f"engine with {off}", f"did not start: {first_line(exc)}")
         for c in CONCURRENCY:
             report.run(
                 f"tokens/s at concurrency {c}",
@@ -513,34 +521,51 @@ def main() -> int:
     print(f"torch {torch.__version__}, CUDA available: {gpus > 0}, GPUs: {gpus}", flush=True)
     if not torch.cuda.is_available():
         print("this torch has no usable CUDA: running the CPU-safe parts only", flush=True)
+    # The outer timeout's SIGTERM unwinds the servers started here instead of orphaning them.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        setup = prepare(Path(tmp), device)
-        off = None
         try:
-            off = caching_off_flag(helper, max(report.left_s() - 60, 5))
-        except subprocess.TimeoutExpired:
-            helper.kill()
-        if off is None:
-            report.add("SKIP", "prefix caching off", "no option for it in penstock serve -- --help")
-        else:
-            report.add("PASS", "prefix caching off", f"penstock serve -- --help offers {off}")
-        serving = running_server(serve_args(setup), setup.work, ready_timeout=90, env=HF_OFFLINE)
-        with (
-            serving as server,
-            contextlib.closing(WeightPusher(server.base_url, admin_key=ADMIN_KEY)) as pusher,
-        ):
-            on = "cuda" if cuda else "cpu"
-            report.run(
-                f"greedy /generate == generate ({on})",
-                60,
-                lambda: compare_greedy(engine_greedy(server), setup.greedy_a, "to generate"),
+            setup = prepare(Path(tmp), device)
+            off = caching_option(report, helper)
+            serving = running_server(
+                serve_args(setup), setup.work, ready_timeout=90, env=HF_OFFLINE
             )
-            report.run("weight update from disk", 60, lambda: disk_update(server, pusher, setup))
-            if cuda:
-                cuda_checks(report, server, pusher, setup, off)
-            else:
-                cpu_checks(report, server, pusher, setup)
+            with (
+                serving as server,
+                contextlib.closing(WeightPusher(server.base_url, admin_key=ADMIN_KEY)) as pusher,
+            ):
+                all_checks(report, server, pusher, setup, off)
+        except Exception as exc:
+            report.add("FAIL", "setup", f"{type(exc).__name__}: {first_line(exc)}")
     return report.summary(mode)
+
+
+def caching_option(report: Report, helper: subprocess.Popen[str]) -> str | None:
+    try:
+        off = caching_off_flag(helper, max(report.left_s() - 60, 5))
+    except subprocess.TimeoutExpired:
+        helper.kill()
+        off = None
+    if off is None:
+        report.add("SKIP", "prefix caching off", "no option for it in penstock serve -- --help")
+    else:
+        report.add("PASS", "prefix caching off", f"penstock serve -- --help offers {off}")
+    return off
+
+
+def all_checks(
+    report: Report, server: ServerProcess, pusher: WeightPusher, setup: Setup, off: str | None
+) -> None:
+    report.run(
+        f"greedy /generate == generate ({setup.device.type})",
+        60,
+        lambda: compare_greedy(engine_greedy(server), setup.greedy_a, "to generate"),
+    )
+    report.run("weight update from disk", 60, lambda: disk_update(server, pusher, setup))
+    if setup.device.type == "cuda":
+        cuda_checks(report, server, pusher, setup, off)
+    else:
+        cpu_checks(report, server, pusher, setup)
 
 
 if __name__ == "__main__":
