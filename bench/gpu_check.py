@@ -242,18 +242,27 @@ def cuda_ipc_update(server: ServerProcess, pusher: WeightPusher, setup: Setup) -
 
 
 def nccl_update(server: ServerProcess, pusher: WeightPusher, setup: Setup) -> Outcome:
-    gpus = torch.cuda.device_count()
     # NCCL takes one rank per GPU: the trainer's rank goes on another GPU when there is one.
-    trainer_device = torch.device("cuda", 1 if gpus > 1 else 0)
+    trainer_device = torch.device("cuda", 1 if torch.cuda.device_count() > 1 else 0)
+    torch.cuda.set_device(trainer_device)
+    return broadcast_update(server, pusher, setup, "nccl", trainer_device)
+
+
+def broadcast_update(
+    server: ServerProcess,
+    pusher: WeightPusher,
+    setup: Setup,
+    backend: str,
+    trainer_device: torch.device,
+) -> Outcome:
     trainer = load_hf(setup.model_b, trainer_device)
     tensors = {name: t.detach() for name, t in trainer.state_dict().items()}
     before = engine_greedy(server)
-    torch.cuda.set_device(trainer_device)
     failure: Exception | None = None
     try:
-        pusher.init_group("127.0.0.1", free_port(), backend="nccl", timeout_s=60)
+        pusher.init_group("127.0.0.1", free_port(), backend=backend, timeout_s=60)
         pusher.pause()
-        reply = pusher.broadcast(tensors, weight_version="nccl")
+        reply = pusher.broadcast(tensors, weight_version=backend)
     except (EngineRefused, RuntimeError) as exc:
         failure = exc
     finally:
@@ -261,7 +270,9 @@ def nccl_update(server: ServerProcess, pusher: WeightPusher, setup: Setup) -> Ou
     if failure is not None:
         kept = engine_greedy(server) == before
         text = str(failure).lower()
-        shared = gpus == 1 and ("duplicate gpu" in text or "invalid usage" in text)
+        shared = trainer_device == setup.device and (
+            "duplicate gpu" in text or "invalid usage" in text
+        )
         if shared and kept:
             return "SKIP", (
                 "NCCL refused two ranks on one GPU (needs 2 GPUs); the engine kept its "
@@ -412,12 +423,12 @@ def caching_off_flag(helper: subprocess.Popen[str], timeout_s: float) -> str | N
     return next((flag for flag in CACHING_OFF_FLAGS if flag in offered), None)
 
 
-def ray_fleet(setup: Setup) -> Outcome:
+def ray_fleet(setup: Setup, gpus: int = 1) -> Outcome:
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:
         return "SKIP", "ray is not installed in this environment"
-    fleet = ["--ray", "--ray-replicas", "1", "--ray-replica-gpus", "1"]
+    fleet = ["--ray", "--ray-replicas", "1", "--ray-replica-gpus", str(gpus)]
     started = time.perf_counter()
     with running_server(
         [*fleet, *serve_args(setup)], setup.work, ready_timeout=150, env={"HF_HUB_OFFLINE": "1"}
