@@ -873,9 +873,7 @@ class TransformersEngine(LLMEngine):
         return await self._push(
             "update_weights_from_tensor",
             body,
-            lambda model: self.weight_sync.load_tensors(
-                model, body, trusted=trusted, lock=lock, device=self.device
-            ),
+            lambda model: self.weight_sync.load_tensors(model, body, trusted=trusted, lock=lock),
         )
 
     async def _update_weights_from_nixl(self, body: Body) -> Body:

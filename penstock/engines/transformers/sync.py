@@ -197,20 +197,12 @@ class WeightSync:
         written = _swap_in(staged, live, lock)
         return self._done(written, "distributed")
 
-    def load_tensors(
-        self,
-        model: torch.nn.Module,
-        body: Body,
-        *,
-        trusted: bool,
-        lock: Any,
-        device: torch.device | None = None,
-    ) -> Body:
+    def load_tensors(self, model: torch.nn.Module, body: Body, *, trusted: bool, lock: Any) -> Body:
         """``update_weights_from_tensor``: decode every entry, validate, then copy.
 
-        CUDA tensors shared by IPC handle (``device`` must be theirs) are read in place
-        from the trainer's memory; the copy ends before the answer, so the trainer may
-        reuse that memory once it has it."""
+        CUDA tensors shared by IPC handle (on the model's own GPU) are read in place from
+        the trainer's memory; the copy ends before the answer, so the trainer may reuse
+        that memory once it has it."""
         payloads = body.get("serialized_named_tensors")
         if not isinstance(payloads, list) or not payloads:
             raise WeightSyncError("'serialized_named_tensors' must be a non-empty list")
@@ -224,10 +216,11 @@ class WeightSync:
             raise WeightSyncError(
                 f"'load_format' must be direct or safetensors; got {load_format!r}"
             )
+        live = checkpoint_state_dict(model)
+        device = next(iter(live.values())).device
         tensors = decode_payload(payloads[0], trusted=trusted, device=device)
         if not tensors:
             raise WeightSyncError("the payload holds no tensors")
-        live = checkpoint_state_dict(model)
         specs = [
             TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()
         ]
