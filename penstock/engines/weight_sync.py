@@ -25,7 +25,8 @@ only form accepted unless the operator trusts payloads). A pickled payload (what
 list of ``(name, tensor)`` pairs, or a dict; on the same host its tensors may live in
 shared memory: CUDA tensors by IPC handle, CPU tensors by shared-memory file name under
 torch's ``file_system`` sharing strategy) is unpickled only with
-``--trust-weight-payloads``, since unpickling runs code the sender chose.
+``--trust-weight-payloads``, since unpickling runs code the sender chose. Decoding is in
+:mod:`penstock.engines.tensor_payloads`.
 
 **NIXL pull** (``update_weights_from_nixl``): the trainer registers its tensors with a
 NIXL agent (UCX) and posts ``agent_name``, ``agent_metadata`` (base64 of the agent's
@@ -271,61 +272,6 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def is_pickled(raw: bytes) -> bool:
     return raw[:2] in _PICKLE_PREFIXES
-
-
-def decode_payload(text: Any, *, trusted: bool) -> dict[str, torch.Tensor]:
-    """One ``serialized_named_tensors`` entry as ``{name: tensor}``."""
-    if not isinstance(text, str | bytes) or not text:
-        raise WeightSyncError("each entry must be base64 text")
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise WeightSyncError(f"an entry is not valid base64: {exc}") from exc
-    if is_pickled(raw):
-        if not trusted:
-            raise UntrustedPayloadError(
-                "the payload is pickled, and unpickling runs code the sender chose; send "
-                f"safetensors bytes, or start the server with {TRUST_FLAG} to accept it"
-            )
-        return _unpickle(raw)
-    from safetensors.torch import load
-
-    try:
-        return dict(load(raw))
-    except Exception as exc:
-        raise WeightSyncError(f"an entry is neither safetensors nor pickled: {exc}") from exc
-
-
-def _unpickle(raw: bytes) -> dict[str, torch.Tensor]:
-    # The pickler torch registers its tensor reducers with (torch.multiprocessing no
-    # longer re-exports it); the payload names torch's rebuild functions, which the
-    # unpickler imports.
-    from multiprocessing import AuthenticationError
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch
-
-    try:
-        loaded = ForkingPickler.loads(raw)
-    except AuthenticationError as exc:
-        # torch's default "file_descriptor" strategy hands a CPU tensor over through the
-        # sender's resource sharer, which answers only processes of its own family.
-        raise WeightSyncError(
-            "cannot unpickle the payload: its CPU tensors are shared by file descriptor, "
-            "which only a process started by the sender can receive; pickle them after "
-            "torch.multiprocessing.set_sharing_strategy('file_system'), or send "
-            "safetensors bytes"
-        ) from exc
-    except Exception as exc:
-        raise WeightSyncError(f"cannot unpickle the payload: {exc}") from exc
-    pairs = loaded.items() if isinstance(loaded, dict) else loaded
-    try:
-        named = {name: tensor for name, tensor in pairs}
-    except (TypeError, ValueError) as exc:
-        raise WeightSyncError("a pickled payload must hold (name, tensor) pairs") from exc
-    if not all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in named.items()):
-        raise WeightSyncError("a pickled payload must hold (name, tensor) pairs")
-    return named
 
 
 def encode_safetensors(tensors: Mapping[str, torch.Tensor]) -> str:

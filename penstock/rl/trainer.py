@@ -13,6 +13,7 @@
     pusher.resume()
     pusher.push_tensors(some_tensors, weight_version="step-4")  # same, over HTTP
     pusher.push_nixl(model.state_dict(), weight_version="step-5")  # the engine READs them
+    pusher.push_cuda_ipc(cuda_state, weight_version="step-6")  # colocated, same GPU
 
 The HTTP calls speak SGLang's routes. A broadcast posts the metadata and sends the bytes
 at the same time; if the engine refuses the request while this side is still sending,
@@ -22,7 +23,11 @@ process's NIXL agent (made on the first push), posts their descriptors, polls th
 (which serves the engines' connections) until the engine answers and the READ
 notification of every engine that read is in (one per replica of a ``--ray`` fleet),
 then deregisters them; the engines read this process's memory meanwhile, so the tensors
-must not change until the call returns. Torch is imported only when a method needs it.
+must not change until the call returns. A CUDA-IPC push (``push_cuda_ipc``, for a trainer
+on the engine's own GPU; the server needs ``--trust-weight-payloads``) posts the tensors'
+IPC handles, and the engine copies from this process's GPU memory before it answers.
+``init_group(..., backend="nccl")`` needs the engine on CUDA and this rank on another GPU
+(NCCL takes one rank per GPU). Torch is imported only when a method needs it.
 """
 
 from __future__ import annotations
@@ -91,6 +96,26 @@ def broadcast_body(
     if flattened:
         body["load_format"] = "flattened_bucket"
     return body
+
+
+def cuda_ipc_entry(tensors: Mapping[str, torch.Tensor]) -> str:
+    """One ``serialized_named_tensors`` entry holding IPC handles to CUDA ``tensors``,
+    which must stay unchanged until the engine has answered."""
+    import base64
+    from multiprocessing.reduction import ForkingPickler
+
+    # Importing torch.multiprocessing registers the reducers that pickle CUDA storage
+    # as an IPC handle instead of its bytes.
+    import torch.multiprocessing  # noqa: F401
+
+    off_gpu = [name for name, t in tensors.items() if not t.is_cuda]
+    if off_gpu:
+        raise ValueError(
+            f"a CUDA-IPC push sends CUDA tensors; {', '.join(off_gpu[:5])} are not on a GPU: "
+            "use push_tensors"
+        )
+    pairs = [(name, t.detach().contiguous()) for name, t in tensors.items()]
+    return base64.b64encode(ForkingPickler.dumps(pairs)).decode()
 
 
 class WeightPusher:
@@ -224,10 +249,17 @@ class WeightPusher:
         self, tensors: Mapping[str, torch.Tensor], *, weight_version: str | None = None
     ) -> dict[str, Any]:
         """``update_weights_from_tensor`` with base64 safetensors bytes."""
-        body: dict[str, Any] = {
-            "serialized_named_tensors": [encode_safetensors(tensors)],
-            "flush_cache": True,
-        }
+        return self._post_tensor_entry(encode_safetensors(tensors), weight_version)
+
+    def push_cuda_ipc(
+        self, tensors: Mapping[str, torch.Tensor], *, weight_version: str | None = None
+    ) -> dict[str, Any]:
+        """``update_weights_from_tensor`` with CUDA IPC handles: one pickled list of
+        ``(name, tensor)``, as SGLang's ``MultiprocessingSerializer`` sends it."""
+        return self._post_tensor_entry(cuda_ipc_entry(tensors), weight_version)
+
+    def _post_tensor_entry(self, entry: str, weight_version: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"serialized_named_tensors": [entry], "flush_cache": True}
         if weight_version is not None:
             body["weight_version"] = weight_version
         return self.post("/update_weights_from_tensor", body)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from penstock.engines.controls import WeightsByName, parse_tensor_names
+from penstock.engines.tensor_payloads import decode_payload
 from penstock.engines.transformers.weights import checkpoint_state_dict
 from penstock.engines.weight_sync import (
     DEFAULT_GROUP_NAME,
@@ -36,7 +37,6 @@ from penstock.engines.weight_sync import (
     TensorSpec,
     WeightSyncError,
     check_against,
-    decode_payload,
     destroy_process_group,
     dtype_name,
     init_custom_process_group,
@@ -91,7 +91,8 @@ class WeightSync:
             raise WeightSyncError(f"'backend' must be one of {', '.join(BACKENDS)}")
         if backend == "nccl" and device.type != "cuda":
             raise WeightSyncError(
-                "'backend' nccl needs the engine on CUDA; this engine runs on the CPU: use gloo"
+                "'backend' nccl needs the engine on CUDA, and this engine runs on the CPU, "
+                "where gloo is the backend it can join: send backend gloo"
             )
         world_size = _int(body, "world_size", low=2)
         rank = _int(body, "rank_offset", 1, low=1)
@@ -200,7 +201,11 @@ class WeightSync:
         return self._done(written, "distributed")
 
     def load_tensors(self, model: torch.nn.Module, body: Body, *, trusted: bool, lock: Any) -> Body:
-        """``update_weights_from_tensor``: decode every entry, validate, then copy."""
+        """``update_weights_from_tensor``: decode every entry, validate, then copy.
+
+        CUDA tensors shared by IPC handle (on the model's own GPU) are read in place from
+        the trainer's memory; the copy ends before the answer, so the trainer may reuse
+        that memory once it has it."""
         payloads = body.get("serialized_named_tensors")
         if not isinstance(payloads, list) or not payloads:
             raise WeightSyncError("'serialized_named_tensors' must be a non-empty list")
@@ -214,10 +219,11 @@ class WeightSync:
             raise WeightSyncError(
                 f"'load_format' must be direct or safetensors; got {load_format!r}"
             )
-        tensors = decode_payload(payloads[0], trusted=trusted)
+        live = checkpoint_state_dict(model)
+        device = next(iter(live.values())).device
+        tensors = decode_payload(payloads[0], trusted=trusted, device=device)
         if not tensors:
             raise WeightSyncError("the payload holds no tensors")
-        live = checkpoint_state_dict(model)
         specs = [
             TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()
         ]
@@ -225,7 +231,10 @@ class WeightSync:
         for name, tensor in tensors.items():
             if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                 raise WeightSyncError(f"{name} holds NaN or infinite values")
-        return self._done(_swap_in(tensors, live, lock), "tensor")
+        written = _swap_in(tensors, live, lock)
+        if any(tensor.is_cuda for tensor in tensors.values()):
+            torch.cuda.synchronize(device)
+        return self._done(written, "tensor")
 
     def pull_nixl(self, model: torch.nn.Module, body: Body, *, lock: Any) -> Body:
         """``update_weights_from_nixl``: validate, then READ from the trainer's memory."""
