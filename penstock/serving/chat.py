@@ -182,16 +182,7 @@ async def create_chat_completion(
         streaming=body.stream,
         deadline=deadline,
     )
-    parsing = output_parsing(
-        body,
-        model.tool_call_parser,
-        gateway.settings.reasoning_parser,
-        model.preprocessor,
-        prompt.token_ids,
-    )
-    if parsing is not None:
-        for choice in generation.choices:
-            choice.parse_with(parsing)
+    attach_parsers(generation, body, gateway.settings.reasoning_parser, prompt.token_ids)
     chat_format = ChatFormat(
         model,
         return_token_ids=body.return_token_ids,
@@ -199,3 +190,19 @@ async def create_chat_completion(
     )
     plan = ResponsePlan(chat_format, [generation], body, uploader, deadline)
     return await respond(request, plan)
+
+
+def attach_parsers(
+    generation: Generation,
+    body: ChatCompletionRequest,
+    reasoning_parser: str | None,
+    prompt_token_ids: list[int],
+) -> None:
+    """Split each choice's answer with the request's tool-call and reasoning parsers."""
+    model = generation.model
+    parsing = output_parsing(
+        body, model.tool_call_parser, reasoning_parser, model.preprocessor, prompt_token_ids
+    )
+    if parsing is not None:
+        for choice in generation.choices:
+            choice.parse_with(parsing)

@@ -49,6 +49,7 @@ from penstock.schemas.openai import CompletionRequest, NonNegativeInt, PositiveI
 from penstock.schemas.unicode import JSONValue, RequestModel
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import Deadline, request_deadline
+from penstock.serving.framing import JSONObject
 from penstock.serving.generation import Generation
 from penstock.serving.limits import served_model
 from penstock.serving.prompts import completion_prompts
@@ -240,10 +241,7 @@ class GenerateEncoder:
     __slots__ = ()
 
     def frame(
-        self,
-        choices: list[dict[str, Any]],
-        weight_version: str | None,
-        usage: dict[str, Any] | None = None,
+        self, choices: list[JSONObject], weight_version: str | None, usage: JSONObject | None = None
     ) -> bytes:
         return b"".join(b"data: " + orjson.dumps(item) + b"\n\n" for item in choices)
 

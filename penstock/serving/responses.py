@@ -30,11 +30,12 @@ from penstock.responses.async_store import AsyncResponseStore
 from penstock.responses.records import StoredResponse
 from penstock.schemas.openai import ChatCompletionRequest
 from penstock.schemas.responses import ResponsesRequest
+from penstock.serving.chat import attach_parsers
 from penstock.serving.choice import ChoiceState, Delta
 from penstock.serving.deadline import request_deadline
+from penstock.serving.framing import JSONObject
 from penstock.serving.generation import Generation, usage
 from penstock.serving.limits import check_budget, served_model
-from penstock.serving.parsing import output_parsing
 from penstock.serving.prompts import chat_prompt
 from penstock.serving.requests import engine_context, generate_request
 from penstock.serving.response_input import chat_request, turn_messages
@@ -330,10 +331,7 @@ class ResponseEventEncoder:
     __slots__ = ()
 
     def frame(
-        self,
-        choices: list[dict[str, Any]],
-        weight_version: str | None,
-        usage: dict[str, Any] | None = None,
+        self, choices: list[JSONObject], weight_version: str | None, usage: JSONObject | None = None
     ) -> bytes:
         return b"".join(
             b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
@@ -404,15 +402,6 @@ async def create_response(
         deadline=deadline,
     )
     _check_tool_choice(chat)
-    parsing = output_parsing(
-        chat,
-        model.tool_call_parser,
-        gateway.settings.reasoning_parser,
-        model.preprocessor,
-        prompt.token_ids,
-    )
-    if parsing is not None:
-        for choice in generation.choices:
-            choice.parse_with(parsing)
+    attach_parsers(generation, chat, gateway.settings.reasoning_parser, prompt.token_ids)
     fmt = ResponsesFormat(body, conversation, store, owner)
     return await respond(request, ResponsePlan(fmt, [generation], chat, None, deadline))

@@ -40,6 +40,7 @@ from penstock.schemas.openai import CompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.completions import completion_generations
 from penstock.serving.deadline import request_deadline
+from penstock.serving.framing import JSONObject
 from penstock.serving.generation import Generation
 from penstock.serving.sse import data_frame
 from penstock.serving.stream import ResponsePlan, respond
@@ -179,10 +180,7 @@ class VllmTokensEvents:
         self.request_id = request_id
 
     def frame(
-        self,
-        choices: list[dict[str, Any]],
-        weight_version: str | None,
-        usage: dict[str, Any] | None = None,
+        self, choices: list[JSONObject], weight_version: str | None, usage: JSONObject | None = None
     ) -> bytes:
         event: dict[str, Any] = {"request_id": self.request_id, "choices": choices}
         if weight_version is not None:
