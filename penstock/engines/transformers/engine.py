@@ -40,10 +40,12 @@ from penstock.engines.contract import (
     GenerateRequest,
     LLMEngine,
     LlmRegistration,
+    PushSource,
     WorkerConfig,
 )
 from penstock.engines.health import build_health_check_payload, parse_health_check_payload_cli
 from penstock.engines.transformers.args import EngineArgs, parse_args
+from penstock.engines.transformers.block_manager import kv_bytes_per_token
 from penstock.engines.transformers.cpu_weights import load_kernel, pack_model, requantize
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from penstock.engines.transformers.generation_config import load_sampling_defaults
@@ -63,6 +65,7 @@ from penstock.engines.transformers.scheduler import (
     StepFailure,
     Submission,
 )
+from penstock.engines.transformers.sequence import request_priority
 from penstock.engines.transformers.sync import WeightSync, checksum_control, weights_by_name
 from penstock.engines.transformers.vision import (
     VisionEncoder,
@@ -263,7 +266,10 @@ class TransformersEngine(LLMEngine):
         eos = _eos_ids(self.model.generation_config, text_config)
         bos = getattr(self.model.generation_config, "bos_token_id", None)
         self._bos_or_eos = bos if isinstance(bos, int) else min(eos, default=0)
-        kv_tokens = self.args.kv_cache_tokens or self.args.max_num_seqs * self.context_length
+        kv_tokens = self.args.kv_pool_tokens(
+            bytes_per_token=kv_bytes_per_token(text_config, self.dtype),
+            default=self.args.max_num_seqs * self.context_length,
+        )
         self.scheduler = BatchScheduler(
             self.model,
             device=self.device,
@@ -275,6 +281,7 @@ class TransformersEngine(LLMEngine):
             engine_data=self._engine_data,
             on_forward_pass=self._on_forward_pass,
             worker_id=str(worker_id),
+            prefix_caching=self.args.enable_prefix_caching,
         )
         self.scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)
         if self._load_model is load_vision_model:
@@ -394,7 +401,14 @@ class TransformersEngine(LLMEngine):
                 logger.debug("request %s: event loop closed before delivery", context.id())
 
         submission = Submission(
-            context.id(), context, prompt, params, deliver, adapter, embed=embed
+            context.id(),
+            context,
+            prompt,
+            params,
+            deliver,
+            adapter,
+            embed=embed,
+            priority=request_priority(dict(request)),
         )
         scheduler.submit(submission)
         remaining = params.n
@@ -428,6 +442,9 @@ class TransformersEngine(LLMEngine):
     async def abort(self, context: Context) -> None:
         if self.scheduler is not None:
             self.scheduler.cancel_request_id(context.id())
+
+    async def kv_event_sources(self) -> list[Any]:
+        return [PushSource(on_ready=self._require_scheduler().attach_kv_events, dp_rank=0)]
 
     async def health_check_payload(self) -> dict[str, Any] | None:
         return build_health_check_payload(self._bos_or_eos)
@@ -481,6 +498,17 @@ class TransformersEngine(LLMEngine):
             ("penstock_engine_kv_total_blocks", "KV cache blocks in total", usage.total_blocks),
             ("penstock_engine_num_running", "Sequences being decoded", usage.running),
             ("penstock_engine_num_waiting", "Requests waiting to start", usage.waiting),
+            (
+                "penstock_engine_kv_cached_blocks",
+                "KV blocks a prompt can match",
+                usage.cached_blocks,
+            ),
+            ("penstock_engine_prefill_tokens", "Prompt tokens computed", usage.prefill_tokens),
+            (
+                "penstock_engine_prefix_cache_hit_tokens",
+                "Prompt tokens cached",
+                usage.cached_tokens,
+            ),
         )
         lines = []
         for name, help_text, value in gauges:
@@ -753,8 +781,9 @@ class TransformersEngine(LLMEngine):
         }
 
     async def _flush_cache(self, body: Body) -> Body:
-        # There is no prefix cache: KV lives only as long as its sequence. Flushing returns
-        # the allocator's idle blocks to the device.
+        # Cached prefixes are forgotten; KV of running sequences stays. The allocator's
+        # idle blocks go back to the device.
+        await asyncio.to_thread(self._require_scheduler().reset_prefix_cache)
         gc.collect()
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -807,6 +836,8 @@ class TransformersEngine(LLMEngine):
             apply_weight_update(plan)
 
     async def _weights_changed(self) -> None:
+        # Cached prefixes hold KV the old weights computed.
+        await asyncio.to_thread(self._require_scheduler().reset_prefix_cache)
         # Cached image features came from the old vision tower.
         if self.vision is not None:
             self.vision.forget()

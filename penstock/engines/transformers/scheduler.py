@@ -8,32 +8,44 @@ and adds what a server needs around it.
 
 The parts, one concept each: :mod:`.sequence` (a request and its choices),
 this module (admission, batch composition, the step loop, the chunks each token becomes),
+:mod:`.block_manager` (the pool of KV blocks and the prefix cache over it),
 :mod:`.model_runner` (the forward passes and the KV cache they run over). Membership of
 the batch changes only at step boundaries: the requests admitted in a step are prefilled
-together (:func:`_prefill_groups`) and join the running rows, which decode one token per
-step until they finish or are cancelled.
+(together while their padded batch is small, see :meth:`BatchScheduler._prefill_batches`)
+and join the running rows, which decode one token per step until they finish or are
+cancelled.
 
-Admission reserves ``n * (prompt + max_tokens)`` tokens of the KV budget
-(``kv_capacity_tokens``, counted in ``KV_BLOCK_SIZE`` blocks for the metrics); a request
-that fits waits in FIFO order, so a running long request never blocks a short one from
-starting, and no running sequence is ever preempted.
+KV is counted in blocks of the pool (``kv_capacity_tokens``): a request is admitted when
+the pool has the blocks its prompt needs, and a running row takes a block each time its
+tokens fill the last one, never ``max_tokens`` ahead. When a row finds the pool empty,
+the request that runs last in admission order (the lowest ``priority``, then the latest
+arrival) is preempted: its blocks are freed and it waits again, keeping its tokens; its
+KV is recomputed when it is admitted back, so its output is the one it would have had.
+Waiting requests are admitted in that same order. A prompt whose leading full blocks are
+cached takes their KV and computes only the rest.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
-import math
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from penstock.engines.transformers.block_manager import (
+    BLOCK_SIZE,
+    BlockManager,
+    Match,
+    chain_hashes,
+)
 from penstock.engines.transformers.kv_cache import KvPair
-from penstock.engines.transformers.model_runner import ModelRunner
+from penstock.engines.transformers.model_runner import ModelRunner, PrefillRow
 from penstock.engines.transformers.sampling import TokenChoice
 from penstock.engines.transformers.sequence import Sequence, Submission, completion_usage
 from penstock.metrics.forward_pass import (
@@ -44,7 +56,7 @@ from penstock.metrics.forward_pass import (
 
 logger = logging.getLogger(__name__)
 
-KV_BLOCK_SIZE = 16
+KV_BLOCK_SIZE = BLOCK_SIZE
 # Prompts prefilled in one forward pass: at most this many tokens, padding included.
 PREFILL_BATCH_TOKENS = 2048
 # How often a thread with held or frozen requests re-checks them for cancellation.
@@ -61,6 +73,10 @@ class KvUsage:
     total_blocks: int
     running: int
     waiting: int
+    cached_blocks: int = 0
+    # Since start: prompt tokens computed, and prompt tokens taken from the prefix cache.
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class _OnRunner:
@@ -100,6 +116,7 @@ class BatchScheduler:
         engine_data: Callable[[], dict[str, Any]],
         on_forward_pass: Callable[[ForwardPassMetrics, KvUsage], None],
         worker_id: str = "",
+        prefix_caching: bool = True,
     ) -> None:
         self.runner = ModelRunner(
             model, device, seed=seed, rows=max_num_seqs, vocab=vocab_size, ends=eos_token_ids
@@ -113,10 +130,20 @@ class BatchScheduler:
         self._cond = threading.Condition()
         # Held by the thread for a whole step; holders of it see no forward pass running.
         self.step_lock = threading.Lock()
-        self._waiting: deque[Submission] = deque()
+        self.blocks = BlockManager(
+            kv_capacity_tokens // BLOCK_SIZE,
+            prefix_caching=prefix_caching,
+            on_stored=self._publish_stored,
+            on_removed=self._publish_removed,
+            on_cleared=self._publish_cleared,
+        )
+        # The gateway's KV event publisher, once it attaches one (see ``attach_kv_events``).
+        self.kv_events: Any = None
+        # In admission order (``Submission.order``).
+        self._waiting: list[Submission] = []
         self._admitted: list[Submission] = []
         self._running: list[Sequence] = []
-        self._reserved_tokens = 0
+        self._arrivals = itertools.count()
         self._paused = False
         self._frozen = False
         self._sleeping = False
@@ -126,7 +153,7 @@ class BatchScheduler:
 
     @property
     def kv_total_blocks(self) -> int:
-        return self.kv_capacity_tokens // KV_BLOCK_SIZE
+        return self.blocks.total_blocks
 
     # -- control (any thread) ----------------------------------------------------------
 
@@ -154,17 +181,31 @@ class BatchScheduler:
             self._cond.notify_all()
 
     def submit(self, submission: Submission) -> None:
-        if submission.reserved_tokens > self.kv_capacity_tokens:
+        if submission.most_blocks > self.kv_total_blocks:
             raise ValueError(
-                f"the request needs {submission.reserved_tokens} KV tokens "
-                f"(n x (prompt + max_tokens)) but the engine holds at most "
-                f"{self.kv_capacity_tokens} (--kv-cache-tokens); lower max_tokens or n"
+                f"the request may need {submission.most_blocks * BLOCK_SIZE} KV tokens "
+                f"(its prompt and n x max_tokens, in blocks of {BLOCK_SIZE}) but the engine "
+                f"holds at most {self.kv_total_blocks * BLOCK_SIZE} (--kv-cache-tokens); "
+                "lower max_tokens or n"
             )
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the engine is shutting down")
-            self._waiting.append(submission)
+            submission.arrival = next(self._arrivals)
+            self._enqueue_locked(submission)
             self._cond.notify_all()
+
+    def _enqueue_locked(self, submission: Submission) -> None:
+        bisect.insort(self._waiting, submission, key=lambda s: s.order)
+
+    def attach_kv_events(self, publisher: Any) -> None:
+        """Publish the prefix cache's blocks stored and removed to ``publisher``."""
+        self.kv_events = publisher
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (new weights, a flush): no stale prefix is matched."""
+        with self.step_lock, self._cond:
+            self.blocks.reset()
 
     def cancel(self, submission: Submission) -> None:
         with self._cond:
@@ -248,8 +289,16 @@ class BatchScheduler:
             return self._usage_locked()
 
     def _usage_locked(self) -> KvUsage:
-        used = sum(math.ceil(seq.kv_length / KV_BLOCK_SIZE) for seq in self._running)
-        return KvUsage(used, self.kv_total_blocks, len(self._running), len(self._waiting))
+        blocks = self.blocks
+        return KvUsage(
+            blocks.used_blocks,
+            blocks.total_blocks,
+            len(self._running),
+            len(self._waiting),
+            cached_blocks=blocks.cached_blocks,
+            prefill_tokens=blocks.prefill_tokens,
+            cached_tokens=blocks.cached_tokens,
+        )
 
     def move_kv(self, device: torch.device) -> None:
         """Move the KV of held sequences (call with ``step_lock`` held)."""
@@ -288,7 +337,7 @@ class BatchScheduler:
     def _drop_cancelled_waiting_locked(self) -> None:
         if not any(s.should_stop() for s in self._waiting):
             return
-        keep: deque[Submission] = deque()
+        keep: list[Submission] = []
         for submission in self._waiting:
             if submission.should_stop():
                 self._finish_unstarted(submission, "cancelled")
@@ -301,17 +350,24 @@ class BatchScheduler:
         return bool(self._waiting) and (not self._paused or self._waiting[0].drain)
 
     def _admit_locked(self) -> list[Submission]:
+        """The waiting requests, in order, whose rows and prompt blocks fit; the blocks the
+        running rows take this step are set aside first."""
         admitted: list[Submission] = []
         rows = len(self._running)
+        free = self.blocks.free_blocks - sum(
+            1 for seq in self._running if len(seq.blocks) * BLOCK_SIZE <= seq.kv_length
+        )
         while self._admissible_locked():
             head = self._waiting[0]
-            if rows + head.params.n > self.max_num_seqs:
+            head_rows = sum(1 for seq in head.sequences if not seq.finished) or head.params.n
+            if rows + head_rows > self.max_num_seqs:
                 break
-            if self._reserved_tokens + head.reserved_tokens > self.kv_capacity_tokens:
+            needed = head.blocks_to_start()
+            if needed > free:
                 break
-            self._waiting.popleft()
-            rows += head.params.n
-            self._reserved_tokens += head.reserved_tokens
+            self._waiting.pop(0)
+            rows += head_rows
+            free -= needed
             self._admitted.append(head)
             admitted.append(head)
         return admitted
@@ -334,13 +390,14 @@ class BatchScheduler:
                 for seq in self._running:
                     if seq.submission.should_stop():
                         self._finish(seq, "cancelled", outbox, last_chunk=None)
+                self._grow()
                 self._rebuild_batch([])
                 decode_rows = list(self._running)
                 if decode_rows:
                     self._decode(decode_rows, outbox)
                     self._send(outbox)
                 joined: list[tuple[Sequence, list[KvPair]]] = []
-                for group in _prefill_groups(admitted):
+                for group in self._prefill_batches(admitted, outbox):
                     joined += self._prefill(group, outbox)
                     # Each first token leaves as soon as it exists: TTFT does not wait
                     # for the other prefills of this step.
@@ -357,26 +414,129 @@ class BatchScheduler:
         for seq, choice in zip(rows, choices, strict=True):
             self._accept(seq, choice, outbox)
 
-    def _prefill(
-        self, group: list[Submission], outbox: dict[Submission, list[Any]]
-    ) -> list[tuple[Sequence, list[KvPair]]]:
-        """Prefill ``group`` in one forward pass (see ``_prefill_groups``); returns the
-        sequences that go on decoding, each with its prompt's KV per layer."""
-        live: list[tuple[Submission, list[Sequence]]] = []
-        for submission in group:
-            submission.unfinished = submission.params.n
-            sequences = self.runner.new_sequences(submission)
-            if submission.should_stop():
-                for seq in sequences:
-                    self._finish(seq, "cancelled", outbox, last_chunk=None)
-            else:
-                live.append((submission, sequences))
-        if not live:
+    def _grow(self) -> None:
+        """Give every running row a block slot for the token it feeds this step; an empty
+        pool preempts the request that runs last until the row has one or is preempted."""
+        for seq in sorted(self._running, key=lambda seq: seq.submission.order):
+            while seq.in_batch and len(seq.blocks) * BLOCK_SIZE <= seq.kv_length:
+                if self.blocks.free_blocks:
+                    seq.blocks += self.blocks.allocate(1)
+                else:
+                    self._preempt(max(self._running_submissions(), key=lambda s: s.order))
+
+    def _running_submissions(self) -> list[Submission]:
+        return list({seq.submission: None for seq in self._running if seq.in_batch})
+
+    def _preempt(self, submission: Submission) -> None:
+        """Free the blocks of ``submission``'s rows and make it wait to be recomputed."""
+        logger.debug("preempting request %s: the KV pool is full", submission.request_id)
+        for seq in submission.sequences:
+            if seq.in_batch:
+                self.blocks.free(seq.blocks)
+                seq.blocks, seq.kv_length, seq.preempted = [], 0, True
+        with self._cond:
+            self._admitted.remove(submission)
+            # It was running: a pause that lets running requests finish waits for it.
+            submission.drain = True
+            self._enqueue_locked(submission)
+
+    def _prefill_batches(
+        self, admitted: list[Submission], outbox: dict[Submission, list[Any]]
+    ) -> Iterator[list[tuple[PrefillRow, Match]]]:
+        """The rows of ``admitted`` in order, as the groups prefilled together, each row
+        with the blocks it holds; each group is prefilled (and its blocks cached) before
+        the next is formed, so a prompt takes the blocks of one prefilled just before it.
+
+        Text rows without a cached prefix join the group before them while the padded
+        batch stays within ``PREFILL_BATCH_TOKENS``: one pass reads the weights once for
+        all of them, and at many rows the linear layers run as one large matrix product.
+        A row with a cached prefix or image features is prefilled alone, and so is a
+        prompt starting with the same block as one in the group (it waits for that
+        one's KV instead of computing it again).
+        """
+        group: list[tuple[PrefillRow, Match]] = []
+        heads: set[int] = set()
+        longest = 0
+        for submission in admitted:
+            for tokens, sequences in self._rows_of(submission, outbox):
+                head = chain_hashes(tokens[:BLOCK_SIZE], submission.adapter)
+                if group and heads.intersection(head):
+                    yield group
+                    group, heads, longest = [], set(), 0
+                row, match = self._claim(submission, tokens, sequences)
+                alone = row.prefix_kv is not None or submission.embed is not None
+                length = len(tokens)
+                fits = (len(group) + 1) * max(longest, length) <= PREFILL_BATCH_TOKENS
+                if group and (alone or not fits):
+                    yield group
+                    group, heads, longest = [], set(), 0
+                group.append((row, match))
+                heads.update(head)
+                longest = max(longest, length)
+                if alone:
+                    yield group
+                    group, heads, longest = [], set(), 0
+        if group:
+            yield group
+
+    def _rows_of(
+        self, submission: Submission, outbox: dict[Submission, list[Any]]
+    ) -> list[tuple[list[int], list[Sequence]]]:
+        """What ``submission`` prefills: its prompt for all its choices, or (preempted)
+        each unfinished choice's prompt and output."""
+        if submission.sequences:
+            resumed = [seq for seq in submission.sequences if not seq.finished]
+            for seq in resumed:
+                seq.preempted = False
+            return [(seq.kv_tokens, [seq]) for seq in resumed]
+        submission.unfinished = submission.params.n
+        submission.sequences = sequences = self.runner.new_sequences(submission)
+        if submission.should_stop():
+            for seq in sequences:
+                self._finish(seq, "cancelled", outbox, last_chunk=None)
             return []
+        return [(submission.prompt_ids, sequences)]
+
+    def _claim(
+        self, submission: Submission, tokens: list[int], sequences: list[Sequence]
+    ) -> tuple[PrefillRow, Match]:
+        """Hold the blocks of ``tokens`` for ``sequences``: the cached ones it starts with,
+        new ones for the rest (full blocks shared, the last partial one each its own)."""
+        if submission.embed is None:
+            match = self.blocks.match(tokens, submission.adapter)
+        else:
+            # Image features are not in the token ids the blocks are named by.
+            match = Match([], [])
+        full = len(tokens) // BLOCK_SIZE
+        partial = 1 if len(tokens) % BLOCK_SIZE else 0
+        fresh = self.blocks.allocate(full - len(match.blocks) + partial * len(sequences))
+        shared = match.blocks + fresh[: full - len(match.blocks)]
+        own = fresh[full - len(match.blocks) :]
+        for index, seq in enumerate(sequences):
+            blocks = shared if index == 0 else self.blocks.share(shared)
+            seq.blocks = blocks + own[index : index + partial]
+        if submission.cached_tokens is None:
+            submission.cached_tokens = match.tokens
+        self.blocks.cached_tokens += match.tokens
+        self.blocks.prefill_tokens += len(tokens) - match.tokens
+        return PrefillRow(submission, tokens, sequences, match.kv()), match
+
+    def _prefill(
+        self, group: list[tuple[PrefillRow, Match]], outbox: dict[Submission, list[Any]]
+    ) -> list[tuple[Sequence, list[KvPair]]]:
+        """Prefill ``group`` in one forward pass and cache its new full blocks; returns
+        the sequences that go on decoding, each with its row's KV per layer."""
         joined = []
-        prefilled = self.runner.prefill(live)
-        for (_, sequences), (choices, layers) in zip(live, prefilled, strict=True):
-            for seq, choice in zip(sequences, choices, strict=True):
+        prefilled = self.runner.prefill([row for row, _ in group])
+        for (row, match), (choices, layers) in zip(group, prefilled, strict=True):
+            if len(match.hashes) > len(match.blocks):
+                start = match.tokens
+                kv = torch.stack(
+                    [torch.stack((k[0, :, start:], v[0, :, start:])) for k, v in layers]
+                )
+                first = row.sequences[0]
+                self.blocks.store(first.blocks, match.hashes, row.tokens, kv, len(match.blocks))
+            for seq, choice in zip(row.sequences, choices, strict=True):
                 self._accept(seq, choice, outbox)
                 if not seq.finished:
                     joined.append((seq, layers))
@@ -428,8 +588,10 @@ class BatchScheduler:
         }
         chunk["finish_reason"] = reason
         chunk["completion_usage"] = completion_usage(
-            len(submission.prompt_ids), len(seq.output_ids)
+            len(submission.prompt_ids), len(seq.output_ids), submission.cached_tokens
         )
+        self.blocks.free(seq.blocks)
+        seq.blocks = []
         outbox.setdefault(submission, []).append(chunk)
         submission.unfinished -= 1
         if submission.unfinished <= 0:
@@ -440,10 +602,16 @@ class BatchScheduler:
             submission.done = True
             if submission in self._admitted:
                 self._admitted.remove(submission)
-                self._reserved_tokens -= submission.reserved_tokens
             self._cond.notify_all()
 
     def _finish_unstarted(self, submission: Submission, reason: str) -> None:
+        """End a waiting request: its choices so far if it was preempted, else all of them."""
+        if submission.sequences:
+            outbox: dict[Submission, list[Any]] = {}
+            for seq in submission.sequences:
+                self._finish(seq, reason, outbox, last_chunk=None)
+            self._send(outbox)
+            return
         submission.done = True
         submission.deliver(
             [
@@ -463,6 +631,10 @@ class BatchScheduler:
             failed = list(self._admitted)
             self._running = []
         self.runner.reset()
+        for submission in failed:
+            for seq in submission.sequences:
+                self.blocks.free(seq.blocks)
+                seq.blocks = []
         for submission in failed:
             outbox.setdefault(submission, []).append(error)
             self._retire(submission)
@@ -503,34 +675,23 @@ class BatchScheduler:
         )
         self._on_forward_pass(metrics, self.usage())
 
+    def _publish_stored(self, hashes: list[int], tokens: list[list[int]]) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish_stored(
+                token_ids=[token for block in tokens for token in block],
+                num_block_tokens=[len(block) for block in tokens],
+                block_hashes=hashes,
+            )
+
+    def _publish_removed(self, hashes: list[int]) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish_removed(hashes)
+
+    def _publish_cleared(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.clear_all()
+
     def _emit_heartbeat_locked(self) -> None:
         self._counter += 1
         heartbeat = ForwardPassMetrics(worker_id=self.worker_id, counter_id=self._counter)
         self._on_forward_pass(heartbeat, self._usage_locked())
-
-
-def _prefill_groups(admitted: list[Submission]) -> list[list[Submission]]:
-    """``admitted`` in order, as the groups prefilled together.
-
-    Text prompts join the group before them while the padded batch stays within
-    ``PREFILL_BATCH_TOKENS``: one pass reads the weights once for all of them, and at
-    many rows the linear layers run as one large matrix product. A prompt with image
-    features is prefilled alone.
-    """
-    groups: list[list[Submission]] = []
-    longest = 0
-    for submission in admitted:
-        length = len(submission.prompt_ids)
-        group = groups[-1] if groups else None
-        if (
-            group is not None
-            and submission.embed is None
-            and group[0].embed is None
-            and (len(group) + 1) * max(longest, length) <= PREFILL_BATCH_TOKENS
-        ):
-            group.append(submission)
-            longest = max(longest, length)
-        else:
-            groups.append([submission])
-            longest = length
-    return groups
