@@ -509,6 +509,7 @@ class TransformersEngine(LLMEngine):
                 "Prompt tokens cached",
                 usage.cached_tokens,
             ),
+            ("penstock_engine_preemptions", "Requests preempted for KV", usage.preemptions),
         )
         lines = []
         for name, help_text, value in gauges:

@@ -77,6 +77,8 @@ class KvUsage:
     # Since start: prompt tokens computed, and prompt tokens taken from the prefix cache.
     prefill_tokens: int = 0
     cached_tokens: int = 0
+    # Since start: requests preempted for lack of free blocks.
+    preemptions: int = 0
 
 
 class _OnRunner:
@@ -144,6 +146,7 @@ class BatchScheduler:
         self._admitted: list[Submission] = []
         self._running: list[Sequence] = []
         self._arrivals = itertools.count()
+        self._preemptions = 0
         self._paused = False
         self._frozen = False
         self._sleeping = False
@@ -298,6 +301,7 @@ class BatchScheduler:
             cached_blocks=blocks.cached_blocks,
             prefill_tokens=blocks.prefill_tokens,
             cached_tokens=blocks.cached_tokens,
+            preemptions=self._preemptions,
         )
 
     def move_kv(self, device: torch.device) -> None:
@@ -430,6 +434,7 @@ class BatchScheduler:
     def _preempt(self, submission: Submission) -> None:
         """Free the blocks of ``submission``'s rows and make it wait to be recomputed."""
         logger.debug("preempting request %s: the KV pool is full", submission.request_id)
+        self._preemptions += 1
         for seq in submission.sequences:
             if seq.in_batch:
                 self.blocks.free(seq.blocks)
@@ -667,11 +672,21 @@ class BatchScheduler:
         for seq in decoded:
             decode.add(seq.kv_length)
         waiting = WelfordAccumulator()
+        preempted = 0
         for submission in queued:
-            waiting.add(len(submission.prompt_ids))
+            if submission.sequences:
+                preempted += 1
+            else:
+                waiting.add(len(submission.prompt_ids))
         self._counter += 1
         metrics = forward_pass_from(
-            self.worker_id, self._counter, max(wall_time, 1e-9), prefill, decode, waiting
+            self.worker_id,
+            self._counter,
+            max(wall_time, 1e-9),
+            prefill,
+            decode,
+            waiting,
+            preempted,
         )
         self._on_forward_pass(metrics, self.usage())
 
