@@ -4,8 +4,6 @@ what it reports, and every way the cache is invalidated."""
 from __future__ import annotations
 
 import asyncio
-import functools
-import operator
 from pathlib import Path
 from typing import Any
 
