@@ -158,9 +158,8 @@ async def test_kv_events_follow_the_blocks_stored_evicted_and_cleared(
         assert stored["token_ids"] == LONG_PROMPT[:32]
         other = [(3 * i) % 40 + 4 for i in range(64)]
         await run(engine, greedy(other, max_tokens=2))
-        assert recorder.removed and set(
-            functools.reduce(operator.iadd, recorder.removed, [])
-        ) <= set(stored["block_hashes"])
+        removed = {block for event in recorder.removed for block in event}
+        assert removed and removed <= set(stored["block_hashes"])
         await engine.engine_control("flush_cache", {})
         assert recorder.cleared == 1
         text = engine.prometheus_text()
