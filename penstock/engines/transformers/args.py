@@ -82,6 +82,27 @@ _GENERATION_CONFIG_HELP = (
 )
 
 
+def _add_kv_pool_options(parser: argparse.ArgumentParser) -> None:
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument(
+        "--kv-cache-tokens",
+        type=_positive_int,
+        help="KV pool size in tokens across all sequences and cached prefixes "
+        "(default: max-num-seqs x max-model-len)",
+    )
+    pool.add_argument(
+        "--kv-cache-bytes",
+        type=_positive_int,
+        help="KV pool size in bytes of keys and values (instead of --kv-cache-tokens)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt blocks seen before (default: on)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="penstock serve --engine transformers",
@@ -109,24 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help="context length in tokens (default: the model's max_position_embeddings)",
     )
-    pool = parser.add_mutually_exclusive_group()
-    pool.add_argument(
-        "--kv-cache-tokens",
-        type=_positive_int,
-        help="KV pool size in tokens across all sequences and cached prefixes "
-        "(default: max-num-seqs x max-model-len)",
-    )
-    pool.add_argument(
-        "--kv-cache-bytes",
-        type=_positive_int,
-        help="KV pool size in bytes of keys and values (instead of --kv-cache-tokens)",
-    )
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV of prompt blocks seen before (default: on)",
-    )
+    _add_kv_pool_options(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed for requests without a seed")
     parser.add_argument(
         "--model-cache-dir",

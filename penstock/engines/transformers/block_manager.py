@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -239,3 +240,27 @@ class BlockManager:
         block.hash, block.kv, block.tokens = None, None, []
         if self.on_removed is not None:
             self.on_removed([removed])
+
+
+class KvEventRelay:
+    """Passes the pool's stored, removed and cleared blocks to the gateway's KV event
+    publisher once one is attached (``publisher``); before that they are dropped."""
+
+    def __init__(self) -> None:
+        self.publisher: Any = None
+
+    def stored(self, hashes: list[int], tokens: list[list[int]]) -> None:
+        if self.publisher is not None:
+            self.publisher.publish_stored(
+                token_ids=[token for block in tokens for token in block],
+                num_block_tokens=[len(block) for block in tokens],
+                block_hashes=hashes,
+            )
+
+    def removed(self, hashes: list[int]) -> None:
+        if self.publisher is not None:
+            self.publisher.publish_removed(hashes)
+
+    def cleared(self) -> None:
+        if self.publisher is not None:
+            self.publisher.clear_all()

@@ -266,10 +266,7 @@ class TransformersEngine(LLMEngine):
         eos = _eos_ids(self.model.generation_config, text_config)
         bos = getattr(self.model.generation_config, "bos_token_id", None)
         self._bos_or_eos = bos if isinstance(bos, int) else min(eos, default=0)
-        kv_tokens = self.args.kv_pool_tokens(
-            bytes_per_token=kv_bytes_per_token(text_config, self.dtype),
-            default=self.args.max_num_seqs * self.context_length,
-        )
+        kv_tokens = self._kv_pool_tokens(text_config)
         self.scheduler = BatchScheduler(
             self.model,
             device=self.device,
@@ -325,6 +322,13 @@ class TransformersEngine(LLMEngine):
                 max_num_seqs=self.args.max_num_seqs,
                 max_num_batched_tokens=self.context_length,
             ),
+        )
+
+    def _kv_pool_tokens(self, text_config: Any) -> int:
+        assert self.dtype is not None
+        return self.args.kv_pool_tokens(
+            bytes_per_token=kv_bytes_per_token(text_config, self.dtype),
+            default=self.args.max_num_seqs * self.context_length,
         )
 
     def _choose_cpu_weights(self, config: Any) -> None:

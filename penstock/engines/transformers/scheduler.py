@@ -11,18 +11,16 @@ this module (admission, batch composition, the step loop, the chunks each token 
 :mod:`.block_manager` (the pool of KV blocks and the prefix cache over it),
 :mod:`.model_runner` (the forward passes and the KV cache they run over). Membership of
 the batch changes only at step boundaries: the requests admitted in a step are prefilled
-(together while their padded batch is small, see :meth:`BatchScheduler._prefill_batches`)
+(together while their padded batch is small, see :mod:`.prefill_plan`)
 and join the running rows, which decode one token per step until they finish or are
 cancelled.
 
 KV is counted in blocks of the pool (``kv_capacity_tokens``): a request is admitted when
 the pool has the blocks its prompt needs, and a running row takes a block each time its
-tokens fill the last one, never ``max_tokens`` ahead. When a row finds the pool empty,
-the request that runs last in admission order (the lowest ``priority``, then the latest
-arrival) is preempted: its blocks are freed and it waits again, keeping its tokens; its
-KV is recomputed when it is admitted back, so its output is the one it would have had.
-Waiting requests are admitted in that same order. A prompt whose leading full blocks are
-cached takes their KV and computes only the rest.
+tokens fill the last one, never ``max_tokens`` ahead. A row finding the pool empty
+preempts the request that runs last in admission order (lowest ``priority``, then latest
+arrival): its blocks are freed and it waits again with its tokens, its KV recomputed when
+it is admitted back. A prompt whose leading full blocks are cached computes only the rest.
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,44 +38,26 @@ import torch
 from penstock.engines.transformers.block_manager import (
     BLOCK_SIZE,
     BlockManager,
+    KvEventRelay,
     Match,
-    chain_hashes,
 )
 from penstock.engines.transformers.kv_cache import KvPair
 from penstock.engines.transformers.model_runner import ModelRunner, PrefillRow
+from penstock.engines.transformers.prefill_plan import claim_blocks, prefill_groups
 from penstock.engines.transformers.sampling import TokenChoice
 from penstock.engines.transformers.sequence import Sequence, Submission, completion_usage
-from penstock.metrics.forward_pass import (
-    ForwardPassMetrics,
-    WelfordAccumulator,
-    forward_pass_from,
-)
+from penstock.engines.transformers.step_metrics import KvUsage, step_metrics
+from penstock.metrics.forward_pass import ForwardPassMetrics
 
 logger = logging.getLogger(__name__)
 
 KV_BLOCK_SIZE = BLOCK_SIZE
-# Prompts prefilled in one forward pass: at most this many tokens, padding included.
-PREFILL_BATCH_TOKENS = 2048
 # How often a thread with held or frozen requests re-checks them for cancellation.
 _HELD_POLL_S = 0.05
 
 
 class StepFailure(Exception):
     """A forward pass failed; every request that was in it ends with this error."""
-
-
-@dataclass(frozen=True)
-class KvUsage:
-    used_blocks: int
-    total_blocks: int
-    running: int
-    waiting: int
-    cached_blocks: int = 0
-    # Since start: prompt tokens computed, and prompt tokens taken from the prefix cache.
-    prefill_tokens: int = 0
-    cached_tokens: int = 0
-    # Since start: requests preempted for lack of free blocks.
-    preemptions: int = 0
 
 
 class _OnRunner:
@@ -132,15 +111,14 @@ class BatchScheduler:
         self._cond = threading.Condition()
         # Held by the thread for a whole step; holders of it see no forward pass running.
         self.step_lock = threading.Lock()
+        self.kv_events = KvEventRelay()
         self.blocks = BlockManager(
             kv_capacity_tokens // BLOCK_SIZE,
             prefix_caching=prefix_caching,
-            on_stored=self._publish_stored,
-            on_removed=self._publish_removed,
-            on_cleared=self._publish_cleared,
+            on_stored=self.kv_events.stored,
+            on_removed=self.kv_events.removed,
+            on_cleared=self.kv_events.cleared,
         )
-        # The gateway's KV event publisher, once it attaches one (see ``attach_kv_events``).
-        self.kv_events: Any = None
         # In admission order (``Submission.order``).
         self._waiting: list[Submission] = []
         self._admitted: list[Submission] = []
@@ -203,7 +181,7 @@ class BatchScheduler:
 
     def attach_kv_events(self, publisher: Any) -> None:
         """Publish the prefix cache's blocks stored and removed to ``publisher``."""
-        self.kv_events = publisher
+        self.kv_events.publisher = publisher
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (new weights, a flush): no stale prefix is matched."""
@@ -401,7 +379,12 @@ class BatchScheduler:
                     self._decode(decode_rows, outbox)
                     self._send(outbox)
                 joined: list[tuple[Sequence, list[KvPair]]] = []
-                for group in self._prefill_batches(admitted, outbox):
+                rows = (
+                    (submission, tokens, sequences)
+                    for submission in admitted
+                    for tokens, sequences in self._rows_of(submission, outbox)
+                )
+                for group in prefill_groups(rows, self._claim):
                     joined += self._prefill(group, outbox)
                     # Each first token leaves as soon as it exists: TTFT does not wait
                     # for the other prefills of this step.
@@ -445,45 +428,6 @@ class BatchScheduler:
             submission.drain = True
             self._enqueue_locked(submission)
 
-    def _prefill_batches(
-        self, admitted: list[Submission], outbox: dict[Submission, list[Any]]
-    ) -> Iterator[list[tuple[PrefillRow, Match]]]:
-        """The rows of ``admitted`` in order, as the groups prefilled together, each row
-        with the blocks it holds; each group is prefilled (and its blocks cached) before
-        the next is formed, so a prompt takes the blocks of one prefilled just before it.
-
-        Text rows without a cached prefix join the group before them while the padded
-        batch stays within ``PREFILL_BATCH_TOKENS``: one pass reads the weights once for
-        all of them, and at many rows the linear layers run as one large matrix product.
-        A row with a cached prefix or image features is prefilled alone, and so is a
-        prompt starting with the same block as one in the group (it waits for that
-        one's KV instead of computing it again).
-        """
-        group: list[tuple[PrefillRow, Match]] = []
-        heads: set[int] = set()
-        longest = 0
-        for submission in admitted:
-            for tokens, sequences in self._rows_of(submission, outbox):
-                head = chain_hashes(tokens[:BLOCK_SIZE], submission.adapter)
-                if group and heads.intersection(head):
-                    yield group
-                    group, heads, longest = [], set(), 0
-                row, match = self._claim(submission, tokens, sequences)
-                alone = row.prefix_kv is not None or submission.embed is not None
-                length = len(tokens)
-                fits = (len(group) + 1) * max(longest, length) <= PREFILL_BATCH_TOKENS
-                if group and (alone or not fits):
-                    yield group
-                    group, heads, longest = [], set(), 0
-                group.append((row, match))
-                heads.update(head)
-                longest = max(longest, length)
-                if alone:
-                    yield group
-                    group, heads, longest = [], set(), 0
-        if group:
-            yield group
-
     def _rows_of(
         self, submission: Submission, outbox: dict[Submission, list[Any]]
     ) -> list[tuple[list[int], list[Sequence]]]:
@@ -505,26 +449,7 @@ class BatchScheduler:
     def _claim(
         self, submission: Submission, tokens: list[int], sequences: list[Sequence]
     ) -> tuple[PrefillRow, Match]:
-        """Hold the blocks of ``tokens`` for ``sequences``: the cached ones it starts with,
-        new ones for the rest (full blocks shared, the last partial one each its own)."""
-        if submission.embed is None:
-            match = self.blocks.match(tokens, submission.adapter)
-        else:
-            # Image features are not in the token ids the blocks are named by.
-            match = Match([], [])
-        full = len(tokens) // BLOCK_SIZE
-        partial = 1 if len(tokens) % BLOCK_SIZE else 0
-        fresh = self.blocks.allocate(full - len(match.blocks) + partial * len(sequences))
-        shared = match.blocks + fresh[: full - len(match.blocks)]
-        own = fresh[full - len(match.blocks) :]
-        for index, seq in enumerate(sequences):
-            blocks = shared if index == 0 else self.blocks.share(shared)
-            seq.blocks = blocks + own[index : index + partial]
-        if submission.cached_tokens is None:
-            submission.cached_tokens = match.tokens
-        self.blocks.cached_tokens += match.tokens
-        self.blocks.prefill_tokens += len(tokens) - match.tokens
-        return PrefillRow(submission, tokens, sequences, match.kv()), match
+        return claim_blocks(self.blocks, submission, tokens, sequences)
 
     def _prefill(
         self, group: list[tuple[PrefillRow, Match]], outbox: dict[Submission, list[Any]]
@@ -665,46 +590,9 @@ class BatchScheduler:
         queued: list[Submission],
         wall_time: float,
     ) -> None:
-        prefill = WelfordAccumulator()
-        for submission in admitted:
-            prefill.add(len(submission.prompt_ids))
-        decode = WelfordAccumulator()
-        for seq in decoded:
-            decode.add(seq.kv_length)
-        waiting = WelfordAccumulator()
-        preempted = 0
-        for submission in queued:
-            if submission.sequences:
-                preempted += 1
-            else:
-                waiting.add(len(submission.prompt_ids))
         self._counter += 1
-        metrics = forward_pass_from(
-            self.worker_id,
-            self._counter,
-            max(wall_time, 1e-9),
-            prefill,
-            decode,
-            waiting,
-            preempted,
-        )
+        metrics = step_metrics(self.worker_id, self._counter, wall_time, admitted, decoded, queued)
         self._on_forward_pass(metrics, self.usage())
-
-    def _publish_stored(self, hashes: list[int], tokens: list[list[int]]) -> None:
-        if self.kv_events is not None:
-            self.kv_events.publish_stored(
-                token_ids=[token for block in tokens for token in block],
-                num_block_tokens=[len(block) for block in tokens],
-                block_hashes=hashes,
-            )
-
-    def _publish_removed(self, hashes: list[int]) -> None:
-        if self.kv_events is not None:
-            self.kv_events.publish_removed(hashes)
-
-    def _publish_cleared(self) -> None:
-        if self.kv_events is not None:
-            self.kv_events.clear_all()
 
     def _emit_heartbeat_locked(self) -> None:
         self._counter += 1
