@@ -41,6 +41,11 @@ SYSTEM_SENTENCE = (
 )
 
 
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"])
+
+
 def greedy(prompt: list[int], max_tokens: int, **sampling: Any) -> dict[str, Any]:
     return {
         "token_ids": prompt,
@@ -93,7 +98,7 @@ async def system_prompt_reuse(model_dir: Path, tokenizer: Any, threads: int) -> 
 
     def chat(question: str) -> list[int]:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return chat_ids(tokenizer, messages)
 
     cold_prompt, warm_prompt = chat(QUESTIONS[0]), chat(QUESTIONS[1])
     answers = {}
@@ -143,8 +148,7 @@ async def decoding_at_once(
 
     async def short_answer(question: str) -> int:
         nonlocal peak
-        messages = [{"role": "user", "content": question}]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompt = chat_ids(tokenizer, [{"role": "user", "content": question}])
         request = {
             **greedy(prompt, 512),
             "stop_conditions": {"max_tokens": 512, "ignore_eos": True},

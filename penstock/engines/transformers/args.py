@@ -40,6 +40,7 @@ class EngineArgs:
     cpu_weight_dtype: str = "auto"
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
 
     def kv_pool_tokens(self, *, bytes_per_token: int, default: int) -> int:
         """The KV pool's size in tokens: ``--kv-cache-tokens``, or ``--kv-cache-bytes`` at
@@ -82,7 +83,7 @@ _GENERATION_CONFIG_HELP = (
 )
 
 
-def _add_kv_pool_options(parser: argparse.ArgumentParser) -> None:
+def _add_kv_options(parser: argparse.ArgumentParser) -> None:
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument(
         "--kv-cache-tokens",
@@ -100,6 +101,13 @@ def _add_kv_pool_options(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse the KV of prompt blocks seen before (default: on)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=2048,
+        help="tokens one step computes at most, decode rows and prefill chunks together; "
+        "a longer prompt is prefilled over several steps (default: 2048)",
     )
 
 
@@ -130,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help="context length in tokens (default: the model's max_position_embeddings)",
     )
-    _add_kv_pool_options(parser)
+    _add_kv_options(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed for requests without a seed")
     parser.add_argument(
         "--model-cache-dir",
@@ -190,4 +198,5 @@ def parse_args(argv: list[str]) -> EngineArgs:
         cpu_weight_dtype=namespace.cpu_weight_dtype,
         kv_cache_bytes=namespace.kv_cache_bytes,
         enable_prefix_caching=namespace.enable_prefix_caching,
+        max_num_batched_tokens=namespace.max_num_batched_tokens,
     )

@@ -279,6 +279,7 @@ class TransformersEngine(LLMEngine):
             on_forward_pass=self._on_forward_pass,
             worker_id=str(worker_id),
             prefix_caching=self.args.enable_prefix_caching,
+            step_tokens=self.args.max_num_batched_tokens,
         )
         self.scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)
         if self._load_model is load_vision_model:

@@ -48,6 +48,12 @@ class PrefillRow:
     tokens: list[int]
     sequences: list[Sequence]
     prefix_kv: torch.Tensor | None = None
+    # Prefilled over several steps: the KV computed so far, and how many tokens it holds.
+    cache: DynamicCache | None = None
+    computed: int = 0
+
+    def __post_init__(self) -> None:
+        self.computed = self.prefix_length
 
     @property
     def prefix_length(self) -> int:
@@ -129,38 +135,61 @@ class ModelRunner:
         its whole KV (its sequences' KV lengths set). A row with a cached prefix is
         prefilled alone, its prefix's KV given to the model as the cache."""
         longest = max(len(row.tokens) - row.prefix_length for row in rows)
-        cache = DynamicCache()
-        if rows[0].prefix_kv is not None:
-            for index, layer in enumerate(rows[0].prefix_kv):
-                cache.update(layer[0].unsqueeze(0), layer[1].unsqueeze(0), index)
         output = self.model(
             **self._prefill_inputs(rows, longest),
-            cache=cache,
+            cache=self._prefix_cache(rows[0]),
             use_cache=True,
             logits_to_keep=1,
             **self._adapter_names(row.submission for row in rows),
         )
-        prefilled = []
-        for index, row in enumerate(rows):
-            # The row's tokens are its last columns (left padding before them).
-            first = -len(row.tokens)
-            layers = [
-                (
-                    layer.keys[index : index + 1, :, first:],
-                    layer.values[index : index + 1, :, first:],
-                )
-                for layer in output.cache.layers
-            ]
-            logits = output.logits[index : index + 1, -1, :].expand(len(row.sequences), -1)
-            choices = choose_tokens(
-                logits,
-                [seq.sampling(self.eos_token_ids) for seq in row.sequences],
-                self._shared_generator,
+        return [self._prefilled(output, index, row) for index, row in enumerate(rows)]
+
+    def prefill_chunk(self, row: PrefillRow, end: int) -> Prefilled | None:
+        """Compute the KV of ``row.tokens[row.computed:end]`` over the KV before them (a
+        text row prefilled over several steps); the row's :data:`Prefilled` once ``end``
+        reaches its last token, else None."""
+        if row.cache is None:
+            row.cache = self._prefix_cache(row)
+        start = row.computed
+        output = self.model(
+            input_ids=torch.tensor([row.tokens[start:end]], device=self.device),
+            position_ids=torch.arange(start, end, device=self.device).unsqueeze(0),
+            cache=row.cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **self._adapter_names([row.submission]),
+        )
+        row.computed = end
+        if end < len(row.tokens):
+            return None
+        return self._prefilled(output, 0, row)
+
+    def _prefix_cache(self, row: PrefillRow) -> DynamicCache:
+        cache = DynamicCache()
+        if row.prefix_kv is not None:
+            for index, layer in enumerate(row.prefix_kv):
+                cache.update(layer[0].unsqueeze(0), layer[1].unsqueeze(0), index)
+        return cache
+
+    def _prefilled(self, output: Any, index: int, row: PrefillRow) -> Prefilled:
+        # The row's tokens are its last columns (left padding before them).
+        first = -len(row.tokens)
+        layers = [
+            (
+                layer.keys[index : index + 1, :, first:],
+                layer.values[index : index + 1, :, first:],
             )
-            for seq in row.sequences:
-                seq.kv_length = len(row.tokens)
-            prefilled.append((choices, layers))
-        return prefilled
+            for layer in output.cache.layers
+        ]
+        logits = output.logits[index : index + 1, -1, :].expand(len(row.sequences), -1)
+        choices = choose_tokens(
+            logits,
+            [seq.sampling(self.eos_token_ids) for seq in row.sequences],
+            self._shared_generator,
+        )
+        for seq in row.sequences:
+            seq.kv_length = len(row.tokens)
+        return choices, layers
 
     def _prefill_inputs(self, rows: list[PrefillRow], longest: int) -> dict[str, Any]:
         if len(rows) == 1:

@@ -42,7 +42,7 @@ from penstock.engines.transformers.block_manager import (
     Match,
 )
 from penstock.engines.transformers.kv_cache import KvPair
-from penstock.engines.transformers.model_runner import ModelRunner, PrefillRow
+from penstock.engines.transformers.model_runner import ModelRunner, Prefilled, PrefillRow
 from penstock.engines.transformers.prefill_plan import claim_blocks, prefill_groups
 from penstock.engines.transformers.sampling import TokenChoice
 from penstock.engines.transformers.sequence import Sequence, Submission, completion_usage
@@ -52,6 +52,7 @@ from penstock.metrics.forward_pass import ForwardPassMetrics
 logger = logging.getLogger(__name__)
 
 KV_BLOCK_SIZE = BLOCK_SIZE
+DEFAULT_STEP_TOKENS = 2048
 # How often a thread with held or frozen requests re-checks them for cancellation.
 _HELD_POLL_S = 0.05
 
@@ -98,7 +99,10 @@ class BatchScheduler:
         on_forward_pass: Callable[[ForwardPassMetrics, KvUsage], None],
         worker_id: str = "",
         prefix_caching: bool = True,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
     ) -> None:
+        """``step_tokens``: the tokens one step computes at most, decode rows and prefill
+        chunks together (a longer prompt is prefilled over several steps)."""
         self.runner = ModelRunner(
             model, device, seed=seed, rows=max_num_seqs, vocab=vocab_size, ends=eos_token_ids
         )
@@ -123,6 +127,9 @@ class BatchScheduler:
         self._waiting: list[Submission] = []
         self._admitted: list[Submission] = []
         self._running: list[Sequence] = []
+        # Rows prefilled over several steps, in order; they join the batch when complete.
+        self._chunked: list[tuple[PrefillRow, Match]] = []
+        self.step_tokens = step_tokens
         self._arrivals = itertools.count()
         self._preemptions = 0
         self._paused = False
@@ -154,6 +161,7 @@ class BatchScheduler:
             pending = list(self._waiting) + list(self._admitted)
             self._waiting.clear()
             self._running.clear()
+            self._chunked.clear()
             self._admitted.clear()
             self.runner.reset()
         with self._cond:
@@ -296,7 +304,7 @@ class BatchScheduler:
                     return
                 self._drop_cancelled_waiting_locked()
                 can_step = not (self._frozen or self._sleeping) and (
-                    bool(self._running) or self._admissible_locked()
+                    bool(self._running or self._chunked) or self._admissible_locked()
                 )
                 if not can_step:
                     cancelled_rows = any(seq.submission.should_stop() for seq in self._running)
@@ -304,7 +312,7 @@ class BatchScheduler:
                         if active:
                             active = False
                             self._emit_heartbeat_locked()
-                        held = bool(self._waiting or self._running)
+                        held = bool(self._waiting or self._running or self._chunked)
                         self._cond.wait(timeout=_HELD_POLL_S if held else None)
                         continue
                 admitted = self._admit_locked() if can_step else []
@@ -335,7 +343,7 @@ class BatchScheduler:
         """The waiting requests, in order, whose rows and prompt blocks fit; the blocks the
         running rows take this step are set aside first."""
         admitted: list[Submission] = []
-        rows = len(self._running)
+        rows = len(self._running) + sum(len(row.sequences) for row, _ in self._chunked)
         free = self.blocks.free_blocks - sum(
             1 for seq in self._running if len(seq.blocks) * BLOCK_SIZE <= seq.kv_length
         )
@@ -369,9 +377,10 @@ class BatchScheduler:
         decode_rows: list[Sequence] = []
         try:
             with torch.inference_mode():
-                for seq in self._running:
+                for seq in self._running + [s for row, _ in self._chunked for s in row.sequences]:
                     if seq.submission.should_stop():
                         self._finish(seq, "cancelled", outbox, last_chunk=None)
+                self._chunked = [c for c in self._chunked if not c[0].submission.should_stop()]
                 self._grow()
                 self._rebuild_batch([])
                 decode_rows = list(self._running)
@@ -379,13 +388,25 @@ class BatchScheduler:
                     self._decode(decode_rows, outbox)
                     self._send(outbox)
                 joined: list[tuple[Sequence, list[KvPair]]] = []
+                # At least a block's worth: a step full of decode rows still prefills.
+                budget = max(self.step_tokens - len(decode_rows), BLOCK_SIZE)
+                budget = self._prefill_chunks(budget, joined, outbox)
                 rows = (
                     (submission, tokens, sequences)
                     for submission in admitted
                     for tokens, sequences in self._rows_of(submission, outbox)
                 )
                 for group in prefill_groups(rows, self._claim):
-                    joined += self._prefill(group, outbox)
+                    row = group[0][0]
+                    if len(group) == 1 and row.submission.embed is None:
+                        if len(row.tokens) - row.computed > budget:
+                            self._chunked.append(group[0])
+                            budget = self._prefill_chunks(budget, joined, outbox)
+                            continue
+                    budget -= sum(len(row.tokens) - row.computed for row, _ in group)
+                    prefilled = self.runner.prefill([row for row, _ in group])
+                    for (row, match), done in zip(group, prefilled, strict=True):
+                        joined += self._join(row, match, done, outbox)
                     # Each first token leaves as soon as it exists: TTFT does not wait
                     # for the other prefills of this step.
                     self._send(outbox)
@@ -451,25 +472,47 @@ class BatchScheduler:
     ) -> tuple[PrefillRow, Match]:
         return claim_blocks(self.blocks, submission, tokens, sequences)
 
-    def _prefill(
-        self, group: list[tuple[PrefillRow, Match]], outbox: dict[Submission, list[Any]]
+    def _prefill_chunks(
+        self,
+        budget: int,
+        joined: list[tuple[Sequence, list[KvPair]]],
+        outbox: dict[Submission, list[Any]],
+    ) -> int:
+        """Prefill the next chunks of the rows prefilled over several steps, oldest first,
+        within ``budget`` tokens; returns the budget left."""
+        for entry in list(self._chunked):
+            if budget <= 0:
+                break
+            row, match = entry
+            end = min(len(row.tokens), row.computed + budget)
+            budget -= end - row.computed
+            done = self.runner.prefill_chunk(row, end)
+            if done is not None:
+                self._chunked.remove(entry)
+                joined += self._join(row, match, done, outbox)
+                self._send(outbox)
+        return budget
+
+    def _join(
+        self,
+        row: PrefillRow,
+        match: Match,
+        prefilled: Prefilled,
+        outbox: dict[Submission, list[Any]],
     ) -> list[tuple[Sequence, list[KvPair]]]:
-        """Prefill ``group`` in one forward pass and cache its new full blocks; returns
-        the sequences that go on decoding, each with its row's KV per layer."""
+        """Cache a prefilled row's new full blocks and take its sequences' first tokens;
+        the sequences that go on decoding, each with the row's KV per layer."""
+        choices, layers = prefilled
+        if len(match.hashes) > len(match.blocks):
+            start = match.tokens
+            kv = torch.stack([torch.stack((k[0, :, start:], v[0, :, start:])) for k, v in layers])
+            first = row.sequences[0]
+            self.blocks.store(first.blocks, match.hashes, row.tokens, kv, len(match.blocks))
         joined = []
-        prefilled = self.runner.prefill([row for row, _ in group])
-        for (row, match), (choices, layers) in zip(group, prefilled, strict=True):
-            if len(match.hashes) > len(match.blocks):
-                start = match.tokens
-                kv = torch.stack(
-                    [torch.stack((k[0, :, start:], v[0, :, start:])) for k, v in layers]
-                )
-                first = row.sequences[0]
-                self.blocks.store(first.blocks, match.hashes, row.tokens, kv, len(match.blocks))
-            for seq, choice in zip(row.sequences, choices, strict=True):
-                self._accept(seq, choice, outbox)
-                if not seq.finished:
-                    joined.append((seq, layers))
+        for seq, choice in zip(row.sequences, choices, strict=True):
+            self._accept(seq, choice, outbox)
+            if not seq.finished:
+                joined.append((seq, layers))
         return joined
 
     def _accept(
@@ -560,6 +603,7 @@ class BatchScheduler:
         with self._cond:
             failed = list(self._admitted)
             self._running = []
+            self._chunked = []
         self.runner.reset()
         for submission in failed:
             for seq in submission.sequences:
