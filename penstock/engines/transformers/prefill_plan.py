@@ -1,4 +1,5 @@
-"""Which rows a scheduler step prefills together, and the pool blocks each row holds.
+"""The prefill half of a scheduler step: which rows are prefilled together, the pool
+blocks each row holds, and the rows prefilled over several steps (chunked prefill).
 
 A row is a new prompt for all its choices, or one preempted choice recomputing its
 prompt and output (see :mod:`.scheduler`). Its blocks come from :mod:`.block_manager`:
@@ -9,6 +10,9 @@ choices, the last partial block each choice's own).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
 
 from penstock.engines.transformers.block_manager import (
     BLOCK_SIZE,
@@ -16,7 +20,9 @@ from penstock.engines.transformers.block_manager import (
     Match,
     chain_hashes,
 )
-from penstock.engines.transformers.model_runner import PrefillRow
+from penstock.engines.transformers.kv_cache import KvPair
+from penstock.engines.transformers.model_runner import ModelRunner, Prefilled, PrefillRow
+from penstock.engines.transformers.sampling import TokenChoice
 from penstock.engines.transformers.sequence import Sequence, Submission
 
 # Prompts prefilled in one forward pass: at most this many tokens, padding included.
@@ -24,6 +30,9 @@ PREFILL_BATCH_TOKENS = 2048
 
 Claimed = tuple[PrefillRow, Match]
 Claim = Callable[[Submission, list[int], list[Sequence]], Claimed]
+Outbox = dict[Submission, list[Any]]
+# A sequence that goes on decoding, with its row's KV per layer.
+Joined = tuple[Sequence, list[KvPair]]
 
 
 def prefill_groups(
@@ -85,3 +94,116 @@ def claim_blocks(
     pool.cached_tokens += match.tokens
     pool.prefill_tokens += len(tokens) - match.tokens
     return PrefillRow(submission, tokens, sequences, match.kv()), match
+
+
+class Prefiller:
+    """Prefills a step's admitted requests within the step's token budget.
+
+    A text row longer than the budget left is prefilled a chunk per step (``chunked``,
+    oldest first, ahead of new rows), each chunk over the KV of the ones before it, so
+    the rows decoding beside it keep taking a token every step. The scheduler's
+    ``accept`` takes each first token, ``cancel`` ends a choice cancelled before its
+    prefill, ``send`` delivers the chunks gathered so far.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        pool: BlockManager,
+        *,
+        accept: Callable[[Sequence, TokenChoice, Outbox], None],
+        cancel: Callable[[Sequence, Outbox], None],
+        send: Callable[[Outbox], None],
+    ) -> None:
+        self.runner = runner
+        self.pool = pool
+        self._accept, self._cancel, self._send = accept, cancel, send
+        self.chunked: list[Claimed] = []
+
+    def sequences(self) -> list[Sequence]:
+        """The sequences of the rows being prefilled over several steps."""
+        return [seq for row, _ in self.chunked for seq in row.sequences]
+
+    def drop_cancelled(self) -> None:
+        self.chunked = [entry for entry in self.chunked if not entry[0].submission.should_stop()]
+
+    def run(self, admitted: list[Submission], budget: int, outbox: Outbox) -> list[Joined]:
+        """Prefill within ``budget`` tokens; the sequences that join the batch."""
+        joined: list[Joined] = []
+        budget = self._chunks(budget, joined, outbox)
+        rows = (
+            (submission, tokens, sequences)
+            for submission in admitted
+            for tokens, sequences in self._rows_of(submission, outbox)
+        )
+        for group in prefill_groups(rows, self._claim):
+            row = group[0][0]
+            if len(group) == 1 and row.submission.embed is None:
+                if len(row.tokens) - row.computed > budget:
+                    self.chunked.append(group[0])
+                    budget = self._chunks(budget, joined, outbox)
+                    continue
+            budget -= sum(len(row.tokens) - row.computed for row, _ in group)
+            prefilled = self.runner.prefill([row for row, _ in group])
+            for (row, match), done in zip(group, prefilled, strict=True):
+                joined += self._join(row, match, done, outbox)
+            # Each first token leaves as soon as it exists: TTFT does not wait for the
+            # other prefills of this step.
+            self._send(outbox)
+        return joined
+
+    def _rows_of(
+        self, submission: Submission, outbox: Outbox
+    ) -> list[tuple[list[int], list[Sequence]]]:
+        """What ``submission`` prefills: its prompt for all its choices, or (preempted)
+        each unfinished choice's prompt and output."""
+        if submission.sequences:
+            resumed = [seq for seq in submission.sequences if not seq.finished]
+            for seq in resumed:
+                seq.preempted = False
+            return [(seq.kv_tokens, [seq]) for seq in resumed]
+        submission.unfinished = submission.params.n
+        submission.sequences = sequences = self.runner.new_sequences(submission)
+        if submission.should_stop():
+            for seq in sequences:
+                self._cancel(seq, outbox)
+            return []
+        return [(submission.prompt_ids, sequences)]
+
+    def _claim(
+        self, submission: Submission, tokens: list[int], sequences: list[Sequence]
+    ) -> Claimed:
+        return claim_blocks(self.pool, submission, tokens, sequences)
+
+    def _chunks(self, budget: int, joined: list[Joined], outbox: Outbox) -> int:
+        """The next chunks of the rows prefilled over several steps, oldest first, within
+        ``budget`` tokens; returns the budget left."""
+        for entry in list(self.chunked):
+            if budget <= 0:
+                break
+            row, match = entry
+            end = min(len(row.tokens), row.computed + budget)
+            budget -= end - row.computed
+            done = self.runner.prefill_chunk(row, end)
+            if done is not None:
+                self.chunked.remove(entry)
+                joined += self._join(row, match, done, outbox)
+                self._send(outbox)
+        return budget
+
+    def _join(
+        self, row: PrefillRow, match: Match, prefilled: Prefilled, outbox: Outbox
+    ) -> list[Joined]:
+        """Cache a prefilled row's new full blocks and take its sequences' first tokens."""
+        choices, layers = prefilled
+        if len(match.hashes) > len(match.blocks):
+            start = match.tokens
+            kv = torch.stack([torch.stack((k[0, :, start:], v[0, :, start:])) for k, v in layers])
+            first = row.sequences[0]
+            self.pool.store(first.blocks, match.hashes, row.tokens, kv, len(match.blocks))
+        joined = []
+        for seq, choice in zip(row.sequences, choices, strict=True):
+            self._accept(seq, choice, outbox)
+            if not seq.finished:
+                joined.append((seq, layers))
+        return joined

@@ -9,11 +9,12 @@ and adds what a server needs around it.
 The parts, one concept each: :mod:`.sequence` (a request and its choices),
 this module (admission, batch composition, the step loop, the chunks each token becomes),
 :mod:`.block_manager` (the pool of KV blocks and the prefix cache over it),
-:mod:`.model_runner` (the forward passes and the KV cache they run over). Membership of
-the batch changes only at step boundaries: the requests admitted in a step are prefilled
-(together while their padded batch is small, see :mod:`.prefill_plan`)
-and join the running rows, which decode one token per step until they finish or are
-cancelled.
+:mod:`.prefill_plan` (the prefill half of a step: rows grouped, blocks claimed, long
+prompts chunked), :mod:`.model_runner` (the forward passes and the KV cache they run
+over). Membership of the batch changes only at step boundaries: the requests admitted in
+a step are prefilled within the step's token budget (``step_tokens``, decode rows
+included) and join the running rows, which decode one token per step until they finish
+or are cancelled.
 
 KV is counted in blocks of the pool (``kv_capacity_tokens``): a request is admitted when
 the pool has the blocks its prompt needs, and a running row takes a block each time its
@@ -39,11 +40,10 @@ from penstock.engines.transformers.block_manager import (
     BLOCK_SIZE,
     BlockManager,
     KvEventRelay,
-    Match,
 )
 from penstock.engines.transformers.kv_cache import KvPair
-from penstock.engines.transformers.model_runner import ModelRunner, Prefilled, PrefillRow
-from penstock.engines.transformers.prefill_plan import claim_blocks, prefill_groups
+from penstock.engines.transformers.model_runner import ModelRunner
+from penstock.engines.transformers.prefill_plan import Prefiller
 from penstock.engines.transformers.sampling import TokenChoice
 from penstock.engines.transformers.sequence import Sequence, Submission, completion_usage
 from penstock.engines.transformers.step_metrics import KvUsage, step_metrics
@@ -127,8 +127,13 @@ class BatchScheduler:
         self._waiting: list[Submission] = []
         self._admitted: list[Submission] = []
         self._running: list[Sequence] = []
-        # Rows prefilled over several steps, in order; they join the batch when complete.
-        self._chunked: list[tuple[PrefillRow, Match]] = []
+        self.prefiller = Prefiller(
+            self.runner,
+            self.blocks,
+            accept=self._accept,
+            cancel=lambda seq, outbox: self._finish(seq, "cancelled", outbox, last_chunk=None),
+            send=self._send,
+        )
         self.step_tokens = step_tokens
         self._arrivals = itertools.count()
         self._preemptions = 0
@@ -161,7 +166,7 @@ class BatchScheduler:
             pending = list(self._waiting) + list(self._admitted)
             self._waiting.clear()
             self._running.clear()
-            self._chunked.clear()
+            self.prefiller.chunked.clear()
             self._admitted.clear()
             self.runner.reset()
         with self._cond:
@@ -304,7 +309,7 @@ class BatchScheduler:
                     return
                 self._drop_cancelled_waiting_locked()
                 can_step = not (self._frozen or self._sleeping) and (
-                    bool(self._running or self._chunked) or self._admissible_locked()
+                    bool(self._running or self.prefiller.chunked) or self._admissible_locked()
                 )
                 if not can_step:
                     cancelled_rows = any(seq.submission.should_stop() for seq in self._running)
@@ -312,7 +317,7 @@ class BatchScheduler:
                         if active:
                             active = False
                             self._emit_heartbeat_locked()
-                        held = bool(self._waiting or self._running or self._chunked)
+                        held = bool(self._waiting or self._running or self.prefiller.chunked)
                         self._cond.wait(timeout=_HELD_POLL_S if held else None)
                         continue
                 admitted = self._admit_locked() if can_step else []
@@ -343,7 +348,7 @@ class BatchScheduler:
         """The waiting requests, in order, whose rows and prompt blocks fit; the blocks the
         running rows take this step are set aside first."""
         admitted: list[Submission] = []
-        rows = len(self._running) + sum(len(row.sequences) for row, _ in self._chunked)
+        rows = len(self._running) + len(self.prefiller.sequences())
         free = self.blocks.free_blocks - sum(
             1 for seq in self._running if len(seq.blocks) * BLOCK_SIZE <= seq.kv_length
         )
@@ -377,40 +382,19 @@ class BatchScheduler:
         decode_rows: list[Sequence] = []
         try:
             with torch.inference_mode():
-                for seq in self._running + [s for row, _ in self._chunked for s in row.sequences]:
+                for seq in self._running + self.prefiller.sequences():
                     if seq.submission.should_stop():
                         self._finish(seq, "cancelled", outbox, last_chunk=None)
-                self._chunked = [c for c in self._chunked if not c[0].submission.should_stop()]
+                self.prefiller.drop_cancelled()
                 self._grow()
                 self._rebuild_batch([])
                 decode_rows = list(self._running)
                 if decode_rows:
                     self._decode(decode_rows, outbox)
                     self._send(outbox)
-                joined: list[tuple[Sequence, list[KvPair]]] = []
                 # At least a block's worth: a step full of decode rows still prefills.
                 budget = max(self.step_tokens - len(decode_rows), BLOCK_SIZE)
-                budget = self._prefill_chunks(budget, joined, outbox)
-                rows = (
-                    (submission, tokens, sequences)
-                    for submission in admitted
-                    for tokens, sequences in self._rows_of(submission, outbox)
-                )
-                for group in prefill_groups(rows, self._claim):
-                    row = group[0][0]
-                    if len(group) == 1 and row.submission.embed is None:
-                        if len(row.tokens) - row.computed > budget:
-                            self._chunked.append(group[0])
-                            budget = self._prefill_chunks(budget, joined, outbox)
-                            continue
-                    budget -= sum(len(row.tokens) - row.computed for row, _ in group)
-                    prefilled = self.runner.prefill([row for row, _ in group])
-                    for (row, match), done in zip(group, prefilled, strict=True):
-                        joined += self._join(row, match, done, outbox)
-                    # Each first token leaves as soon as it exists: TTFT does not wait
-                    # for the other prefills of this step.
-                    self._send(outbox)
-                self._rebuild_batch(joined)
+                self._rebuild_batch(self.prefiller.run(admitted, budget, outbox))
         except Exception as exc:
             logger.exception("forward pass failed")
             self._fail_all(outbox, StepFailure(f"forward pass failed: {exc}"))
@@ -448,72 +432,6 @@ class BatchScheduler:
             # It was running: a pause that lets running requests finish waits for it.
             submission.drain = True
             self._enqueue_locked(submission)
-
-    def _rows_of(
-        self, submission: Submission, outbox: dict[Submission, list[Any]]
-    ) -> list[tuple[list[int], list[Sequence]]]:
-        """What ``submission`` prefills: its prompt for all its choices, or (preempted)
-        each unfinished choice's prompt and output."""
-        if submission.sequences:
-            resumed = [seq for seq in submission.sequences if not seq.finished]
-            for seq in resumed:
-                seq.preempted = False
-            return [(seq.kv_tokens, [seq]) for seq in resumed]
-        submission.unfinished = submission.params.n
-        submission.sequences = sequences = self.runner.new_sequences(submission)
-        if submission.should_stop():
-            for seq in sequences:
-                self._finish(seq, "cancelled", outbox, last_chunk=None)
-            return []
-        return [(submission.prompt_ids, sequences)]
-
-    def _claim(
-        self, submission: Submission, tokens: list[int], sequences: list[Sequence]
-    ) -> tuple[PrefillRow, Match]:
-        return claim_blocks(self.blocks, submission, tokens, sequences)
-
-    def _prefill_chunks(
-        self,
-        budget: int,
-        joined: list[tuple[Sequence, list[KvPair]]],
-        outbox: dict[Submission, list[Any]],
-    ) -> int:
-        """Prefill the next chunks of the rows prefilled over several steps, oldest first,
-        within ``budget`` tokens; returns the budget left."""
-        for entry in list(self._chunked):
-            if budget <= 0:
-                break
-            row, match = entry
-            end = min(len(row.tokens), row.computed + budget)
-            budget -= end - row.computed
-            done = self.runner.prefill_chunk(row, end)
-            if done is not None:
-                self._chunked.remove(entry)
-                joined += self._join(row, match, done, outbox)
-                self._send(outbox)
-        return budget
-
-    def _join(
-        self,
-        row: PrefillRow,
-        match: Match,
-        prefilled: Prefilled,
-        outbox: dict[Submission, list[Any]],
-    ) -> list[tuple[Sequence, list[KvPair]]]:
-        """Cache a prefilled row's new full blocks and take its sequences' first tokens;
-        the sequences that go on decoding, each with the row's KV per layer."""
-        choices, layers = prefilled
-        if len(match.hashes) > len(match.blocks):
-            start = match.tokens
-            kv = torch.stack([torch.stack((k[0, :, start:], v[0, :, start:])) for k, v in layers])
-            first = row.sequences[0]
-            self.blocks.store(first.blocks, match.hashes, row.tokens, kv, len(match.blocks))
-        joined = []
-        for seq, choice in zip(row.sequences, choices, strict=True):
-            self._accept(seq, choice, outbox)
-            if not seq.finished:
-                joined.append((seq, layers))
-        return joined
 
     def _accept(
         self,
@@ -603,7 +521,7 @@ class BatchScheduler:
         with self._cond:
             failed = list(self._admitted)
             self._running = []
-            self._chunked = []
+            self.prefiller.chunked.clear()
         self.runner.reset()
         for submission in failed:
             for seq in submission.sequences:
