@@ -9,14 +9,18 @@ process: prefix caching, shared prefills, and how many requests decode at once.
 3. Requests of ``max_tokens`` 512 with short answers (each stream closed after
    ``--short`` tokens): the most requests decoding at once, beside what a reservation of
    ``prompt + max_tokens`` per request would let run in the same pool.
+4. A stream decoding while a ``--long``-token prompt is prefilled beside it: its median
+   and longest inter-token gap, per ``--max-num-batched-tokens`` in ``--budgets``.
 
     .venv/bin/python bench/engine_core.py [--threads 1] [--requests 48] [--short 48]
+        [--long 4000] [--budgets 2048,256] [--only 1,2,3,4]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import sys
 import time
@@ -179,17 +183,69 @@ async def decoding_at_once(
     )
 
 
+async def gaps_beside_a_long_prompt(
+    model_dir: Path, tokenizer: Any, threads: int, long: int, budget: int
+) -> None:
+    text = " ".join(f"Item {i}: a box of screws, aisle {i % 12}." for i in range(long))
+    prompt = tokenizer(text)["input_ids"][:long]
+    engine = await start(model_dir, threads, "--max-num-batched-tokens", str(budget))
+    arrivals: list[float] = []
+    long_done = asyncio.Event()
+    # The stream's first gaps, alone, give its median.
+    warmed = asyncio.Event()
+
+    async def beside() -> None:
+        request = greedy(chat_ids(tokenizer, [{"role": "user", "content": QUESTIONS[0]}]), 512)
+        request["stop_conditions"]["ignore_eos"] = True
+        async for _ in engine.generate(request, Context()):
+            arrivals.append(time.perf_counter())
+            if len(arrivals) >= 8:
+                warmed.set()
+            if long_done.is_set():
+                break
+
+    try:
+        stream = asyncio.create_task(beside())
+        await warmed.wait()
+        started = len(arrivals)
+        ttft, _, _ = await timed(engine, greedy(prompt, 1))
+        long_done.set()
+        await stream
+    finally:
+        await engine.cleanup()
+    during = [b - a for a, b in itertools.pairwise(arrivals[started - 1 :])]
+    before = [b - a for a, b in itertools.pairwise(arrivals[:started])]
+    median = sorted(before)[len(before) // 2]
+    print(
+        f"--max-num-batched-tokens {budget}, {len(prompt)}-token prompt beside a stream: "
+        f"its TTFT {ttft:.2f} s; the stream's median gap alone {median * 1000:.0f} ms, "
+        f"longest gap meanwhile {max(during) * 1000:.0f} ms ({max(during) / median:.1f}x)"
+    )
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--short", type=int, default=48)
+    parser.add_argument("--long", type=int, default=4000)
+    parser.add_argument("--budgets", default="2048,256")
+    parser.add_argument("--only", default="1,2,3,4")
     args = parser.parse_args()
+    parts = {int(part) for part in args.only.split(",")}
     model_dir = await prepare_default_model(default_model_cache_dir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    await system_prompt_reuse(model_dir, tokenizer, args.threads)
-    await shared_prompt(model_dir, tokenizer, args.threads)
-    await decoding_at_once(model_dir, tokenizer, args.threads, args.requests, args.short)
+    if 1 in parts:
+        await system_prompt_reuse(model_dir, tokenizer, args.threads)
+    if 2 in parts:
+        await shared_prompt(model_dir, tokenizer, args.threads)
+    if 3 in parts:
+        await decoding_at_once(model_dir, tokenizer, args.threads, args.requests, args.short)
+    if 4 in parts:
+        for budget in args.budgets.split(","):
+            await gaps_beside_a_long_prompt(
+                model_dir, tokenizer, args.threads, args.long, int(budget)
+            )
 
 
 if __name__ == "__main__":
