@@ -66,6 +66,7 @@ from penstock.engines.transformers.scheduler import (
     Submission,
 )
 from penstock.engines.transformers.sequence import request_priority
+from penstock.engines.transformers.step_metrics import prefix_cache_lines
 from penstock.engines.transformers.sync import WeightSync, checksum_control, weights_by_name
 from penstock.engines.transformers.vision import (
     VisionEncoder,
@@ -503,18 +504,6 @@ class TransformersEngine(LLMEngine):
             ("penstock_engine_kv_total_blocks", "KV cache blocks in total", usage.total_blocks),
             ("penstock_engine_num_running", "Sequences being decoded", usage.running),
             ("penstock_engine_num_waiting", "Requests waiting to start", usage.waiting),
-            (
-                "penstock_engine_kv_cached_blocks",
-                "KV blocks a prompt can match",
-                usage.cached_blocks,
-            ),
-            ("penstock_engine_prefill_tokens", "Prompt tokens computed", usage.prefill_tokens),
-            (
-                "penstock_engine_prefix_cache_hit_tokens",
-                "Prompt tokens cached",
-                usage.cached_tokens,
-            ),
-            ("penstock_engine_preemptions", "Requests preempted for KV", usage.preemptions),
         )
         lines = []
         for name, help_text, value in gauges:
@@ -523,6 +512,7 @@ class TransformersEngine(LLMEngine):
                 f"# TYPE {name} gauge",
                 f'{name}{{model="{label}"}} {value}',
             ]
+        lines += prefix_cache_lines(usage, label)
         lines += [
             "# HELP penstock_engine_memory_bytes Memory the engine holds, by kind",
             "# TYPE penstock_engine_memory_bytes gauge",

@@ -1,5 +1,5 @@
-"""What the batch scheduler reports: its KV pool's state, and each step's forward-pass
-metrics."""
+"""What the batch scheduler reports: its KV pool's state (and the Prometheus lines of
+its prefix cache), and each step's forward-pass metrics."""
 
 from __future__ import annotations
 
@@ -25,6 +25,45 @@ class KvUsage:
     cached_tokens: int = 0
     # Since start: requests preempted for lack of free blocks.
     preemptions: int = 0
+
+
+def prefix_cache_lines(usage: KvUsage, label: str) -> list[str]:
+    """The prefix cache's gauge and counters in the Prometheus text format, for the model
+    labelled ``label`` (already escaped)."""
+    families = (
+        (
+            "penstock_engine_kv_cached_blocks",
+            "gauge",
+            "KV blocks a prompt can match",
+            usage.cached_blocks,
+        ),
+        (
+            "penstock_engine_prefill_tokens_total",
+            "counter",
+            "Prompt tokens computed",
+            usage.prefill_tokens,
+        ),
+        (
+            "penstock_engine_prefix_cache_hit_tokens_total",
+            "counter",
+            "Prompt tokens taken from the prefix cache",
+            usage.cached_tokens,
+        ),
+        (
+            "penstock_engine_preemptions_total",
+            "counter",
+            "Requests preempted for lack of KV blocks",
+            usage.preemptions,
+        ),
+    )
+    lines = []
+    for name, kind, help_text, value in families:
+        lines += [
+            f"# HELP {name} {help_text}",
+            f"# TYPE {name} {kind}",
+            f'{name}{{model="{label}"}} {value}',
+        ]
+    return lines
 
 
 def step_metrics(

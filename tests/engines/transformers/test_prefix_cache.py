@@ -166,4 +166,4 @@ async def test_kv_events_follow_the_blocks_stored_evicted_and_cleared(
     finally:
         await engine.cleanup()
     assert 'penstock_engine_kv_cached_blocks{model="' in text
-    assert 'penstock_engine_prefill_tokens{model="' in text
+    assert 'penstock_engine_prefill_tokens_total{model="' in text
