@@ -4,6 +4,7 @@ same, ``/reset_prefix_cache`` forgets it, ``/metrics`` shows the cached blocks."
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,6 +66,11 @@ def test_a_system_prompt_seen_before_is_reported_cached_until_reset(
     assert again == answer
     metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     assert "penstock_engine_kv_cached_blocks" in metrics
+    # The engine's KV events reach the gateway's families (what --ray prefix routing reads).
+    stored = re.search(
+        r'penstock_component_kv_events_total\{[^}]*kind="stored"[^}]*\} (\S+)', metrics
+    )
+    assert stored is not None and float(stored.group(1)) > 0
     reset = httpx.post(
         f"{server.base_url}/reset_prefix_cache",
         headers={"Authorization": f"Bearer {ADMIN_KEY}"},

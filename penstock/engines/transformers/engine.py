@@ -414,7 +414,7 @@ class TransformersEngine(LLMEngine):
             deliver,
             adapter,
             embed=embed,
-            priority=request_priority(dict(request)),
+            priority=request_priority(request),
         )
         scheduler.submit(submission)
         remaining = params.n

@@ -8,7 +8,7 @@ The scheduler (:mod:`.scheduler`) admits and retires submissions; the model runn
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,7 +144,7 @@ def completion_usage(
     return usage
 
 
-def request_priority(request: dict[str, Any]) -> int:
+def request_priority(request: Mapping[str, Any]) -> int:
     """vLLM's ``priority`` of an engine request (lower runs first), 0 when absent."""
     priority = request.get("priority")
     if priority is None:
