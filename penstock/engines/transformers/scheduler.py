@@ -108,7 +108,6 @@ class BatchScheduler:
         )
         self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
-        self.kv_capacity_tokens = kv_capacity_tokens
         self.worker_id = worker_id
         self._engine_data = engine_data
         self._on_forward_pass = on_forward_pass
