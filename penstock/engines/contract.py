@@ -39,6 +39,10 @@ over in ``request["multi_modal_data"]``, Dynamo's item shape: ``{"image_url": [{
 ...]}``, in the order of the parts; ``ImageLoader.load_image_batch`` and
 ``AudioLoader.load_audio_batch`` accept these items as they are.
 
+Priority: an engine that orders its queue by vLLM's ``priority`` (lower runs first)
+advertises ``runtime_data[SUPPORTS_PRIORITY] = True`` and finds a non-zero priority in
+``request["priority"]``; the gateway refuses a non-zero priority for any other engine.
+
 Controls (pause, sleep, wake, abort, flush, weight checks): an engine that offers one
 takes the body and gives the answer :mod:`penstock.engines.controls` defines, re-exported
 here: its vocabulary (``PAUSE_MODES``, ``SLEEP_TAGS``), the one refusal
@@ -67,6 +71,7 @@ MULTI_CHOICE_RUNTIME_KEY = "multi_choice"
 CANCEL_SAFE_RUNTIME_KEY = "cancel_safe"
 SUPPORTS_IMAGE_INPUT = "supports_image_input"
 SUPPORTS_AUDIO_INPUT = "supports_audio_input"
+SUPPORTS_PRIORITY = "supports_priority"
 
 
 class GenerateRequest(TypedDict, total=False):

@@ -179,7 +179,6 @@ VLLM_UNSUPPORTED: dict[str, Any] = {
     "guided_whitespace_pattern": None,
     "structured_outputs": None,
     "logits_processors": None,
-    "priority": 0,
     "request_id": None,
     "kv_transfer_params": None,
     "vllm_xargs": None,
@@ -224,6 +223,8 @@ class SamplingFields(RequestModel):
     # Keeps requests from reusing cached KV: a cached prefix only saves work here (every
     # weight update clears it), so the output is the same with or without it.
     cache_salt: str | None = None
+    # vLLM's scheduling priority (lower runs first), for engines that order by it.
+    priority: int = 0
     logit_bias: dict[str, float] | None = None
     nvext: dict[str, Any] | None = None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from penstock.engines.contract import SUPPORTS_AUDIO_INPUT, SUPPORTS_IMAGE_INPUT
+from penstock.engines.contract import SUPPORTS_AUDIO_INPUT, SUPPORTS_IMAGE_INPUT, SUPPORTS_PRIORITY
 from penstock.errors import InvalidRequestError
 from penstock.gateway import Gateway, ServedModel
 from penstock.multimodal.inputs import MediaRef
@@ -55,6 +55,12 @@ def check_common_limits(body: SamplingFields, settings: Settings, model: ServedM
     if model.host.is_raw:
         raise InvalidRequestError(
             f"The model '{body.model}' generates media; use its media endpoint", param="model"
+        )
+    if body.priority and not engine_capability(model, SUPPORTS_PRIORITY):
+        raise InvalidRequestError(
+            f"The model '{body.model}' does not schedule by priority: leave priority at 0",
+            param="priority",
+            code="unsupported_parameter",
         )
 
 

@@ -32,6 +32,8 @@ class PassthroughRequest(GenerateRequest, total=False):
     nvext: dict[str, Any]
     # Structured output, only for engines that advertise SUPPORTS_RESPONSE_FORMAT.
     response_format: dict[str, Any]
+    # vLLM's scheduling priority, only for engines that advertise SUPPORTS_PRIORITY.
+    priority: int
 
 
 def engine_context(
@@ -150,6 +152,8 @@ def generate_request(
         request["multi_modal_data"] = multi_modal_data
     if response_format is not None:
         request["response_format"] = response_format
+    if body.priority:
+        request["priority"] = body.priority
     return request
 
 

@@ -38,6 +38,18 @@ class EngineArgs:
     generation_config: str = "auto"
     encoder_cache_bytes: int = 256 * 1024 * 1024
     cpu_weight_dtype: str = "auto"
+    kv_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+
+    def kv_pool_tokens(self, *, bytes_per_token: int, default: int) -> int:
+        """The KV pool's size in tokens: ``--kv-cache-tokens``, or ``--kv-cache-bytes`` at
+        ``bytes_per_token``, or ``default``."""
+        if self.kv_cache_tokens is not None:
+            return self.kv_cache_tokens
+        if self.kv_cache_bytes is not None:
+            return max(self.kv_cache_bytes // max(bytes_per_token, 1), 1)
+        return default
 
 
 def _positive_int(text: str) -> int:
@@ -71,6 +83,34 @@ _GENERATION_CONFIG_HELP = (
 )
 
 
+def _add_kv_options(parser: argparse.ArgumentParser) -> None:
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument(
+        "--kv-cache-tokens",
+        type=_positive_int,
+        help="KV pool size in tokens across all sequences and cached prefixes "
+        "(default: max-num-seqs x max-model-len)",
+    )
+    pool.add_argument(
+        "--kv-cache-bytes",
+        type=_positive_int,
+        help="KV pool size in bytes of keys and values (instead of --kv-cache-tokens)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV of prompt blocks seen before (default: on)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=2048,
+        help="tokens one step computes at most, decode rows and prefill chunks together; "
+        "a longer prompt is prefilled over several steps (default: 2048)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="penstock serve --engine transformers",
@@ -98,11 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         help="context length in tokens (default: the model's max_position_embeddings)",
     )
-    parser.add_argument(
-        "--kv-cache-tokens",
-        type=_positive_int,
-        help="KV capacity in tokens across all sequences (default: max-num-seqs x max-model-len)",
-    )
+    _add_kv_options(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed for requests without a seed")
     parser.add_argument(
         "--model-cache-dir",
@@ -160,4 +196,7 @@ def parse_args(argv: list[str]) -> EngineArgs:
         generation_config=namespace.generation_config,
         encoder_cache_bytes=namespace.encoder_cache_bytes,
         cpu_weight_dtype=namespace.cpu_weight_dtype,
+        kv_cache_bytes=namespace.kv_cache_bytes,
+        enable_prefix_caching=namespace.enable_prefix_caching,
+        max_num_batched_tokens=namespace.max_num_batched_tokens,
     )

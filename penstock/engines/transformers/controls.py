@@ -177,8 +177,9 @@ class TransformersControls:
         return controls.woke(self._sleeping)
 
     async def _flush_cache(self, body: Body) -> Body:
-        # There is no prefix cache: KV lives only as long as its sequence. Flushing returns
-        # the allocator's idle blocks to the device.
+        # Cached prefixes are forgotten; KV of running sequences stays. The allocator's
+        # idle blocks go back to the device.
+        await asyncio.to_thread(self._require_scheduler().reset_prefix_cache)
         gc.collect()
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()

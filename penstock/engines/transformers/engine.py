@@ -37,11 +37,13 @@ from penstock.engines.contract import (
     CANCEL_SAFE_RUNTIME_KEY,
     MULTI_CHOICE_RUNTIME_KEY,
     SUPPORTS_IMAGE_INPUT,
+    SUPPORTS_PRIORITY,
     EngineConfig,
     GenerateChunk,
     GenerateRequest,
     LLMEngine,
     LlmRegistration,
+    PushSource,
     WorkerConfig,
 )
 from penstock.engines.controls import Body, ControlRejected, ControlTable, Handler, rejection
@@ -51,6 +53,7 @@ from penstock.engines.health import (
     parse_health_check_payload_cli,
 )
 from penstock.engines.transformers.args import EngineArgs, parse_args
+from penstock.engines.transformers.block_manager import kv_bytes_per_token
 from penstock.engines.transformers.controls import TransformersControls
 from penstock.engines.transformers.cpu_weights import load_kernel, pack_model
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
@@ -70,6 +73,7 @@ from penstock.engines.transformers.scheduler import (
     StepFailure,
     Submission,
 )
+from penstock.engines.transformers.sequence import request_priority
 from penstock.engines.transformers.sync import WeightSync
 from penstock.engines.transformers.telemetry import TransformersTelemetry
 from penstock.engines.transformers.vision import (
@@ -245,7 +249,7 @@ class TransformersEngine(
         eos = _eos_ids(self.model.generation_config, text_config)
         bos = getattr(self.model.generation_config, "bos_token_id", None)
         self._bos_or_eos = bos if isinstance(bos, int) else min(eos, default=0)
-        kv_tokens = self.args.kv_cache_tokens or self.args.max_num_seqs * self.context_length
+        kv_tokens = self._kv_pool_tokens(text_config)
         scheduler = self._start_scheduler(worker_id, eos, kv_tokens)
         logger.info(
             "transformers engine ready: %s on %s (%s%s), context %d, %d sequences, %d KV tokens",
@@ -269,6 +273,7 @@ class TransformersEngine(
                 # generate ends cleanly when cancelled at an await or closed at a yield.
                 CANCEL_SAFE_RUNTIME_KEY: True,
                 SUPPORTS_IMAGE_INPUT: self.vision is not None,
+                SUPPORTS_PRIORITY: True,
             },
             llm=LlmRegistration(
                 context_length=self.context_length,
@@ -293,6 +298,13 @@ class TransformersEngine(
             return int(model_limit)
         raise ValueError("the model config has no max_position_embeddings; pass --max-model-len")
 
+    def _kv_pool_tokens(self, text_config: Any) -> int:
+        assert self.dtype is not None
+        return self.args.kv_pool_tokens(
+            bytes_per_token=kv_bytes_per_token(text_config, self.dtype),
+            default=self.args.max_num_seqs * self.context_length,
+        )
+
     def _start_scheduler(
         self, worker_id: int, eos: frozenset[int], kv_tokens: int
     ) -> BatchScheduler:
@@ -309,6 +321,8 @@ class TransformersEngine(
             engine_data=self._engine_data,
             on_forward_pass=self._on_forward_pass,
             worker_id=str(worker_id),
+            prefix_caching=self.args.enable_prefix_caching,
+            step_tokens=self.args.max_num_batched_tokens,
         )
         scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)
         if self._load_model is load_vision_model:
@@ -399,7 +413,14 @@ class TransformersEngine(
                 logger.debug("request %s: event loop closed before delivery", context.id())
 
         submission = Submission(
-            context.id(), context, prompt, params, deliver, adapter, embed=embed
+            context.id(),
+            context,
+            prompt,
+            params,
+            deliver,
+            adapter,
+            embed=embed,
+            priority=request_priority(request),
         )
         scheduler.submit(submission)
         # Canaries probe that the engine runs: an abort of every request leaves them be.
@@ -438,6 +459,9 @@ class TransformersEngine(
     async def abort(self, context: Context) -> None:
         if self.scheduler is not None:
             self.scheduler.cancel_request_id(context.id())
+
+    async def kv_event_sources(self) -> list[Any]:
+        return [PushSource(on_ready=self._require_scheduler().attach_kv_events, dp_rank=0)]
 
     async def health_check_payload(self) -> dict[str, Any] | None:
         return build_health_check_payload(self._bos_or_eos)

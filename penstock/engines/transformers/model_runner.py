@@ -22,6 +22,7 @@ Every method runs on the scheduler's thread with its step lock held.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,8 +34,30 @@ from penstock.engines.transformers.lora import BASE_ROW
 from penstock.engines.transformers.sampling import TokenChoice, choose_tokens
 from penstock.engines.transformers.sequence import Sequence, Submission
 
-# One prefilled prompt: the choices of its sequences' first tokens and its KV per layer.
+# One prefilled row: the choices of its sequences' first tokens and its KV per layer.
 Prefilled = tuple[list[TokenChoice], list[KvPair]]
+
+
+@dataclass
+class PrefillRow:
+    """Tokens to prefill for ``sequences`` (the choices of a new prompt, or one preempted
+    choice recomputing its prompt and output), the first ``prefix_length`` of them given
+    as KV (``prefix_kv``: ``[layers, 2, kv heads, prefix_length, head dim]``)."""
+
+    submission: Submission
+    tokens: list[int]
+    sequences: list[Sequence]
+    prefix_kv: torch.Tensor | None = None
+    # Prefilled over several steps: the KV computed so far, and how many tokens it holds.
+    cache: DynamicCache | None = None
+    computed: int = 0
+
+    def __post_init__(self) -> None:
+        self.computed = self.prefix_length
+
+    @property
+    def prefix_length(self) -> int:
+        return 0 if self.prefix_kv is None else int(self.prefix_kv.shape[3])
 
 
 class ModelRunner:
@@ -107,54 +130,87 @@ class ModelRunner:
             logits, [seq.sampling(self.eos_token_ids) for seq in rows], self._shared_generator
         )
 
-    def prefill(self, live: list[tuple[Submission, list[Sequence]]]) -> list[Prefilled]:
-        """Prefill the prompts of ``live`` in one forward pass: per prompt, its
-        sequences' first tokens and its KV (its sequences' KV lengths set)."""
-        submissions = [submission for submission, _ in live]
-        longest = max(len(s.prompt_ids) for s in submissions)
+    def prefill(self, rows: list[PrefillRow]) -> list[Prefilled]:
+        """Prefill ``rows`` in one forward pass: per row, its sequences' first tokens and
+        its whole KV (its sequences' KV lengths set). A row with a cached prefix is
+        prefilled alone, its prefix's KV given to the model as the cache."""
+        longest = max(len(row.tokens) - row.prefix_length for row in rows)
         output = self.model(
-            **self._prefill_inputs(submissions, longest),
-            cache=DynamicCache(),
+            **self._prefill_inputs(rows, longest),
+            cache=self._prefix_cache(rows[0]),
             use_cache=True,
             logits_to_keep=1,
-            **self._adapter_names(submissions),
+            **self._adapter_names(row.submission for row in rows),
         )
-        prefilled = []
-        for row, (submission, sequences) in enumerate(live):
-            length = len(submission.prompt_ids)
-            layers = [
-                (
-                    layer.keys[row : row + 1, :, longest - length :],
-                    layer.values[row : row + 1, :, longest - length :],
-                )
-                for layer in output.cache.layers
-            ]
-            logits = output.logits[row : row + 1, -1, :].expand(len(sequences), -1)
-            choices = choose_tokens(
-                logits,
-                [seq.sampling(self.eos_token_ids) for seq in sequences],
-                self._shared_generator,
-            )
-            for seq in sequences:
-                seq.kv_length = length
-            prefilled.append((choices, layers))
-        return prefilled
+        return [self._prefilled(output, index, row) for index, row in enumerate(rows)]
 
-    def _prefill_inputs(self, submissions: list[Submission], longest: int) -> dict[str, Any]:
-        if len(submissions) == 1:
-            submission = submissions[0]
-            prompt = torch.tensor([submission.prompt_ids], device=self.device)
-            if submission.embed is None:
-                return {"input_ids": prompt}
-            return {"inputs_embeds": submission.embed(self.model, prompt)}
+    def prefill_chunk(self, row: PrefillRow, end: int) -> Prefilled | None:
+        """Compute the KV of ``row.tokens[row.computed:end]`` over the KV before them (a
+        text row prefilled over several steps); the row's :data:`Prefilled` once ``end``
+        reaches its last token, else None."""
+        if row.cache is None:
+            row.cache = self._prefix_cache(row)
+        start = row.computed
+        output = self.model(
+            input_ids=torch.tensor([row.tokens[start:end]], device=self.device),
+            position_ids=torch.arange(start, end, device=self.device).unsqueeze(0),
+            cache=row.cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **self._adapter_names([row.submission]),
+        )
+        row.computed = end
+        if end < len(row.tokens):
+            return None
+        return self._prefilled(output, 0, row)
+
+    def _prefix_cache(self, row: PrefillRow) -> DynamicCache:
+        cache = DynamicCache()
+        if row.prefix_kv is not None:
+            for index, layer in enumerate(row.prefix_kv):
+                cache.update(layer[0].unsqueeze(0), layer[1].unsqueeze(0), index)
+        return cache
+
+    def _prefilled(self, output: Any, index: int, row: PrefillRow) -> Prefilled:
+        # The row's tokens are its last columns (left padding before them).
+        first = -len(row.tokens)
+        layers = [
+            (
+                layer.keys[index : index + 1, :, first:],
+                layer.values[index : index + 1, :, first:],
+            )
+            for layer in output.cache.layers
+        ]
+        logits = output.logits[index : index + 1, -1, :].expand(len(row.sequences), -1)
+        choices = choose_tokens(
+            logits,
+            [seq.sampling(self.eos_token_ids) for seq in row.sequences],
+            self._shared_generator,
+        )
+        for seq in row.sequences:
+            seq.kv_length = len(row.tokens)
+        return choices, layers
+
+    def _prefill_inputs(self, rows: list[PrefillRow], longest: int) -> dict[str, Any]:
+        if len(rows) == 1:
+            row = rows[0]
+            start = row.prefix_length
+            prompt = torch.tensor([row.tokens[start:]], device=self.device)
+            inputs: dict[str, Any] = {"input_ids": prompt}
+            if row.submission.embed is not None:
+                inputs = {"inputs_embeds": row.submission.embed(self.model, prompt)}
+            if start:
+                positions = torch.arange(start, len(row.tokens), device=self.device)
+                inputs["position_ids"] = positions.unsqueeze(0)
+            return inputs
         # Left padding: every prompt's last token is in the last column, where the
         # logits are kept. Padding positions are masked out and their KV dropped.
-        ids = torch.zeros((len(submissions), longest), dtype=torch.long)
-        attention_mask = torch.zeros((len(submissions), longest), dtype=torch.long)
-        for row, submission in enumerate(submissions):
-            length = len(submission.prompt_ids)
-            ids[row, longest - length :] = torch.tensor(submission.prompt_ids)
-            attention_mask[row, longest - length :] = 1
+        ids = torch.zeros((len(rows), longest), dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for index, row in enumerate(rows):
+            length = len(row.tokens)
+            ids[index, longest - length :] = torch.tensor(row.tokens)
+            attention_mask[index, longest - length :] = 1
         positions = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
         return {
             "input_ids": ids.to(self.device),
@@ -167,7 +223,7 @@ class ModelRunner:
     ) -> list[Sequence] | None:
         """Drop finished rows, trim padding nobody needs, append newly prefilled rows;
         the batch's rows in their new order, or None when nothing changed."""
-        keep = [i for i, seq in enumerate(running) if not seq.finished]
+        keep = [i for i, seq in enumerate(running) if seq.in_batch]
         if len(keep) == len(running) and not joined:
             return None
         if self._cache is not None:

@@ -8,59 +8,57 @@ and adds what a server needs around it.
 
 The parts, one concept each: :mod:`.sequence` (a request and its choices),
 this module (admission, batch composition, the step loop, the chunks each token becomes),
-:mod:`.model_runner` (the forward passes and the KV cache they run over). Membership of
-the batch changes only at step boundaries: the requests admitted in a step are prefilled
-together (:func:`_prefill_groups`) and join the running rows, which decode one token per
-step until they finish or are cancelled.
+:mod:`.block_manager` (the pool of KV blocks and the prefix cache over it),
+:mod:`.prefill_plan` (the prefill half of a step: rows grouped, blocks claimed, long
+prompts chunked), :mod:`.model_runner` (the forward passes and the KV cache they run
+over). Membership of the batch changes only at step boundaries: the requests admitted in
+a step are prefilled within the step's token budget (``step_tokens``, decode rows
+included) and join the running rows, which decode one token per step until they finish
+or are cancelled.
 
-Admission reserves ``n * (prompt + max_tokens)`` tokens of the KV budget
-(``kv_capacity_tokens``, counted in ``KV_BLOCK_SIZE`` blocks for the metrics); a request
-that fits waits in FIFO order, so a running long request never blocks a short one from
-starting, and no running sequence is ever preempted.
+KV is counted in blocks of the pool (``kv_capacity_tokens``): a request is admitted when
+the pool has the blocks its prompt needs, and a running row takes a block each time its
+tokens fill the last one, never ``max_tokens`` ahead. A row finding the pool empty
+preempts the request that runs last in admission order (lowest ``priority``, then latest
+arrival): its blocks are freed and it waits again with its tokens, its KV recomputed when
+it is admitted back. A prompt whose leading full blocks are cached computes only the rest.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
-import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from penstock.engines.transformers.block_manager import (
+    BLOCK_SIZE,
+    BlockManager,
+    KvEventRelay,
+)
 from penstock.engines.transformers.kv_cache import KvPair
 from penstock.engines.transformers.model_runner import ModelRunner
+from penstock.engines.transformers.prefill_plan import Prefiller
 from penstock.engines.transformers.sampling import TokenChoice
 from penstock.engines.transformers.sequence import Sequence, Submission, completion_usage
-from penstock.metrics.forward_pass import (
-    ForwardPassMetrics,
-    WelfordAccumulator,
-    forward_pass_from,
-)
+from penstock.engines.transformers.step_metrics import KvUsage, step_metrics
+from penstock.metrics.forward_pass import ForwardPassMetrics
 
 logger = logging.getLogger(__name__)
 
-KV_BLOCK_SIZE = 16
-# Prompts prefilled in one forward pass: at most this many tokens, padding included.
-PREFILL_BATCH_TOKENS = 2048
+KV_BLOCK_SIZE = BLOCK_SIZE
+DEFAULT_STEP_TOKENS = 2048
 # How often a thread with held or frozen requests re-checks them for cancellation.
 _HELD_POLL_S = 0.05
 
 
 class StepFailure(Exception):
     """A forward pass failed; every request that was in it ends with this error."""
-
-
-@dataclass(frozen=True)
-class KvUsage:
-    used_blocks: int
-    total_blocks: int
-    running: int
-    waiting: int
 
 
 class _OnRunner:
@@ -100,23 +98,44 @@ class BatchScheduler:
         engine_data: Callable[[], dict[str, Any]],
         on_forward_pass: Callable[[ForwardPassMetrics, KvUsage], None],
         worker_id: str = "",
+        prefix_caching: bool = True,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
     ) -> None:
+        """``step_tokens``: the tokens one step computes at most, decode rows and prefill
+        chunks together (a longer prompt is prefilled over several steps)."""
         self.runner = ModelRunner(
             model, device, seed=seed, rows=max_num_seqs, vocab=vocab_size, ends=eos_token_ids
         )
         self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
-        self.kv_capacity_tokens = kv_capacity_tokens
         self.worker_id = worker_id
         self._engine_data = engine_data
         self._on_forward_pass = on_forward_pass
         self._cond = threading.Condition()
         # Held by the thread for a whole step; holders of it see no forward pass running.
         self.step_lock = threading.Lock()
-        self._waiting: deque[Submission] = deque()
+        self.kv_events = KvEventRelay()
+        self.blocks = BlockManager(
+            kv_capacity_tokens // BLOCK_SIZE,
+            prefix_caching=prefix_caching,
+            on_stored=self.kv_events.stored,
+            on_removed=self.kv_events.removed,
+            on_cleared=self.kv_events.cleared,
+        )
+        # In admission order (``Submission.order``).
+        self._waiting: list[Submission] = []
         self._admitted: list[Submission] = []
         self._running: list[Sequence] = []
-        self._reserved_tokens = 0
+        self.prefiller = Prefiller(
+            self.runner,
+            self.blocks,
+            accept=self._accept,
+            cancel=lambda seq, outbox: self._finish(seq, "cancelled", outbox, last_chunk=None),
+            send=self._send,
+        )
+        self.step_tokens = step_tokens
+        self._arrivals = itertools.count()
+        self._preemptions = 0
         self._paused = False
         self._frozen = False
         self._sleeping = False
@@ -126,7 +145,7 @@ class BatchScheduler:
 
     @property
     def kv_total_blocks(self) -> int:
-        return self.kv_capacity_tokens // KV_BLOCK_SIZE
+        return self.blocks.total_blocks
 
     # -- control (any thread) ----------------------------------------------------------
 
@@ -146,6 +165,7 @@ class BatchScheduler:
             pending = list(self._waiting) + list(self._admitted)
             self._waiting.clear()
             self._running.clear()
+            self.prefiller.chunked.clear()
             self._admitted.clear()
             self.runner.reset()
         with self._cond:
@@ -154,17 +174,31 @@ class BatchScheduler:
             self._cond.notify_all()
 
     def submit(self, submission: Submission) -> None:
-        if submission.reserved_tokens > self.kv_capacity_tokens:
+        if submission.most_blocks > self.kv_total_blocks:
             raise ValueError(
-                f"the request needs {submission.reserved_tokens} KV tokens "
-                f"(n x (prompt + max_tokens)) but the engine holds at most "
-                f"{self.kv_capacity_tokens} (--kv-cache-tokens); lower max_tokens or n"
+                f"the request may need {submission.most_blocks * BLOCK_SIZE} KV tokens "
+                f"(its prompt and n x max_tokens, in blocks of {BLOCK_SIZE}) but the engine "
+                f"holds at most {self.kv_total_blocks * BLOCK_SIZE} (--kv-cache-tokens); "
+                "lower max_tokens or n"
             )
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the engine is shutting down")
-            self._waiting.append(submission)
+            submission.arrival = next(self._arrivals)
+            self._enqueue_locked(submission)
             self._cond.notify_all()
+
+    def _enqueue_locked(self, submission: Submission) -> None:
+        bisect.insort(self._waiting, submission, key=lambda s: s.order)
+
+    def attach_kv_events(self, publisher: Any) -> None:
+        """Publish the prefix cache's blocks stored and removed to ``publisher``."""
+        self.kv_events.publisher = publisher
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (new weights, a flush): no stale prefix is matched."""
+        with self.step_lock, self._cond:
+            self.blocks.reset()
 
     def cancel(self, submission: Submission) -> None:
         with self._cond:
@@ -248,8 +282,17 @@ class BatchScheduler:
             return self._usage_locked()
 
     def _usage_locked(self) -> KvUsage:
-        used = sum(math.ceil(seq.kv_length / KV_BLOCK_SIZE) for seq in self._running)
-        return KvUsage(used, self.kv_total_blocks, len(self._running), len(self._waiting))
+        blocks = self.blocks
+        return KvUsage(
+            blocks.used_blocks,
+            blocks.total_blocks,
+            len(self._running),
+            len(self._waiting),
+            cached_blocks=blocks.cached_blocks,
+            prefill_tokens=blocks.prefill_tokens,
+            cached_tokens=blocks.cached_tokens,
+            preemptions=self._preemptions,
+        )
 
     def move_kv(self, device: torch.device) -> None:
         """Move the KV of held sequences (call with ``step_lock`` held)."""
@@ -265,7 +308,7 @@ class BatchScheduler:
                     return
                 self._drop_cancelled_waiting_locked()
                 can_step = not (self._frozen or self._sleeping) and (
-                    bool(self._running) or self._admissible_locked()
+                    bool(self._running or self.prefiller.chunked) or self._admissible_locked()
                 )
                 if not can_step:
                     cancelled_rows = any(seq.submission.should_stop() for seq in self._running)
@@ -273,7 +316,7 @@ class BatchScheduler:
                         if active:
                             active = False
                             self._emit_heartbeat_locked()
-                        held = bool(self._waiting or self._running)
+                        held = bool(self._waiting or self._running or self.prefiller.chunked)
                         self._cond.wait(timeout=_HELD_POLL_S if held else None)
                         continue
                 admitted = self._admit_locked() if can_step else []
@@ -288,7 +331,7 @@ class BatchScheduler:
     def _drop_cancelled_waiting_locked(self) -> None:
         if not any(s.should_stop() for s in self._waiting):
             return
-        keep: deque[Submission] = deque()
+        keep: list[Submission] = []
         for submission in self._waiting:
             if submission.should_stop():
                 self._finish_unstarted(submission, "cancelled")
@@ -301,17 +344,24 @@ class BatchScheduler:
         return bool(self._waiting) and (not self._paused or self._waiting[0].drain)
 
     def _admit_locked(self) -> list[Submission]:
+        """The waiting requests, in order, whose rows and prompt blocks fit; the blocks the
+        running rows take this step are set aside first."""
         admitted: list[Submission] = []
-        rows = len(self._running)
+        rows = len(self._running) + len(self.prefiller.sequences())
+        free = self.blocks.free_blocks - sum(
+            1 for seq in self._running if len(seq.blocks) * BLOCK_SIZE <= seq.kv_length
+        )
         while self._admissible_locked():
             head = self._waiting[0]
-            if rows + head.params.n > self.max_num_seqs:
+            head_rows = sum(1 for seq in head.sequences if not seq.finished) or head.params.n
+            if rows + head_rows > self.max_num_seqs:
                 break
-            if self._reserved_tokens + head.reserved_tokens > self.kv_capacity_tokens:
+            needed = head.blocks_to_start()
+            if needed > free:
                 break
-            self._waiting.popleft()
-            rows += head.params.n
-            self._reserved_tokens += head.reserved_tokens
+            self._waiting.pop(0)
+            rows += head_rows
+            free -= needed
             self._admitted.append(head)
             admitted.append(head)
         return admitted
@@ -331,21 +381,19 @@ class BatchScheduler:
         decode_rows: list[Sequence] = []
         try:
             with torch.inference_mode():
-                for seq in self._running:
+                for seq in self._running + self.prefiller.sequences():
                     if seq.submission.should_stop():
                         self._finish(seq, "cancelled", outbox, last_chunk=None)
+                self.prefiller.drop_cancelled()
+                self._grow()
                 self._rebuild_batch([])
                 decode_rows = list(self._running)
                 if decode_rows:
                     self._decode(decode_rows, outbox)
                     self._send(outbox)
-                joined: list[tuple[Sequence, list[KvPair]]] = []
-                for group in _prefill_groups(admitted):
-                    joined += self._prefill(group, outbox)
-                    # Each first token leaves as soon as it exists: TTFT does not wait
-                    # for the other prefills of this step.
-                    self._send(outbox)
-                self._rebuild_batch(joined)
+                # At least a block's worth: a step full of decode rows still prefills.
+                budget = max(self.step_tokens - len(decode_rows), BLOCK_SIZE)
+                self._rebuild_batch(self.prefiller.run(admitted, budget, outbox))
         except Exception as exc:
             logger.exception("forward pass failed")
             self._fail_all(outbox, StepFailure(f"forward pass failed: {exc}"))
@@ -357,30 +405,32 @@ class BatchScheduler:
         for seq, choice in zip(rows, choices, strict=True):
             self._accept(seq, choice, outbox)
 
-    def _prefill(
-        self, group: list[Submission], outbox: dict[Submission, list[Any]]
-    ) -> list[tuple[Sequence, list[KvPair]]]:
-        """Prefill ``group`` in one forward pass (see ``_prefill_groups``); returns the
-        sequences that go on decoding, each with its prompt's KV per layer."""
-        live: list[tuple[Submission, list[Sequence]]] = []
-        for submission in group:
-            submission.unfinished = submission.params.n
-            sequences = self.runner.new_sequences(submission)
-            if submission.should_stop():
-                for seq in sequences:
-                    self._finish(seq, "cancelled", outbox, last_chunk=None)
-            else:
-                live.append((submission, sequences))
-        if not live:
-            return []
-        joined = []
-        prefilled = self.runner.prefill(live)
-        for (_, sequences), (choices, layers) in zip(live, prefilled, strict=True):
-            for seq, choice in zip(sequences, choices, strict=True):
-                self._accept(seq, choice, outbox)
-                if not seq.finished:
-                    joined.append((seq, layers))
-        return joined
+    def _grow(self) -> None:
+        """Give every running row a block slot for the token it feeds this step; an empty
+        pool preempts the request that runs last until the row has one or is preempted."""
+        for seq in sorted(self._running, key=lambda seq: seq.submission.order):
+            while seq.in_batch and len(seq.blocks) * BLOCK_SIZE <= seq.kv_length:
+                if self.blocks.free_blocks:
+                    seq.blocks += self.blocks.allocate(1)
+                else:
+                    self._preempt(max(self._running_submissions(), key=lambda s: s.order))
+
+    def _running_submissions(self) -> list[Submission]:
+        return list({seq.submission: None for seq in self._running if seq.in_batch})
+
+    def _preempt(self, submission: Submission) -> None:
+        """Free the blocks of ``submission``'s rows and make it wait to be recomputed."""
+        logger.debug("preempting request %s: the KV pool is full", submission.request_id)
+        self._preemptions += 1
+        for seq in submission.sequences:
+            if seq.in_batch:
+                self.blocks.free(seq.blocks)
+                seq.blocks, seq.kv_length, seq.preempted = [], 0, True
+        with self._cond:
+            self._admitted.remove(submission)
+            # It was running: a pause that lets running requests finish waits for it.
+            submission.drain = True
+            self._enqueue_locked(submission)
 
     def _accept(
         self,
@@ -428,8 +478,10 @@ class BatchScheduler:
         }
         chunk["finish_reason"] = reason
         chunk["completion_usage"] = completion_usage(
-            len(submission.prompt_ids), len(seq.output_ids)
+            len(submission.prompt_ids), len(seq.output_ids), submission.cached_tokens
         )
+        self.blocks.free(seq.blocks)
+        seq.blocks = []
         outbox.setdefault(submission, []).append(chunk)
         submission.unfinished -= 1
         if submission.unfinished <= 0:
@@ -440,10 +492,16 @@ class BatchScheduler:
             submission.done = True
             if submission in self._admitted:
                 self._admitted.remove(submission)
-                self._reserved_tokens -= submission.reserved_tokens
             self._cond.notify_all()
 
     def _finish_unstarted(self, submission: Submission, reason: str) -> None:
+        """End a waiting request: its choices so far if it was preempted, else all of them."""
+        if submission.sequences:
+            outbox: dict[Submission, list[Any]] = {}
+            for seq in submission.sequences:
+                self._finish(seq, reason, outbox, last_chunk=None)
+            self._send(outbox)
+            return
         submission.done = True
         submission.deliver(
             [
@@ -462,7 +520,12 @@ class BatchScheduler:
         with self._cond:
             failed = list(self._admitted)
             self._running = []
+            self.prefiller.chunked.clear()
         self.runner.reset()
+        for submission in failed:
+            for seq in submission.sequences:
+                self.blocks.free(seq.blocks)
+                seq.blocks = []
         for submission in failed:
             outbox.setdefault(submission, []).append(error)
             self._retire(submission)
@@ -488,49 +551,11 @@ class BatchScheduler:
         queued: list[Submission],
         wall_time: float,
     ) -> None:
-        prefill = WelfordAccumulator()
-        for submission in admitted:
-            prefill.add(len(submission.prompt_ids))
-        decode = WelfordAccumulator()
-        for seq in decoded:
-            decode.add(seq.kv_length)
-        waiting = WelfordAccumulator()
-        for submission in queued:
-            waiting.add(len(submission.prompt_ids))
         self._counter += 1
-        metrics = forward_pass_from(
-            self.worker_id, self._counter, max(wall_time, 1e-9), prefill, decode, waiting
-        )
+        metrics = step_metrics(self.worker_id, self._counter, wall_time, admitted, decoded, queued)
         self._on_forward_pass(metrics, self.usage())
 
     def _emit_heartbeat_locked(self) -> None:
         self._counter += 1
         heartbeat = ForwardPassMetrics(worker_id=self.worker_id, counter_id=self._counter)
         self._on_forward_pass(heartbeat, self._usage_locked())
-
-
-def _prefill_groups(admitted: list[Submission]) -> list[list[Submission]]:
-    """``admitted`` in order, as the groups prefilled together.
-
-    Text prompts join the group before them while the padded batch stays within
-    ``PREFILL_BATCH_TOKENS``: one pass reads the weights once for all of them, and at
-    many rows the linear layers run as one large matrix product. A prompt with image
-    features is prefilled alone.
-    """
-    groups: list[list[Submission]] = []
-    longest = 0
-    for submission in admitted:
-        length = len(submission.prompt_ids)
-        group = groups[-1] if groups else None
-        if (
-            group is not None
-            and submission.embed is None
-            and group[0].embed is None
-            and (len(group) + 1) * max(longest, length) <= PREFILL_BATCH_TOKENS
-        ):
-            group.append(submission)
-            longest = max(longest, length)
-        else:
-            groups.append([submission])
-            longest = length
-    return groups

@@ -8,13 +8,14 @@ The scheduler (:mod:`.scheduler`) admits and retires submissions; the model runn
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from penstock.engines.context import Context
+from penstock.engines.transformers.block_manager import BLOCK_SIZE, Block
 from penstock.engines.transformers.sampling import PenaltyState, RowSampling, SamplingParams
 
 Deliver = Callable[[list[Any]], None]
@@ -39,10 +40,32 @@ class Submission:
     drain: bool = False
     done: bool = False
     unfinished: int = 0
+    # vLLM's ``priority``: lower runs first; equal priorities run in arrival order.
+    priority: int = 0
+    arrival: int = 0
+    # Its choices once prefilled; kept through a preemption, which recomputes their KV.
+    sequences: list[Sequence] = field(default_factory=list)
+    # Prompt tokens whose KV came from the prefix cache at the first prefill.
+    cached_tokens: int | None = None
 
     @property
-    def reserved_tokens(self) -> int:
-        return self.params.n * (len(self.prompt_ids) + self.params.max_tokens)
+    def order(self) -> tuple[int, int]:
+        """Admission order; the largest runs last and is preempted first."""
+        return (self.priority, self.arrival)
+
+    @property
+    def most_blocks(self) -> int:
+        """Blocks its choices hold at most: the prompt's full blocks shared, the rest each."""
+        shared = len(self.prompt_ids) // BLOCK_SIZE
+        longest = len(self.prompt_ids) + self.params.max_tokens
+        return shared + self.params.n * (-(-longest // BLOCK_SIZE) - shared)
+
+    def blocks_to_start(self) -> int:
+        """Blocks its (next) prefill takes at most, before any prefix cache hit."""
+        if not self.sequences:
+            full = len(self.prompt_ids) // BLOCK_SIZE
+            return full + self.params.n * (1 if len(self.prompt_ids) % BLOCK_SIZE else 0)
+        return sum(seq.blocks_for(seq.kv_tokens) for seq in self.sequences if not seq.finished)
 
     def should_stop(self) -> bool:
         return self.cancelled or self.context.is_stopped()
@@ -60,6 +83,24 @@ class Sequence:
     kv_length: int = 0
     next_token: int = 0
     finished: bool = False
+    # Set from its preemption until its KV is recomputed: it holds no row and no block.
+    preempted: bool = False
+    # The pool blocks its KV occupies, in token order (full prompt blocks may be shared).
+    blocks: list[Block] = field(default_factory=list)
+
+    @property
+    def in_batch(self) -> bool:
+        return not (self.finished or self.preempted)
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """The tokens whose KV it holds once every token it produced is fed back."""
+        return self.submission.prompt_ids + self.output_ids
+
+    @staticmethod
+    def blocks_for(tokens: list[int] | int) -> int:
+        count = tokens if isinstance(tokens, int) else len(tokens)
+        return -(-count // BLOCK_SIZE)
 
     @classmethod
     def start(
@@ -90,9 +131,24 @@ class Sequence:
         return RowSampling(params, len(self.output_ids), banned, self.generator, self.penalties)
 
 
-def completion_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def completion_usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+def request_priority(request: Mapping[str, Any]) -> int:
+    """vLLM's ``priority`` of an engine request (lower runs first), 0 when absent."""
+    priority = request.get("priority")
+    if priority is None:
+        return 0
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority: must be an integer, got {type(priority).__name__}")
+    return priority

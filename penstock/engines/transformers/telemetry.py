@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from penstock.engines.transformers.scheduler import KvUsage
+from penstock.engines.transformers.step_metrics import prefix_cache_lines
 from penstock.metrics.forward_pass import ComponentSnapshot, ForwardPassMetrics
 
 if TYPE_CHECKING:
@@ -94,6 +95,7 @@ class TransformersTelemetry:
                 f"# TYPE {name} gauge",
                 f'{name}{{model="{label}"}} {value}',
             ]
+        lines += prefix_cache_lines(usage, label)
         lines += [
             "# HELP penstock_engine_memory_bytes Memory the engine holds, by kind",
             "# TYPE penstock_engine_memory_bytes gauge",

@@ -131,6 +131,8 @@ class TransformersWeightControls:
             apply_weight_update(plan)
 
     async def _weights_changed(self) -> None:
+        # Cached prefixes hold KV the old weights computed.
+        await asyncio.to_thread(self._require_scheduler().reset_prefix_cache)
         # Cached image features came from the old vision tower.
         if self.vision is not None:
             self.vision.forget()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
 
 from penstock.engines.context import Context
 from penstock.engines.transformers import TransformersEngine
@@ -45,3 +49,17 @@ async def run(
 
 async def tokens(engine: TransformersEngine, request: dict[str, Any]) -> list[int]:
     return (await run(engine, request))[0].token_ids
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """``max_tokens`` greedy tokens of transformers' own ``generate`` (end tokens ignored)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()

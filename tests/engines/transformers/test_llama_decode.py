@@ -21,7 +21,7 @@ from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME
 from penstock.engines.transformers.kv_cache import BatchKv
 from penstock.engines.transformers.llama_decode import LlamaDecoder, unsupported_reason
 from tests.engines.transformers.conftest import start_engine
-from tests.engines.transformers.helpers import greedy, run, tokens
+from tests.engines.transformers.helpers import greedy, hf_greedy, run, tokens
 
 # Different lengths, so the batch holds left-padded rows and needs a mask.
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [12, 30, 31, 32, 33, 34, 35, 36, 37, 38, 60]]
@@ -102,23 +102,10 @@ def test_decode_steps_give_the_transformers_logits_on_smollm2() -> None:
     _compare_decode_steps(model)
 
 
-def _generate(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 async def test_engine_greedy_tokens_equal_generate_alone_and_together(
     tiny_model_dir: Path,
 ) -> None:
-    expected = [_generate(tiny_model_dir, prompt, 20) for prompt in PROMPTS]
+    expected = [hf_greedy(tiny_model_dir, prompt, 20) for prompt in PROMPTS]
     engine = await start_engine(tiny_model_dir, "--max-num-seqs", "4")
     try:
         assert engine.scheduler is not None and engine.scheduler.decoder is not None
@@ -156,7 +143,7 @@ async def test_an_unsupported_architecture_decodes_with_its_own_forward(tmp_path
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     model.save_pretrained(tmp_path)
     prompts = [[5, 6, 7, 8], [9, 10]]
-    expected = [_generate(tmp_path, prompt, 8) for prompt in prompts]
+    expected = [hf_greedy(tmp_path, prompt, 8) for prompt in prompts]
     engine = await start_engine(tmp_path, "--max-num-seqs", "4")
     try:
         assert engine.scheduler is not None and engine.scheduler.decoder is None

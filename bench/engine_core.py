@@ -1,0 +1,252 @@
+"""The transformers engine's KV core on the default model (SmolLM2-135M-Instruct), in one
+process: prefix caching, shared prefills, and how many requests decode at once.
+
+1. A chat request whose ~1,500-token system prompt was seen before (another question
+   after it): TTFT cold vs warm, ``cached_tokens``, and the greedy answer with caching on
+   and off (a second engine started with ``--no-enable-prefix-caching``).
+2. Eight separate requests with one 1,000-token prompt, sent at once, then one request
+   with ``n=8``: prompt tokens the engine computed (its prefill counter).
+3. Requests of ``max_tokens`` 512 with short answers (each stream closed after
+   ``--short`` tokens): the most requests decoding at once, beside what a reservation of
+   ``prompt + max_tokens`` per request would let run in the same pool.
+4. A stream decoding while a ``--long``-token prompt is prefilled beside it: its median
+   and longest inter-token gap, per ``--max-num-batched-tokens`` in ``--budgets``.
+
+    .venv/bin/python bench/engine_core.py [--threads 1] [--requests 48] [--short 48]
+        [--long 4000] [--budgets 2048,256] [--only 1,2,3,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from transformers import AutoTokenizer
+
+from bench.smollm2 import QUESTIONS
+from penstock.engines.context import Context
+from penstock.engines.transformers import TransformersEngine
+from penstock.engines.transformers.args import default_model_cache_dir
+from penstock.engines.transformers.default_model import prepare_default_model
+
+POOL_TOKENS = 16384
+SYSTEM_SENTENCE = (
+    "You are a careful assistant for a hardware store; answer briefly, name the aisle, "
+    "and never invent a product the store does not carry. "
+)
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"])
+
+
+def greedy(prompt: list[int], max_tokens: int, **sampling: Any) -> dict[str, Any]:
+    return {
+        "token_ids": prompt,
+        "sampling_options": {"temperature": 0.0, **sampling},
+        "stop_conditions": {"max_tokens": max_tokens},
+    }
+
+
+async def timed(engine: TransformersEngine, request: dict[str, Any]) -> tuple[float, list, dict]:
+    """TTFT, the first choice's tokens and its usage."""
+    started = time.perf_counter()
+    first: float | None = None
+    tokens: list[int] = []
+    usage: dict[str, Any] = {}
+    async for chunk in engine.generate(request, Context()):
+        if first is None:
+            first = time.perf_counter() - started
+        if chunk["index"] == 0:
+            tokens += chunk["token_ids"]
+            usage = chunk.get("completion_usage") or usage
+    assert first is not None
+    return first, tokens, usage
+
+
+def usage_of(engine: TransformersEngine) -> Any:
+    assert engine.scheduler is not None
+    return engine.scheduler.usage()
+
+
+async def start(model_dir: Path, threads: int, *extra: str) -> TransformersEngine:
+    engine, _ = await TransformersEngine.from_args(
+        [
+            "--model",
+            str(model_dir),
+            "--cpu-threads",
+            str(threads),
+            "--max-num-seqs",
+            "64",
+            "--kv-cache-tokens",
+            str(POOL_TOKENS),
+            *extra,
+        ]
+    )
+    await engine.start(0)
+    return engine
+
+
+async def system_prompt_reuse(model_dir: Path, tokenizer: Any, threads: int) -> None:
+    system = SYSTEM_SENTENCE * 50
+
+    def chat(question: str) -> list[int]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return chat_ids(tokenizer, messages)
+
+    cold_prompt, warm_prompt = chat(QUESTIONS[0]), chat(QUESTIONS[1])
+    answers = {}
+    for caching in (True, False):
+        flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
+        engine = await start(model_dir, threads, flag)
+        try:
+            cold, cold_tokens, _ = await timed(engine, greedy(cold_prompt, 32))
+            warm, warm_tokens, usage = await timed(engine, greedy(warm_prompt, 32))
+        finally:
+            await engine.cleanup()
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        answers[caching] = (cold_tokens, warm_tokens)
+        print(
+            f"system prompt, caching {'on ' if caching else 'off'}: prompt {len(warm_prompt)} "
+            f"tokens, TTFT cold {cold:.3f} s, seen before {warm:.3f} s "
+            f"({warm / cold:.2f}x), cached_tokens {cached}"
+        )
+    same = answers[True] == answers[False]
+    print(f"greedy answers identical with caching on and off: {same}")
+
+
+async def shared_prompt(model_dir: Path, tokenizer: Any, threads: int) -> None:
+    text = " ".join(f"Step {i}: tighten the bolt and check the washer." for i in range(120))
+    prompt = tokenizer(text)["input_ids"][:1000]
+    engine = await start(model_dir, threads)
+    try:
+        await asyncio.gather(*(timed(engine, greedy(prompt, 16)) for _ in range(8)))
+        separate = usage_of(engine).prefill_tokens
+        await engine.engine_control("flush_cache", {})
+        await timed(engine, {**greedy(prompt, 16, n=8, temperature=0.8, seed=1)})
+        one_request = usage_of(engine).prefill_tokens - separate
+    finally:
+        await engine.cleanup()
+    print(
+        f"8 separate requests, one {len(prompt)}-token prompt: {separate} prompt tokens "
+        f"computed ({separate / len(prompt):.2f}x the prompt); n=8 in one request: "
+        f"{one_request} ({one_request / len(prompt):.2f}x)"
+    )
+
+
+async def decoding_at_once(
+    model_dir: Path, tokenizer: Any, threads: int, requests: int, short: int
+) -> None:
+    engine = await start(model_dir, threads)
+    peak = 0
+
+    async def short_answer(question: str) -> int:
+        nonlocal peak
+        prompt = chat_ids(tokenizer, [{"role": "user", "content": question}])
+        request = {
+            **greedy(prompt, 512),
+            "stop_conditions": {"max_tokens": 512, "ignore_eos": True},
+        }
+        stream = engine.generate(request, Context())
+        produced = 0
+        try:
+            async for chunk in stream:
+                produced += len(chunk["token_ids"])
+                peak = max(peak, usage_of(engine).running)
+                if produced >= short:
+                    break
+        finally:
+            await stream.aclose()
+        return len(prompt)
+
+    try:
+        lengths = await asyncio.gather(
+            *(short_answer(QUESTIONS[i % len(QUESTIONS)]) for i in range(requests))
+        )
+    finally:
+        await engine.cleanup()
+    reserved = POOL_TOKENS // (max(lengths) + 512)
+    print(
+        f"{requests} requests of max_tokens 512, answers of {short} tokens, pool "
+        f"{POOL_TOKENS} tokens: at most {peak} decoding at once (a reservation of "
+        f"prompt + max_tokens would allow {reserved})"
+    )
+
+
+async def gaps_beside_a_long_prompt(
+    model_dir: Path, tokenizer: Any, threads: int, long: int, budget: int
+) -> None:
+    text = " ".join(f"Item {i}: a box of screws, aisle {i % 12}." for i in range(long))
+    prompt = tokenizer(text)["input_ids"][:long]
+    engine = await start(model_dir, threads, "--max-num-batched-tokens", str(budget))
+    arrivals: list[float] = []
+    long_done = asyncio.Event()
+    # The stream's first gaps, alone, give its median.
+    warmed = asyncio.Event()
+
+    async def beside() -> None:
+        request = greedy(chat_ids(tokenizer, [{"role": "user", "content": QUESTIONS[0]}]), 512)
+        request["stop_conditions"]["ignore_eos"] = True
+        async for _ in engine.generate(request, Context()):
+            arrivals.append(time.perf_counter())
+            if len(arrivals) >= 8:
+                warmed.set()
+            if long_done.is_set():
+                break
+
+    try:
+        stream = asyncio.create_task(beside())
+        await warmed.wait()
+        started = len(arrivals)
+        ttft, _, _ = await timed(engine, greedy(prompt, 1))
+        long_done.set()
+        await stream
+    finally:
+        await engine.cleanup()
+    during = [b - a for a, b in itertools.pairwise(arrivals[started - 1 :])]
+    before = [b - a for a, b in itertools.pairwise(arrivals[:started])]
+    median = sorted(before)[len(before) // 2]
+    print(
+        f"--max-num-batched-tokens {budget}, {len(prompt)}-token prompt beside a stream: "
+        f"its TTFT {ttft:.2f} s; the stream's median gap alone {median * 1000:.0f} ms, "
+        f"longest gap meanwhile {max(during) * 1000:.0f} ms ({max(during) / median:.1f}x)"
+    )
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--short", type=int, default=48)
+    parser.add_argument("--long", type=int, default=4000)
+    parser.add_argument("--budgets", default="2048,256")
+    parser.add_argument("--only", default="1,2,3,4")
+    args = parser.parse_args()
+    parts = {int(part) for part in args.only.split(",")}
+    model_dir = await prepare_default_model(default_model_cache_dir())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if 1 in parts:
+        await system_prompt_reuse(model_dir, tokenizer, args.threads)
+    if 2 in parts:
+        await shared_prompt(model_dir, tokenizer, args.threads)
+    if 3 in parts:
+        await decoding_at_once(model_dir, tokenizer, args.threads, args.requests, args.short)
+    if 4 in parts:
+        for budget in args.budgets.split(","):
+            await gaps_beside_a_long_prompt(
+                model_dir, tokenizer, args.threads, args.long, int(budget)
+            )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

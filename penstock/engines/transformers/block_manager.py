@@ -1,0 +1,266 @@
+"""The KV block pool: fixed-size blocks, counted per sequence as its tokens are produced,
+and the prefix cache over them.
+
+A sequence holds ``ceil(kv tokens / BLOCK_SIZE)`` blocks, taken one at a time as it
+grows; a pool that cannot give one makes the scheduler preempt (see :mod:`.scheduler`).
+A block whose tokens are all known is named by a hash chained over every token before
+it, salted with the LoRA adapter the KV was computed with and the cache's epoch; a later
+prompt starting with the same tokens under the same salt takes that block (its reference
+count goes up) instead of computing its KV again. A block nobody holds any more keeps
+its KV and hash until the pool needs it: such blocks are reused least recently freed
+first, each leaving with a ``removed`` event. :meth:`BlockManager.reset` starts a new
+epoch (new weights, a flush): no block computed before it is ever matched again.
+
+Only blocks that can be matched keep KV here (``[layers, 2, kv heads, BLOCK_SIZE, head
+dim]`` each, written at prefill); a running sequence's own KV lives in the decode batch
+(:mod:`.kv_cache`). Runs on the scheduler's thread; other threads read the counters.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+BLOCK_SIZE = 16
+
+# (block hashes, the tokens of each block) when blocks become matchable; hashes when
+# they leave the cache; () when the cache is cleared.
+StoredHook = Callable[[list[int], list[list[int]]], None]
+RemovedHook = Callable[[list[int]], None]
+
+
+class PoolExhausted(Exception):
+    """No free block: the caller preempts a sequence, or waits."""
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # Set while the block can be matched by a later prompt.
+    hash: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    kv: torch.Tensor | None = None
+
+
+@dataclass
+class Match:
+    """The cached blocks a prompt starts with: held (their reference counts taken) until
+    freed with the rest of the sequence's blocks."""
+
+    blocks: list[Block]
+    # Every full block of the prompt's chain hashes, matched or not.
+    hashes: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.blocks) * BLOCK_SIZE
+
+    def kv(self) -> torch.Tensor | None:
+        """The matched prefix's KV ``[layers, 2, kv heads, tokens, head dim]``; None if empty."""
+        if not self.blocks:
+            return None
+        return torch.cat([block.kv for block in self.blocks], dim=3)  # type: ignore[misc]
+
+
+def kv_bytes_per_token(config: object, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token holds across the layers of a model ``config``."""
+    heads = int(getattr(config, "num_attention_heads", 1))
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    hidden = int(getattr(config, "hidden_size", 0))
+    head_dim = int(getattr(config, "head_dim", None) or hidden // max(heads, 1))
+    layers = int(getattr(config, "num_hidden_layers", 1))
+    return layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def chain_hashes(token_ids: Sequence[int], salt: object) -> list[int]:
+    """The hash of every full block of ``token_ids``, each over all tokens before it."""
+    hashes: list[int] = []
+    parent = hash(("penstock-kv", salt))
+    for start in range(0, len(token_ids) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        parent = hash((parent, tuple(token_ids[start : start + BLOCK_SIZE])))
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    """A bounded pool of ``total_blocks`` KV blocks and the prefix cache over them."""
+
+    def __init__(
+        self,
+        total_blocks: int,
+        *,
+        prefix_caching: bool,
+        on_stored: StoredHook | None = None,
+        on_removed: RemovedHook | None = None,
+        on_cleared: Callable[[], None] | None = None,
+    ) -> None:
+        self.total_blocks = total_blocks
+        self.prefix_caching = prefix_caching
+        self.on_stored = on_stored
+        self.on_removed = on_removed
+        self.on_cleared = on_cleared
+        self._blocks = [Block(i) for i in range(total_blocks)]
+        self._free: deque[Block] = deque(self._blocks)
+        # Held by nobody but still matchable, least recently freed first.
+        self._evictable: OrderedDict[int, Block] = OrderedDict()
+        self._by_hash: dict[int, Block] = {}
+        self.epoch = 0
+        # Counters for the metrics: prompt tokens computed and prompt tokens matched.
+        self.prefill_tokens = 0
+        self.cached_tokens = 0
+
+    # -- counts ---------------------------------------------------------------------------
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks a sequence can take now (idle cached blocks included)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.total_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._by_hash)
+
+    # -- matching and storing -------------------------------------------------------------
+
+    def salt(self, adapter: str | None) -> tuple[int, str | None]:
+        return (self.epoch, adapter)
+
+    def match(self, token_ids: Sequence[int], adapter: str | None) -> Match:
+        """Hold the cached blocks ``token_ids`` starts with. At least its last token is
+        left to compute: its logits choose the next token."""
+        if not self.prefix_caching:
+            return Match([], [])
+        hashes = chain_hashes(token_ids, self.salt(adapter))
+        usable = (len(token_ids) - 1) // BLOCK_SIZE
+        matched: list[Block] = []
+        for block_hash in hashes[:usable]:
+            block = self._by_hash.get(block_hash)
+            if block is None or block.kv is None:
+                break
+            matched.append(block)
+        for block in matched:
+            self._hold(block)
+        return Match(matched, hashes)
+
+    def store(
+        self,
+        blocks: Sequence[Block],
+        hashes: Sequence[int],
+        token_ids: Sequence[int],
+        kv: torch.Tensor,
+        first: int,
+    ) -> None:
+        """Make ``blocks[first:len(hashes)]`` matchable: their KV is ``kv`` (``[layers, 2,
+        kv heads, tokens, head dim]`` of ``token_ids`` from block ``first`` on)."""
+        if not self.prefix_caching:
+            return
+        stored: list[int] = []
+        stored_tokens: list[list[int]] = []
+        for index in range(first, len(hashes)):
+            block_hash = hashes[index]
+            if block_hash in self._by_hash:
+                continue
+            block = blocks[index]
+            offset = (index - first) * BLOCK_SIZE
+            block.kv = kv[:, :, :, offset : offset + BLOCK_SIZE].clone()
+            block.hash = block_hash
+            block.tokens = list(token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
+            self._by_hash[block_hash] = block
+            stored.append(block_hash)
+            stored_tokens.append(block.tokens)
+        if stored and self.on_stored is not None:
+            self.on_stored(stored, stored_tokens)
+
+    # -- allocation -----------------------------------------------------------------------
+
+    def allocate(self, count: int) -> list[Block]:
+        """Take ``count`` blocks; raises :class:`PoolExhausted` (taking none) without room."""
+        if count > self.free_blocks:
+            raise PoolExhausted(f"{count} blocks wanted, {self.free_blocks} free")
+        return [self._take() for _ in range(count)]
+
+    def share(self, blocks: Sequence[Block]) -> list[Block]:
+        """Hold ``blocks`` once more (another choice of the same prompt)."""
+        for block in blocks:
+            self._hold(block)
+        return list(blocks)
+
+    def free(self, blocks: Sequence[Block]) -> None:
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                continue
+            if block.hash is not None:
+                self._evictable[block.block_id] = block
+            else:
+                block.kv = None
+                self._free.append(block)
+
+    def reset(self) -> None:
+        """Forget every cached block: nothing computed before this call matches again."""
+        self.epoch += 1
+        for block in self._by_hash.values():
+            block.hash = None
+            block.kv = None
+            block.tokens = []
+        self._by_hash.clear()
+        self._free.extend(self._evictable.values())
+        self._evictable.clear()
+        if self.on_cleared is not None:
+            self.on_cleared()
+
+    def _hold(self, block: Block) -> None:
+        if block.ref_count == 0:
+            self._evictable.pop(block.block_id, None)
+        block.ref_count += 1
+
+    def _take(self) -> Block:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            _, block = self._evictable.popitem(last=False)
+            self._forget(block)
+        block.ref_count = 1
+        return block
+
+    def _forget(self, block: Block) -> None:
+        if block.hash is None:
+            return
+        del self._by_hash[block.hash]
+        removed = block.hash
+        block.hash, block.kv, block.tokens = None, None, []
+        if self.on_removed is not None:
+            self.on_removed([removed])
+
+
+class KvEventRelay:
+    """Passes the pool's stored, removed and cleared blocks to the gateway's KV event
+    publisher once one is attached (``publisher``); before that they are dropped."""
+
+    def __init__(self) -> None:
+        self.publisher: Any = None
+
+    def stored(self, hashes: list[int], tokens: list[list[int]]) -> None:
+        if self.publisher is not None:
+            self.publisher.publish_stored(
+                token_ids=[token for block in tokens for token in block],
+                num_block_tokens=[len(block) for block in tokens],
+                block_hashes=hashes,
+            )
+
+    def removed(self, hashes: list[int]) -> None:
+        if self.publisher is not None:
+            self.publisher.publish_removed(hashes)
+
+    def cleared(self) -> None:
+        if self.publisher is not None:
+            self.publisher.clear_all()

@@ -1,0 +1,209 @@
+"""The prefill half of a scheduler step: which rows are prefilled together, the pool
+blocks each row holds, and the rows prefilled over several steps (chunked prefill).
+
+A row is a new prompt for all its choices, or one preempted choice recomputing its
+prompt and output (see :mod:`.scheduler`). Its blocks come from :mod:`.block_manager`:
+the cached blocks its tokens start with, then new ones (full blocks shared by the row's
+choices, the last partial block each choice's own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from penstock.engines.transformers.block_manager import (
+    BLOCK_SIZE,
+    BlockManager,
+    Match,
+    chain_hashes,
+)
+from penstock.engines.transformers.kv_cache import KvPair
+from penstock.engines.transformers.model_runner import ModelRunner, Prefilled, PrefillRow
+from penstock.engines.transformers.sampling import TokenChoice
+from penstock.engines.transformers.sequence import Sequence, Submission
+
+# Prompts prefilled in one forward pass: at most this many tokens, padding included.
+PREFILL_BATCH_TOKENS = 2048
+
+Claimed = tuple[PrefillRow, Match]
+Claim = Callable[[Submission, list[int], list[Sequence]], Claimed]
+Outbox = dict[Submission, list[Any]]
+# A sequence that goes on decoding, with its row's KV per layer.
+Joined = tuple[Sequence, list[KvPair]]
+
+
+def prefill_groups(
+    rows: Iterable[tuple[Submission, list[int], list[Sequence]]], claim: Claim
+) -> Iterator[list[Claimed]]:
+    """``rows`` in order, as the groups prefilled together, each row with its blocks.
+
+    The caller prefills (and caches) each group before asking for the next, so a prompt
+    takes the blocks of one prefilled just before it. Text rows without a cached prefix
+    join the group before them while the padded batch stays within
+    ``PREFILL_BATCH_TOKENS``: one pass reads the weights once for all of them, and at
+    many rows the linear layers run as one large matrix product. A row with a cached
+    prefix or image features is prefilled alone; a row starting with the same block as
+    one in the group waits for that one's KV instead of computing it again.
+    """
+    group: list[Claimed] = []
+    heads: set[int] = set()
+    longest = 0
+    for submission, tokens, sequences in rows:
+        head = chain_hashes(tokens[:BLOCK_SIZE], submission.adapter)
+        if group and heads.intersection(head):
+            yield group
+            group, heads, longest = [], set(), 0
+        row, match = claim(submission, tokens, sequences)
+        alone = row.prefix_kv is not None or submission.embed is not None
+        fits = (len(group) + 1) * max(longest, len(tokens)) <= PREFILL_BATCH_TOKENS
+        if group and (alone or not fits):
+            yield group
+            group, heads, longest = [], set(), 0
+        group.append((row, match))
+        heads.update(head)
+        longest = max(longest, len(tokens))
+        if alone:
+            yield group
+            group, heads, longest = [], set(), 0
+    if group:
+        yield group
+
+
+def claim_blocks(
+    pool: BlockManager, submission: Submission, tokens: list[int], sequences: list[Sequence]
+) -> Claimed:
+    """Hold the blocks of ``tokens`` for ``sequences``; the row to prefill and its match."""
+    if submission.embed is None:
+        match = pool.match(tokens, submission.adapter)
+    else:
+        # Image features are not in the token ids the blocks are named by.
+        match = Match([], [])
+    full = len(tokens) // BLOCK_SIZE
+    partial = 1 if len(tokens) % BLOCK_SIZE else 0
+    fresh = pool.allocate(full - len(match.blocks) + partial * len(sequences))
+    shared = match.blocks + fresh[: full - len(match.blocks)]
+    own = fresh[full - len(match.blocks) :]
+    for index, seq in enumerate(sequences):
+        blocks = shared if index == 0 else pool.share(shared)
+        seq.blocks = blocks + own[index : index + partial]
+    if submission.cached_tokens is None:
+        submission.cached_tokens = match.tokens
+    pool.cached_tokens += match.tokens
+    pool.prefill_tokens += len(tokens) - match.tokens
+    return PrefillRow(submission, tokens, sequences, match.kv()), match
+
+
+class Prefiller:
+    """Prefills a step's admitted requests within the step's token budget.
+
+    A text row longer than the budget left is prefilled a chunk per step (``chunked``,
+    oldest first, ahead of new rows), each chunk over the KV of the ones before it, so
+    the rows decoding beside it keep taking a token every step. The scheduler's
+    ``accept`` takes each first token, ``cancel`` ends a choice cancelled before its
+    prefill, ``send`` delivers the chunks gathered so far.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        pool: BlockManager,
+        *,
+        accept: Callable[[Sequence, TokenChoice, Outbox], None],
+        cancel: Callable[[Sequence, Outbox], None],
+        send: Callable[[Outbox], None],
+    ) -> None:
+        self.runner = runner
+        self.pool = pool
+        self._accept, self._cancel, self._send = accept, cancel, send
+        self.chunked: list[Claimed] = []
+
+    def sequences(self) -> list[Sequence]:
+        """The sequences of the rows being prefilled over several steps."""
+        return [seq for row, _ in self.chunked for seq in row.sequences]
+
+    def drop_cancelled(self) -> None:
+        self.chunked = [entry for entry in self.chunked if not entry[0].submission.should_stop()]
+
+    def run(self, admitted: list[Submission], budget: int, outbox: Outbox) -> list[Joined]:
+        """Prefill within ``budget`` tokens; the sequences that join the batch."""
+        joined: list[Joined] = []
+        budget = self._chunks(budget, joined, outbox)
+        rows = (
+            (submission, tokens, sequences)
+            for submission in admitted
+            for tokens, sequences in self._rows_of(submission, outbox)
+        )
+        for group in prefill_groups(rows, self._claim):
+            row = group[0][0]
+            if len(group) == 1 and row.submission.embed is None:
+                if len(row.tokens) - row.computed > budget:
+                    self.chunked.append(group[0])
+                    budget = self._chunks(budget, joined, outbox)
+                    continue
+            budget -= sum(len(row.tokens) - row.computed for row, _ in group)
+            prefilled = self.runner.prefill([row for row, _ in group])
+            for (row, match), done in zip(group, prefilled, strict=True):
+                joined += self._join(row, match, done, outbox)
+            # Each first token leaves as soon as it exists: TTFT does not wait for the
+            # other prefills of this step.
+            self._send(outbox)
+        return joined
+
+    def _rows_of(
+        self, submission: Submission, outbox: Outbox
+    ) -> list[tuple[list[int], list[Sequence]]]:
+        """What ``submission`` prefills: its prompt for all its choices, or (preempted)
+        each unfinished choice's prompt and output."""
+        if submission.sequences:
+            resumed = [seq for seq in submission.sequences if not seq.finished]
+            for seq in resumed:
+                seq.preempted = False
+            return [(seq.kv_tokens, [seq]) for seq in resumed]
+        submission.unfinished = submission.params.n
+        submission.sequences = sequences = self.runner.new_sequences(submission)
+        if submission.should_stop():
+            for seq in sequences:
+                self._cancel(seq, outbox)
+            return []
+        return [(submission.prompt_ids, sequences)]
+
+    def _claim(
+        self, submission: Submission, tokens: list[int], sequences: list[Sequence]
+    ) -> Claimed:
+        return claim_blocks(self.pool, submission, tokens, sequences)
+
+    def _chunks(self, budget: int, joined: list[Joined], outbox: Outbox) -> int:
+        """The next chunks of the rows prefilled over several steps, oldest first, within
+        ``budget`` tokens; returns the budget left."""
+        for entry in list(self.chunked):
+            if budget <= 0:
+                break
+            row, match = entry
+            end = min(len(row.tokens), row.computed + budget)
+            budget -= end - row.computed
+            done = self.runner.prefill_chunk(row, end)
+            if done is not None:
+                self.chunked.remove(entry)
+                joined += self._join(row, match, done, outbox)
+                self._send(outbox)
+        return budget
+
+    def _join(
+        self, row: PrefillRow, match: Match, prefilled: Prefilled, outbox: Outbox
+    ) -> list[Joined]:
+        """Cache a prefilled row's new full blocks and take its sequences' first tokens."""
+        choices, layers = prefilled
+        if len(match.hashes) > len(match.blocks):
+            start = match.tokens
+            kv = torch.stack([torch.stack((k[0, :, start:], v[0, :, start:])) for k, v in layers])
+            first = row.sequences[0]
+            self.pool.store(first.blocks, match.hashes, row.tokens, kv, len(match.blocks))
+        joined = []
+        for seq, choice in zip(row.sequences, choices, strict=True):
+            self._accept(seq, choice, outbox)
+            if not seq.finished:
+                joined.append((seq, layers))
+        return joined
