@@ -34,6 +34,7 @@ from penstock.engines.context import Context
 from penstock.engines.contract import (
     CANCEL_SAFE_RUNTIME_KEY,
     MULTI_CHOICE_RUNTIME_KEY,
+    SUPPORTS_GUIDED_DECODING,
     SUPPORTS_IMAGE_INPUT,
     EngineConfig,
     GenerateChunk,
@@ -44,6 +45,7 @@ from penstock.engines.contract import (
 )
 from penstock.engines.health import build_health_check_payload, parse_health_check_payload_cli
 from penstock.engines.transformers.args import EngineArgs, parse_args
+from penstock.engines.transformers.constraints import GrammarCompiler
 from penstock.engines.transformers.cpu_weights import load_kernel, pack_model, requantize
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from penstock.engines.transformers.generation_config import load_sampling_defaults
@@ -200,6 +202,8 @@ class TransformersEngine(LLMEngine):
         self.weight_sync = WeightSync()
         # Set for vision-language checkpoints: encodes images, expands their placeholders.
         self.vision: VisionEncoder | None = None
+        # Compiles the grammars of constrained requests (see :mod:`.constraints`).
+        self.grammars: GrammarCompiler | None = None
         self._load_model: Callable[..., Any] = load_model
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -263,6 +267,7 @@ class TransformersEngine(LLMEngine):
         eos = _eos_ids(self.model.generation_config, text_config)
         bos = getattr(self.model.generation_config, "bos_token_id", None)
         self._bos_or_eos = bos if isinstance(bos, int) else min(eos, default=0)
+        self.grammars = GrammarCompiler(self.model_path, self.vocab_size, eos)
         kv_tokens = self.args.kv_cache_tokens or self.args.max_num_seqs * self.context_length
         self.scheduler = BatchScheduler(
             self.model,
@@ -310,6 +315,7 @@ class TransformersEngine(LLMEngine):
                 # generate ends cleanly when cancelled at an await or closed at a yield.
                 CANCEL_SAFE_RUNTIME_KEY: True,
                 SUPPORTS_IMAGE_INPUT: self.vision is not None,
+                SUPPORTS_GUIDED_DECODING: True,
             },
             llm=LlmRegistration(
                 context_length=self.context_length,
@@ -393,8 +399,12 @@ class TransformersEngine(LLMEngine):
             except RuntimeError:
                 logger.debug("request %s: event loop closed before delivery", context.id())
 
+        # Compiled off the loop (cached by spec): a bad grammar fails before any token.
+        grammar = None
+        if params.guided is not None and self.grammars is not None:
+            grammar = await asyncio.to_thread(self.grammars.compile, params.guided)
         submission = Submission(
-            context.id(), context, prompt, params, deliver, adapter, embed=embed
+            context.id(), context, prompt, params, deliver, adapter, embed=embed, grammar=grammar
         )
         scheduler.submit(submission)
         remaining = params.n
