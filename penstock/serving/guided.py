@@ -25,6 +25,7 @@ from penstock.errors import InvalidRequestError
 from penstock.gateway import ServedModel
 from penstock.schemas.openai import ChatCompletionRequest, SamplingFields, Tool
 from penstock.serving.limits import engine_capability
+from penstock.serving.parsing import check_named_tool
 
 # Each kind of ``structured_outputs`` as the engine's kind.
 _STRUCTURED_KINDS = {
@@ -110,7 +111,9 @@ def tool_call_constraint(
     """For ``tool_choice`` ``required`` or naming a function: the grammar of the calls,
     in the hermes format the parser reads, the arguments held to each tool's schema."""
     choice = body.tool_choice
-    if choice not in ("required",) and not isinstance(choice, dict):
+    if isinstance(choice, dict):
+        check_named_tool(body, choice)
+    elif choice != "required":
         return None
     if not body.tools:
         raise InvalidRequestError(

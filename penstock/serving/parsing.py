@@ -116,13 +116,14 @@ def _tool_format(body: ChatCompletionRequest, parser: str | None) -> ToolCallFor
     constrain it to calls: :func:`penstock.serving.guided.tool_call_constraint`)."""
     choice = body.tool_choice
     if isinstance(choice, dict):
-        _check_named_tool(body, choice)
+        check_named_tool(body, choice)
     if not body.tools or choice == "none" or parser is None:
         return None
     return TOOL_CALL_FORMATS[parser]
 
 
-def _check_named_tool(body: ChatCompletionRequest, choice: dict[str, object]) -> None:
+def check_named_tool(body: ChatCompletionRequest, choice: dict[str, object]) -> None:
+    """400 unless ``choice`` names one of the request's function tools."""
     function = choice.get("function")
     name = function.get("name") if isinstance(function, dict) else None
     if choice.get("type") != "function" or not isinstance(name, str):
