@@ -190,9 +190,11 @@ def _strings_well_formed(ebnf: str) -> str:
     exclude control characters from free strings but not from strings with a length
     bound, and let surrogates through, which decode to no character."""
     return _NEGATED_CLASS.sub(
-        lambda match: match.group(0)
-        if match.group(1).startswith(_NOT_IN_STRINGS)
-        else f"[^{_NOT_IN_STRINGS}{match.group(1)}]",
+        lambda match: (
+            match.group(0)
+            if match.group(1).startswith(_NOT_IN_STRINGS)
+            else f"[^{_NOT_IN_STRINGS}{match.group(1)}]"
+        ),
         ebnf,
     )
 
