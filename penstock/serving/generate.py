@@ -50,7 +50,7 @@ from penstock.schemas.unicode import JSONValue, RequestModel
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import Deadline, request_deadline
 from penstock.serving.generation import Generation
-from penstock.serving.guided import sampling_guided_decoding
+from penstock.serving.guided import check_can_constrain, sampling_guided_decoding
 from penstock.serving.limits import served_model
 from penstock.serving.prompts import completion_prompts
 from penstock.serving.requests import engine_context, generate_request
@@ -300,8 +300,12 @@ def completion_body(gateway: Gateway, body: GenerateBody) -> CompletionRequest:
         if getattr(params, name) is not None
     }
     seed = params.seed if params.seed is not None else params.sampling_seed
+    model = _model_for(gateway, body.model or body.lora_path)
+    for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+        if getattr(params, name) is not None:
+            check_can_constrain(gateway.resolve(model), f"sampling_params.{name}", model)
     fields.update(
-        model=_model_for(gateway, body.model or body.lora_path),
+        model=model,
         prompt=body.text if body.text is not None else body.input_ids,
         max_tokens=params.max_new_tokens,
         min_tokens=params.min_new_tokens,

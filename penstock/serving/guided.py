@@ -4,10 +4,11 @@
 Spellings: OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's
 ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``structural_tag``,
 ``json_object``) and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-``guided_grammar``, SGLang's ``sampling_params`` ``json_schema`` / ``regex`` / ``ebnf`` /
-``structural_tag``, and a chat request's ``tool_choice`` ``required`` or naming a function
-(:func:`tool_call_constraint`). At most one may be sent; only an engine that advertises
-``SUPPORTS_GUIDED_DECODING`` gets one, every other engine's request is a 400 naming the field.
+``guided_grammar`` (SGLang's ``sampling_params`` ``json_schema`` / ``regex`` / ``ebnf`` /
+``structural_tag`` arrive as these: :mod:`penstock.serving.generate`), and a chat
+request's ``tool_choice`` ``required`` or naming a function (:func:`tool_call_constraint`).
+At most one may be sent; only an engine that advertises ``SUPPORTS_GUIDED_DECODING`` gets
+one, every other engine's request is a 400 naming the field.
 
 JSON comes out compact by default (``", "`` and ``": "``, no other whitespace): a weak
 model given free whitespace pads until the token limit. vLLM's
@@ -42,8 +43,6 @@ _GUIDED_FIELDS = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
-# SGLang's sampling-params spellings.
-SGLANG_FIELDS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
 _BACKENDS = (None, "", "auto", "xgrammar")
 
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
@@ -91,18 +90,6 @@ def _structured_outputs(value: dict[str, Any]) -> dict[str, Any]:
     if value.get("disable_any_whitespace") is False:
         spec["whitespace"] = "any"
     return spec
-
-
-def sglang_guided_decoding(
-    sampling: dict[str, Any], model: ServedModel, model_name: str
-) -> dict[str, Any] | None:
-    """The constraint of SGLang's ``sampling_params`` (the fields popped from it)."""
-    found = []
-    for field, kind in (*SGLANG_FIELDS.items(), ("structural_tag", "structural_tag")):
-        value = sampling.pop(field, None)
-        if value is not None:
-            found.append((f"sampling_params.{field}", {kind: value}))
-    return _one(found, model, model_name)
 
 
 def tool_call_constraint(
@@ -166,7 +153,9 @@ def hermes_calls_tag(tools: Sequence[Tool], *, parallel: bool) -> dict[str, Any]
     return {"type": "structural_tag", "format": calls}
 
 
-def _one(found: list[tuple[str, dict[str, Any]]], model: ServedModel, name: str) -> Any:
+def _one(
+    found: list[tuple[str, dict[str, Any]]], model: ServedModel, name: str
+) -> dict[str, Any] | None:
     if not found:
         return None
     if len(found) > 1:
@@ -175,13 +164,19 @@ def _one(found: list[tuple[str, dict[str, Any]]], model: ServedModel, name: str)
             f"at most one output constraint may be sent; got {fields}", param=found[1][0]
         )
     field, spec = found[0]
+    check_can_constrain(model, field, name)
+    return spec
+
+
+def check_can_constrain(model: ServedModel, field: str, name: str) -> None:
+    """400 naming ``field`` unless ``model``'s engine constrains its output."""
     if not engine_capability(model, SUPPORTS_GUIDED_DECODING):
         raise InvalidRequestError(
-            f"The model '{name}' can't honour {field}: its engine does not constrain output",
+            f"{field} is not supported: the model '{name}' can't honour it "
+            "(its engine does not constrain output)",
             param=field,
             code="unsupported_parameter",
         )
-    return spec
 
 
 def combine(
