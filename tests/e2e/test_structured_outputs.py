@@ -121,13 +121,36 @@ def test_parse_with_a_pydantic_model_always_validates(
         assert "\n" not in json.dumps(json.loads(choice.message.content or ""))
 
 
+def test_a_streamed_answer_validates_once_reassembled(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "paint", "schema": Paint.model_json_schema(), "strict": True},
+        },
+        n=4,
+        max_tokens=300,
+        stream=True,
+    )
+    texts = ["", "", "", ""]
+    finished = [None] * 4
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finished[choice.index] = choice.finish_reason or finished[choice.index]
+    assert finished == ["stop"] * 4
+    for text in texts:
+        Paint.model_validate_json(text)
+
+
 @pytest.mark.parametrize(
     "extra",
     [{"response_format": {"type": "json_object"}}, {"structured_outputs": {"json_object": True}}],
 )
 def test_json_object_is_one_json_object(client: openai.OpenAI, extra: dict[str, Any]) -> None:
     completion = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, n=SAMPLES, max_tokens=300, extra_body=extra
+        model="tiny", messages=MESSAGES, n=SAMPLES, max_tokens=300, seed=2, extra_body=extra
     )
     # Any object allows free strings, which a random model may not close within the limit;
     # every answer the grammar ended is one object, and its tokens stop there.
@@ -189,11 +212,11 @@ def test_vllm_spellings_constrain_chat_and_completions(
     client: openai.OpenAI, extra: dict[str, Any], check: Any
 ) -> None:
     chat = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, n=4, max_tokens=120, extra_body=extra
+        model="tiny", messages=MESSAGES, n=4, max_tokens=120, seed=3, extra_body=extra
     )
     texts = [choice.message.content or "" for choice in chat.choices]
     completion = client.completions.create(
-        model="tiny", prompt="Say:", n=4, max_tokens=120, extra_body=extra
+        model="tiny", prompt="Say:", n=4, max_tokens=120, seed=3, extra_body=extra
     )
     texts += [choice.text for choice in completion.choices]
     for text in texts:
@@ -256,6 +279,7 @@ def test_tool_choice_required_always_calls_with_valid_arguments(client: openai.O
         parallel_tool_calls=False,
         n=SAMPLES,
         max_tokens=250,
+        seed=4,
     )
     for choice in completion.choices:
         assert choice.finish_reason == "tool_calls", choice.message.content
@@ -267,7 +291,13 @@ def test_tool_choice_required_always_calls_with_valid_arguments(client: openai.O
 def test_parallel_required_calls_each_validate(client: openai.OpenAI) -> None:
     tools = [WEATHER_TOOL, TIME_TOOL]
     completion = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, tools=tools, tool_choice="required", n=4, max_tokens=400
+        model="tiny",
+        messages=MESSAGES,
+        tools=tools,
+        tool_choice="required",
+        n=4,
+        max_tokens=400,
+        seed=6,
     )
     # Each block may be followed by another, so a random model may run to the limit: the
     # answers the grammar ended are read as calls, the others' complete blocks are calls
@@ -288,6 +318,24 @@ def test_parallel_required_calls_each_validate(client: openai.OpenAI) -> None:
         assert blocks, choice.message.content
         for name, arguments in blocks:
             jsonschema.validate(json.loads(arguments), schemas[name])
+
+
+def test_a_named_tool_choice_calls_that_tool_once(client: openai.OpenAI) -> None:
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    completion = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        n=SAMPLES,
+        max_tokens=250,
+        seed=5,
+    )
+    for choice in completion.choices:
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        calls = choice.message.tool_calls or []
+        assert [call.function.name for call in calls] == ["get_time"], choice.message.content
+        _arguments_valid(calls[0], tools)
 
 
 @pytest.mark.parametrize(
