@@ -171,13 +171,7 @@ VLLM_UNSUPPORTED: dict[str, Any] = {
     "allowed_token_ids": None,
     "bad_words": [],
     "prompt_logprobs": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
-    "guided_decoding_backend": None,
     "guided_whitespace_pattern": None,
-    "structured_outputs": None,
     "logits_processors": None,
     "request_id": None,
     "kv_transfer_params": None,
@@ -227,6 +221,14 @@ class SamplingFields(RequestModel):
     priority: int = 0
     logit_bias: dict[str, float] | None = None
     nvext: dict[str, Any] | None = None
+    # vLLM's output constraints (see ``serving.guided``): its ``structured_outputs`` and
+    # the older one-field spellings.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @field_validator("stop")
     @classmethod

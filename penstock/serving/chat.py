@@ -21,6 +21,7 @@ from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import request_deadline
 from penstock.serving.framing import TEXT_SLOT
 from penstock.serving.generation import Generation
+from penstock.serving.guided import combine, sampling_guided_decoding, tool_call_constraint
 from penstock.serving.limits import check_budget, served_model
 from penstock.serving.parsing import output_parsing
 from penstock.serving.prompts import chat_prompt
@@ -160,6 +161,11 @@ async def create_chat_completion(
     prompt = await chat_prompt(gateway, body, model, deadline, request, media)
     max_tokens = body.max_new_tokens
     check_budget(len(prompt.token_ids), max_tokens, model, "messages")
+    guided_decoding = combine(
+        sampling_guided_decoding(body, model),
+        tool_call_constraint(body, model.tool_call_parser),
+        model,
+    )
     engine_request = generate_request(
         body,
         model,
@@ -167,7 +173,7 @@ async def create_chat_completion(
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         multi_modal_data=prompt.multi_modal_data,
-        response_format=prompt.response_format,
+        guided_decoding=guided_decoding,
         uploader=uploader,
     )
     generation = Generation(

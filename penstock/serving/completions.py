@@ -20,6 +20,7 @@ from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import Deadline, request_deadline
 from penstock.serving.framing import TEXT_SLOT
 from penstock.serving.generation import Generation
+from penstock.serving.guided import sampling_guided_decoding
 from penstock.serving.limits import served_model
 from penstock.serving.prompts import completion_prompts
 from penstock.serving.requests import engine_context, generate_request, metadata_uploader
@@ -201,6 +202,7 @@ async def completion_generations(
     _check_unsupported(body)
     prompts = await completion_prompts(gateway, body, model, deadline)
     _check_batch_fits(prompts, model)
+    guided_decoding = sampling_guided_decoding(body, model)
     return model, [
         Generation(
             gateway,
@@ -211,6 +213,7 @@ async def completion_generations(
                 ids,
                 max_tokens=body.max_tokens,
                 logprobs=body.logprobs,
+                guided_decoding=guided_decoding,
                 uploader=uploader,
             ),
             engine_context(request, i if len(prompts) > 1 else None, user=body.user),

@@ -51,6 +51,7 @@ from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import Deadline, request_deadline
 from penstock.serving.framing import JSONObject
 from penstock.serving.generation import Generation
+from penstock.serving.guided import check_can_constrain, sampling_guided_decoding
 from penstock.serving.limits import served_model
 from penstock.serving.prompts import completion_prompts
 from penstock.serving.requests import engine_context, generate_request
@@ -65,10 +66,6 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 SAMPLING_UNSUPPORTED: dict[str, Any] = {
     "n": 1,
     "stop_regex": None,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "structural_tag": None,
     "logit_bias": None,
     "stream_interval": 1,
 }
@@ -127,6 +124,12 @@ class SamplingParams(RequestModel):
     # Data for a custom logit processor; none runs here (``custom_logit_processor`` is
     # refused), so it changes nothing, as in SGLang without one.
     custom_params: dict[str, JSONValue] | None = None
+    # Output constraints: a JSON schema (as its text), a regex, an EBNF grammar, a
+    # structural tag (see ``serving.guided``).
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
 
 class GenerateBody(RequestModel):
@@ -295,8 +298,12 @@ def completion_body(gateway: Gateway, body: GenerateBody) -> CompletionRequest:
         if getattr(params, name) is not None
     }
     seed = params.seed if params.seed is not None else params.sampling_seed
+    model = _model_for(gateway, body.model or body.lora_path)
+    for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+        if getattr(params, name) is not None:
+            check_can_constrain(gateway.resolve(model), f"sampling_params.{name}", model)
     fields.update(
-        model=_model_for(gateway, body.model or body.lora_path),
+        model=model,
         prompt=body.text if body.text is not None else body.input_ids,
         max_tokens=params.max_new_tokens,
         min_tokens=params.min_new_tokens,
@@ -304,6 +311,12 @@ def completion_body(gateway: Gateway, body: GenerateBody) -> CompletionRequest:
         include_stop_str_in_output=params.no_stop_trim,
         stream=body.stream,
         logprobs=body.top_logprobs_num if body.return_logprob else None,
+        guided_json=params.json_schema,
+        guided_regex=params.regex,
+        guided_grammar=params.ebnf,
+        structured_outputs=None
+        if params.structural_tag is None
+        else {"structural_tag": params.structural_tag},
     )
     try:
         return CompletionRequest.model_validate(fields)
@@ -329,7 +342,12 @@ def _generation(
         gateway,
         model,
         generate_request(
-            body, model, token_ids, max_tokens=body.max_tokens, logprobs=body.logprobs
+            body,
+            model,
+            token_ids,
+            max_tokens=body.max_tokens,
+            logprobs=body.logprobs,
+            guided_decoding=sampling_guided_decoding(body, model),
         ),
         context,
         stops=body.stop_list,

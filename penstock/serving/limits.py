@@ -19,10 +19,6 @@ from penstock.schemas.openai import SamplingFields
 from penstock.serving.deadline import header
 from penstock.settings import Settings
 
-# Fields an engine's runtime_data may advertise to accept requests the gateway would
-# otherwise refuse rather than let the engine ignore silently.
-SUPPORTS_RESPONSE_FORMAT = "supports_response_format"
-
 
 def served_model(
     gateway: Gateway, body: SamplingFields, endpoint_type: str, serves: str

@@ -112,22 +112,18 @@ def output_parsing(
 
 def _tool_format(body: ChatCompletionRequest, parser: str | None) -> ToolCallFormat | None:
     """Tools reach the chat template; calls are read only with a configured parser, and
-    ``tool_choice: none`` leaves the answer as text."""
+    ``tool_choice: none`` leaves the answer as text (``required`` and a named function
+    constrain it to calls: :func:`penstock.serving.guided.tool_call_constraint`)."""
     choice = body.tool_choice
     if isinstance(choice, dict):
-        _check_named_tool(body, choice)
-    if choice is not None and choice not in ("auto", "none"):
-        raise InvalidRequestError(
-            f"tool_choice {_describe(choice)} is not supported: it needs the call constrained "
-            "to the tool's parameter schema, which this server does not do yet; use 'auto'",
-            param="tool_choice",
-        )
+        check_named_tool(body, choice)
     if not body.tools or choice == "none" or parser is None:
         return None
     return TOOL_CALL_FORMATS[parser]
 
 
-def _check_named_tool(body: ChatCompletionRequest, choice: dict[str, object]) -> None:
+def check_named_tool(body: ChatCompletionRequest, choice: dict[str, object]) -> None:
+    """400 unless ``choice`` names one of the request's function tools."""
     function = choice.get("function")
     name = function.get("name") if isinstance(function, dict) else None
     if choice.get("type") != "function" or not isinstance(name, str):
@@ -144,9 +140,3 @@ def _check_named_tool(body: ChatCompletionRequest, choice: dict[str, object]) ->
             f"tools ({listed})",
             param="tool_choice",
         )
-
-
-def _describe(choice: object) -> str:
-    if isinstance(choice, dict):
-        return "naming a function"
-    return repr(choice)

@@ -25,13 +25,11 @@ from penstock.schemas.openai import (
 )
 from penstock.serving.deadline import Deadline
 from penstock.serving.limits import (
-    SUPPORTS_RESPONSE_FORMAT,
     body_size,
     check_budget,
     check_media,
     check_prompt_length,
     check_token_ids,
-    engine_capability,
 )
 from penstock.settings import Settings
 
@@ -45,7 +43,6 @@ class ChatPrompt(NamedTuple):
 
     token_ids: list[int]
     multi_modal_data: dict[str, Any] | None
-    response_format: dict[str, Any] | None
 
 
 async def off_loop(
@@ -110,16 +107,6 @@ async def chat_prompt(
         chars += len(_flatten_content(message.content))
         messages.append(rendered)
     check_prompt_length(gateway.settings, model, pre, chars, "messages")
-    response_format: dict[str, Any] | None = None
-    if body.response_format is not None and body.response_format.type != "text":
-        if not engine_capability(model, SUPPORTS_RESPONSE_FORMAT):
-            raise InvalidRequestError(
-                f"The model '{body.model}' can't honour response_format "
-                f"'{body.response_format.type}'",
-                param="response_format",
-                code="unsupported_parameter",
-            )
-        response_format = body.response_format.model_dump(by_alias=True)
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
 
     def tokenize() -> Awaitable[list[int]]:
@@ -149,7 +136,7 @@ async def chat_prompt(
 
     work = prompt_and_media()
     token_ids, multi_modal_data = await (work if deadline is None else deadline.within(work))
-    return ChatPrompt(token_ids, multi_modal_data, response_format)
+    return ChatPrompt(token_ids, multi_modal_data)
 
 
 def media_refs(messages: list[ChatMessage]) -> tuple[list[MediaRef], list[MediaRef]]:

@@ -30,8 +30,6 @@ class PassthroughRequest(GenerateRequest, total=False):
 
     # Vendor extensions, as the client sent them.
     nvext: dict[str, Any]
-    # Structured output, only for engines that advertise SUPPORTS_RESPONSE_FORMAT.
-    response_format: dict[str, Any]
     # vLLM's scheduling priority, only for engines that advertise SUPPORTS_PRIORITY.
     priority: int
 
@@ -135,7 +133,7 @@ def generate_request(
     max_tokens: int | None,
     logprobs: int | None,
     multi_modal_data: dict[str, Any] | None = None,
-    response_format: dict[str, Any] | None = None,
+    guided_decoding: dict[str, Any] | None = None,
     uploader: MetadataUploader | None = None,
 ) -> GenerateRequest:
     request = PassthroughRequest(
@@ -150,8 +148,8 @@ def generate_request(
         request["nvext"] = _engine_nvext(body.nvext, uploader)
     if multi_modal_data is not None:
         request["multi_modal_data"] = multi_modal_data
-    if response_format is not None:
-        request["response_format"] = response_format
+    if guided_decoding is not None:
+        request["sampling_options"]["guided_decoding"] = guided_decoding
     if body.priority:
         request["priority"] = body.priority
     return request

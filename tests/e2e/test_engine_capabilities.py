@@ -1,4 +1,4 @@
-"""Image parts and response_format reach engines that advertise them."""
+"""Image parts and output constraints reach engines that advertise them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def png_data_url(width: int, height: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def test_image_parts_and_response_format_are_passed_on(tmp_path: Path) -> None:
+def test_image_parts_and_response_format_reach_the_engine(tmp_path: Path) -> None:
     with running_server(["--engine", "tests.support.doubles:CapableEngine"], tmp_path) as server:
         content = [
             {"type": "text", "text": "What is in these?"},
@@ -36,4 +36,4 @@ def test_image_parts_and_response_format_are_passed_on(tmp_path: Path) -> None:
         assert response.status_code == 200, response.text
         seen = json.loads(response.json()["choices"][0]["message"]["content"])
         assert seen["image_sizes"] == [[3, 2], [1, 4]]
-        assert seen["response_format"]["json_schema"]["schema"] == {"type": "object"}
+        assert seen["guided_decoding"] == {"json": {"type": "object"}}

@@ -157,8 +157,8 @@ def hermes_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.O
 @pytest.mark.parametrize(
     ("tool_choice", "reason"),
     [
-        ("required", "'required' is not supported"),
-        ({"type": "function", "function": {"name": "get_time"}}, "naming a function"),
+        ("required", "tool_choice is not supported"),
+        ({"type": "function", "function": {"name": "get_time"}}, "tool_choice is not supported"),
         ({"type": "function", "function": {"name": "book_flight"}}, "'book_flight'"),
         ({"type": "function"}, "must be"),
     ],

@@ -51,10 +51,18 @@ def test_calls_are_read_only_with_tools_a_parser_and_a_choice_that_allows_them()
 
 
 @pytest.mark.parametrize(
-    "tool_choice",
-    ["required", {"type": "function", "function": {"name": "get_time"}}, {"function": {}}],
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
 )
-def test_a_choice_that_needs_a_forced_call_is_refused(tool_choice: Any) -> None:
+def test_a_forced_call_is_read_as_calls(tool_choice: Any) -> None:
+    parsing = output_parsing(body(tools=TOOLS, tool_choice=tool_choice), "hermes", None, None, [])
+    assert parsing is not None and parsing.tool_format is not None
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    [{"type": "function", "function": {"name": "book_flight"}}, {"function": {}}],
+)
+def test_a_choice_naming_no_known_function_is_refused(tool_choice: Any) -> None:
     with pytest.raises(InvalidRequestError) as refused:
         output_parsing(body(tools=TOOLS, tool_choice=tool_choice), "hermes", None, None, [])
     assert refused.value.param == "tool_choice"

@@ -206,13 +206,13 @@ class ReplyEngine(SampleLLMEngine):
 
 
 class CapableEngine(SampleLLMEngine):
-    """Advertises image input and response_format; replies with what it was handed."""
+    """Advertises image input and output constraints; replies with what it was handed."""
 
     async def start(self, worker_id: int) -> EngineConfig:
         from tokenizers import Tokenizer
 
         config = await super().start(worker_id)
-        config.runtime_data = {"supports_image_input": True, "supports_response_format": True}
+        config.runtime_data = {"supports_image_input": True, "supports_guided_decoding": True}
         self.tokenizer = Tokenizer.from_file(str(self.tokenizer_dir / "tokenizer.json"))
         return config
 
@@ -226,7 +226,7 @@ class CapableEngine(SampleLLMEngine):
                 list(item["Decoded"].size)
                 for item in (request.get("multi_modal_data") or {}).get("image_url", [])
             ],
-            "response_format": request.get("response_format"),
+            "guided_decoding": request["sampling_options"].get("guided_decoding"),
         }
         ids = self.tokenizer.encode(json.dumps(seen)).ids
         yield {"token_ids": ids, "index": 0, "finish_reason": "stop"}

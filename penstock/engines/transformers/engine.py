@@ -36,6 +36,7 @@ from penstock.engines.context import Context
 from penstock.engines.contract import (
     CANCEL_SAFE_RUNTIME_KEY,
     MULTI_CHOICE_RUNTIME_KEY,
+    SUPPORTS_GUIDED_DECODING,
     SUPPORTS_IMAGE_INPUT,
     SUPPORTS_PRIORITY,
     EngineConfig,
@@ -54,6 +55,7 @@ from penstock.engines.health import (
 )
 from penstock.engines.transformers.args import EngineArgs, parse_args
 from penstock.engines.transformers.block_manager import kv_bytes_per_token
+from penstock.engines.transformers.constraints import GrammarCompiler
 from penstock.engines.transformers.controls import TransformersControls
 from penstock.engines.transformers.cpu_weights import load_kernel, pack_model
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
@@ -199,6 +201,8 @@ class TransformersEngine(
         self.weight_sync = WeightSync()
         # Set for vision-language checkpoints: encodes images, expands their placeholders.
         self.vision: VisionEncoder | None = None
+        # Compiles the grammars of constrained requests (see :mod:`.constraints`).
+        self.grammars: GrammarCompiler | None = None
         self._load_model: Callable[..., Any] = load_model
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -249,6 +253,7 @@ class TransformersEngine(
         eos = _eos_ids(self.model.generation_config, text_config)
         bos = getattr(self.model.generation_config, "bos_token_id", None)
         self._bos_or_eos = bos if isinstance(bos, int) else min(eos, default=0)
+        self.grammars = GrammarCompiler(self.model_path, self.vocab_size, eos)
         kv_tokens = self._kv_pool_tokens(text_config)
         scheduler = self._start_scheduler(worker_id, eos, kv_tokens)
         logger.info(
@@ -274,6 +279,7 @@ class TransformersEngine(
                 CANCEL_SAFE_RUNTIME_KEY: True,
                 SUPPORTS_IMAGE_INPUT: self.vision is not None,
                 SUPPORTS_PRIORITY: True,
+                SUPPORTS_GUIDED_DECODING: True,
             },
             llm=LlmRegistration(
                 context_length=self.context_length,
@@ -412,6 +418,10 @@ class TransformersEngine(
             except RuntimeError:
                 logger.debug("request %s: event loop closed before delivery", context.id())
 
+        # Compiled off the loop (cached by spec): a bad grammar fails before any token.
+        grammar = None
+        if params.guided is not None and self.grammars is not None:
+            grammar = await asyncio.to_thread(self.grammars.compile, params.guided)
         submission = Submission(
             context.id(),
             context,
@@ -421,6 +431,7 @@ class TransformersEngine(
             adapter,
             embed=embed,
             priority=request_priority(request),
+            grammar=grammar,
         )
         scheduler.submit(submission)
         # Canaries probe that the engine runs: an abort of every request leaves them be.

@@ -15,11 +15,18 @@ from typing import Any
 
 import torch
 
+from penstock.engines.transformers.constraints import (
+    GuidedSpec,
+    SequenceConstraint,
+    advance_constraints,
+    apply_constraints,
+    parse_guided_decoding,
+)
+
 MAX_TOP_LOGPROBS = 20
 
 # Options a client may send that this engine can't honour, with the reason given back.
 _UNSUPPORTED_SAMPLING = {
-    "guided_decoding": "guided decoding is not supported by the transformers engine",
     "response_format": "response_format is not supported by the transformers engine",
     "logit_bias": "logit_bias is not supported by the transformers engine",
     "use_beam_search": "beam search is not supported by the transformers engine",
@@ -44,6 +51,8 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # The request's constraint (see :mod:`.constraints`); None decodes freely.
+    guided: GuidedSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -179,6 +188,7 @@ def parse_sampling_params(
         stop_token_ids=stop_ids,
         ignore_eos=bool(ignore_eos),
         logprobs=logprobs,
+        guided=parse_guided_decoding(sampling.get("guided_decoding")),
     )
 
 
@@ -275,6 +285,7 @@ class RowSampling:
     banned_until_min_tokens: list[int]
     generator: torch.Generator | None
     penalties: PenaltyState | None
+    constraint: SequenceConstraint | None = None
 
 
 @dataclass
@@ -329,7 +340,22 @@ def _filter_sampled(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 def choose_tokens(
     logits: torch.Tensor, rows: list[RowSampling], shared_generator: torch.Generator
 ) -> list[TokenChoice]:
-    """Pick the next token of every row of ``logits`` (``[rows, vocab]``)."""
+    """Pick the next token of every row of ``logits`` (``[rows, vocab]``); a row's
+    constraint, if any, forbids what its grammar does and advances past the choice."""
+    constraints = [row.constraint for row in rows]
+    if all(constraint is None for constraint in constraints):
+        return _choose(logits, rows, shared_generator, None)
+    choices = _choose(logits, rows, shared_generator, constraints)
+    advance_constraints([choice.token_id for choice in choices], constraints)
+    return choices
+
+
+def _choose(
+    logits: torch.Tensor,
+    rows: list[RowSampling],
+    shared_generator: torch.Generator,
+    constraints: list[SequenceConstraint | None] | None,
+) -> list[TokenChoice]:
     logits = logits.float()
     raw_logprobs: torch.Tensor | None = None
     if any(row.params.logprobs is not None for row in rows):
@@ -338,8 +364,14 @@ def choose_tokens(
         logits = logits.clone()
         _apply_penalties(logits, rows)
     for i, row in enumerate(rows):
-        if row.generated < row.params.min_tokens and row.banned_until_min_tokens:
-            logits[i, row.banned_until_min_tokens] = -math.inf
+        # A grammar decides where a constrained row may end.
+        if row.constraint is None and row.generated < row.params.min_tokens:
+            if row.banned_until_min_tokens:
+                logits[i, row.banned_until_min_tokens] = -math.inf
+    if constraints is not None:
+        # After the raw logprobs: those stay the model's own, as without a constraint.
+        logits = logits.clone()
+        apply_constraints(logits, constraints)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy]
     if len(greedy) == len(rows):
         # An all-greedy batch needs no row selection (a copy of every row's logits).

@@ -450,8 +450,10 @@ class BatchScheduler:
             if choice.top_logprobs is not None:
                 chunk["top_logprobs"] = [choice.top_logprobs]
         chunk["engine_data"] = self._engine_data()
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
+        if (
+            token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.eos_token_ids)
+            or (seq.constraint is not None and seq.constraint.complete)
         ):
             self._finish(seq, "stop", outbox, last_chunk=chunk)
         elif len(seq.output_ids) >= params.max_tokens:

@@ -16,6 +16,7 @@ import torch
 
 from penstock.engines.context import Context
 from penstock.engines.transformers.block_manager import BLOCK_SIZE, Block
+from penstock.engines.transformers.constraints import SequenceConstraint
 from penstock.engines.transformers.sampling import PenaltyState, RowSampling, SamplingParams
 
 Deliver = Callable[[list[Any]], None]
@@ -35,6 +36,8 @@ class Submission:
     # Builds the prompt's ``inputs_embeds`` from (model, prompt ids) at prefill, for
     # prompts whose placeholder tokens stand for image features; None feeds the ids.
     embed: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    # The compiled grammar every choice follows (see :mod:`.constraints`); None: free.
+    grammar: Any = None
     cancelled: bool = False
     # Arrived before a pause in "wait" mode: still runs, the pause waits for it.
     drain: bool = False
@@ -79,6 +82,7 @@ class Sequence:
     index: int
     generator: torch.Generator | None
     penalties: PenaltyState | None
+    constraint: SequenceConstraint | None = None
     output_ids: list[int] = field(default_factory=list)
     kv_length: int = 0
     next_token: int = 0
@@ -115,7 +119,10 @@ class Sequence:
         penalties = None
         if params.has_penalties:
             penalties = PenaltyState(submission.prompt_ids, vocab_size, device)
-        return cls(submission, index, generator, penalties)
+        constraint = None
+        if submission.grammar is not None:
+            constraint = SequenceConstraint(submission.grammar)
+        return cls(submission, index, generator, penalties, constraint)
 
     @property
     def remaining_steps(self) -> int:
@@ -128,7 +135,9 @@ class Sequence:
         banned: list[int] = []
         if len(self.output_ids) < params.min_tokens:
             banned = sorted(params.stop_token_ids | eos_token_ids)
-        return RowSampling(params, len(self.output_ids), banned, self.generator, self.penalties)
+        return RowSampling(
+            params, len(self.output_ids), banned, self.generator, self.penalties, self.constraint
+        )
 
 
 def completion_usage(

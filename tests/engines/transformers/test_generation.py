@@ -192,7 +192,7 @@ async def test_a_long_request_does_not_block_a_short_one(engine: TransformersEng
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        ({"sampling_options": {"guided_decoding": {"json": {}}}}, "guided_decoding"),
+        ({"sampling_options": {"guided_decoding": {"json": {}, "regex": "a"}}}, "guided_decoding"),
         ({"sampling_options": {"response_format": {"type": "json_object"}}}, "response_format"),
         ({"sampling_options": {"temperature": -1}}, "temperature"),
         ({"sampling_options": {"top_p": 2}}, "top_p"),
@@ -220,7 +220,7 @@ async def test_host_turns_a_bad_request_into_a_400(engine: TransformersEngine) -
     host = EngineHost(engine, None)
     host.state = host.state.RUNNING
     request = greedy(max_tokens=4)
-    request["sampling_options"]["guided_decoding"] = {"regex": "a+"}
+    request["sampling_options"]["guided_decoding"] = {"regex": "(["}
     with pytest.raises(InvalidRequestError) as caught:
         async for _ in host.generate(request, Context()):
             pass
