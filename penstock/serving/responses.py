@@ -22,19 +22,19 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from penstock.errors import InvalidRequestError, NotFoundError
+from penstock.errors import NotFoundError
 from penstock.gateway import Gateway
 from penstock.media.records import Owner
 from penstock.multimodal.inputs import MediaInputs
 from penstock.responses.async_store import AsyncResponseStore
 from penstock.responses.records import StoredResponse
-from penstock.schemas.openai import ChatCompletionRequest
 from penstock.schemas.responses import ResponsesRequest
 from penstock.serving.chat import attach_parsers
 from penstock.serving.choice import ChoiceState, Delta
 from penstock.serving.deadline import request_deadline
 from penstock.serving.framing import JSONObject
 from penstock.serving.generation import Generation, usage
+from penstock.serving.guided import combine, sampling_guided_decoding, tool_call_constraint
 from penstock.serving.limits import check_budget, served_model
 from penstock.serving.prompts import chat_prompt
 from penstock.serving.requests import engine_context, generate_request
@@ -340,15 +340,6 @@ class ResponseEventEncoder:
         )
 
 
-def _check_tool_choice(chat: ChatCompletionRequest) -> None:
-    """Calls are parsed with a configured parser; this server can't force one."""
-    if chat.tool_choice not in (None, "auto", "none"):
-        raise InvalidRequestError(
-            "only tool_choice 'auto' and 'none' are supported: this server can't force a call",
-            param="tool_choice",
-        )
-
-
 async def _history(
     body: ResponsesRequest, store: AsyncResponseStore, owner: Owner | None
 ) -> list[dict[str, Any]]:
@@ -380,6 +371,11 @@ async def create_response(
     model = served_model(gateway, chat, "chat", "the Responses API")
     prompt = await chat_prompt(gateway, chat, model, deadline, request, media)
     check_budget(len(prompt.token_ids), chat.max_tokens, model, "input")
+    guided_decoding = combine(
+        sampling_guided_decoding(chat, model),
+        tool_call_constraint(chat, model.tool_call_parser),
+        model,
+    )
     engine_request = generate_request(
         chat,
         model,
@@ -387,7 +383,7 @@ async def create_response(
         max_tokens=chat.max_tokens,
         logprobs=None,
         multi_modal_data=prompt.multi_modal_data,
-        response_format=prompt.response_format,
+        guided_decoding=guided_decoding,
     )
     generation = Generation(
         gateway,
@@ -401,7 +397,6 @@ async def create_response(
         streaming=body.stream,
         deadline=deadline,
     )
-    _check_tool_choice(chat)
     attach_parsers(generation, chat, gateway.settings.reasoning_parser, prompt.token_ids)
     fmt = ResponsesFormat(body, conversation, store, owner)
     return await respond(request, ResponsePlan(fmt, [generation], chat, None, deadline))

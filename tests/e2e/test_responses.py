@@ -304,13 +304,13 @@ def test_max_output_tokens_cuts_the_response_incomplete(sample_server: ServerPro
 def capable_server(
     tmp_path_factory: pytest.TempPathFactory, cache: Path
 ) -> Iterator[ServerProcess]:
-    """An engine that honours response_format and answers with what it was handed."""
+    """An engine that honours output constraints and answers with what it was handed."""
     args = ["--engine", "tests.support.doubles:CapableEngine", "--cache-dir", str(cache)]
     with running_server(args, tmp_path_factory.mktemp("capable")) as process:
         yield process
 
 
-def test_text_format_reaches_the_engine_as_response_format(
+def test_text_format_reaches_the_engine_as_its_constraint(
     capable_server: ServerProcess,
 ) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -319,13 +319,8 @@ def test_text_format_reaches_the_engine_as_response_format(
         input="Where?",
         text={"format": {"type": "json_schema", "name": "place", "schema": schema, "strict": True}},
     )
-    handed = json.loads(response.output_text)["response_format"]
-    assert handed["type"] == "json_schema"
-    assert {k: handed["json_schema"][k] for k in ("name", "schema", "strict")} == {
-        "name": "place",
-        "schema": schema,
-        "strict": True,
-    }
+    handed = json.loads(response.output_text)["guided_decoding"]
+    assert handed["json"] == schema
     assert response.text is not None and response.text.format is not None
     assert response.text.format.type == "json_schema"
 
@@ -355,7 +350,7 @@ def test_sampling_extensions_pass_through(client: openai.OpenAI) -> None:
             "response_format",
             "response_format",
         ),
-        ({"input": "Hi", "tools": [TOOL], "tool_choice": "required"}, "tool_choice", "force"),
+        ({"input": "Hi", "tools": [TOOL], "tool_choice": "required"}, "tool_choice", "constrain"),
         ({"input": "Hi", "no_such_field": 1}, "no_such_field", "Unknown"),
         ({"input": "Hi", "n": 2}, "n", "not a Responses API"),
         ({"input": "Hi", "top_k": "many"}, "top_k", "integer"),
