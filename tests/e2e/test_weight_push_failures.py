@@ -219,7 +219,8 @@ def test_a_trusted_pickled_payload_updates_the_weights(
     assert reply["weight_version"] == "pickled"
     assert reply["checksum"] == pusher.checksum({"lm_head.weight": head})
     served = pusher.http.get(
-        "/get_weights_by_name", params={"name": "lm_head.weight", "truncate_size": 5}
+        "/get_weights_by_name", params={"name": "lm_head.weight", "truncate_size": 2}
     ).json()
-    assert served["values"] == pytest.approx(head.reshape(-1)[:5].tolist())
+    # SGLang's slice: the parameter's first rows.
+    assert [pytest.approx(row) for row in served["values"]] == head[:2].tolist()
     assert greedy(server)["meta_info"]["weight_version"] == "pickled"
