@@ -17,7 +17,7 @@ import pytest
 
 from penstock.rl.trainer import WeightPusher
 from tests.support.cuda_payloads import verl_cuda_payload
-from tests.support.server import ServerProcess, free_port, running_server
+from tests.support.server import ServerProcess, free_port, transformers_server
 from tests.support.tiny_llm import build_tiny_llama
 
 ADMIN_KEY = "trainer-key"
@@ -27,22 +27,13 @@ PROMPT = [5, 17, 29, 41]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    args = [
-        "--engine",
-        "transformers",
-        "--model",
-        str(model),
+    with transformers_server(
+        model,
+        tmp_path_factory.mktemp("serve"),
         "--admin-api-key",
         ADMIN_KEY,
         "--trust-weight-payloads",
-        "--",
-        "--device",
-        "cpu",
-        "--cpu-threads",
-        "1",
-    ]
-    with running_server(
-        args, tmp_path_factory.mktemp("serve"), env={"HF_HUB_OFFLINE": "1"}, ready_timeout=120
+        engine_args=("--device", "cpu"),
     ) as process:
         yield process
 

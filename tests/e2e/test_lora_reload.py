@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.engines.transformers.conftest import peft_greedy, save_tiny_lora
-from tests.support.server import ServerProcess, running_server
+from tests.support.server import ServerProcess, transformers_server
 from tests.support.tiny_llm import build_tiny_llama
 
 ADMIN_KEY = "k"
@@ -39,13 +39,8 @@ def steps(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> list[Pat
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ServerProcess]:
-    args = ["--engine", "transformers", "--model", str(model_dir), "--admin-api-key", ADMIN_KEY]
-    with running_server(
-        [*args, "--", "--cpu-threads", "1"],
-        tmp_path_factory.mktemp("serve"),
-        env={"HF_HUB_OFFLINE": "1"},
-        ready_timeout=120,
-    ) as process:
+    log_dir = tmp_path_factory.mktemp("serve")
+    with transformers_server(model_dir, log_dir, "--admin-api-key", ADMIN_KEY) as process:
         yield process
 
 

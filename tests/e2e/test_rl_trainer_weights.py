@@ -28,7 +28,7 @@ from penstock.engines.weight_sync import (
     dtype_name,
     init_custom_process_group,
 )
-from tests.support.server import ServerProcess, free_port, running_server
+from tests.support.server import ServerProcess, free_port, transformers_server
 from tests.support.tiny_llm import build_tiny_llama
 
 ADMIN_KEY = "weights-admin-key"
@@ -44,21 +44,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ServerProcess]:
-    args = [
-        "--engine",
-        "transformers",
-        "--model",
-        str(model_dir),
+    with transformers_server(
+        model_dir,
+        tmp_path_factory.mktemp("serve"),
         "--admin-api-key",
         ADMIN_KEY,
         "--admin-timeout-s",
         "20",
-        "--",
-        "--cpu-threads",
-        "1",
-    ]
-    with running_server(
-        args, tmp_path_factory.mktemp("serve"), env={"HF_HUB_OFFLINE": "1"}, ready_timeout=120
     ) as process:
         yield process
 

@@ -28,7 +28,7 @@ from transformers import LlamaForCausalLM
 from penstock.engines.weight_sync import nixl_pull_body
 from penstock.nixl_agent import NixlAgent
 from penstock.rl.trainer import EngineRefused, WeightPusher
-from tests.support.server import ServerProcess, free_port, running_server
+from tests.support.server import ServerProcess, free_port, transformers_server
 from tests.support.tiny_llm import build_tiny_llama
 
 ADMIN_KEY = "trainer-key"
@@ -45,23 +45,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ServerProcess]:
-    args = [
-        "--engine",
-        "transformers",
-        "--model",
-        str(model_dir),
+    with transformers_server(
+        model_dir,
+        tmp_path_factory.mktemp("serve"),
         "--admin-api-key",
         ADMIN_KEY,
         "--admin-timeout-s",
         str(ADMIN_TIMEOUT_S),
-        "--",
-        "--cpu-threads",
-        "1",
-        "--max-num-seqs",
-        "16",
-    ]
-    with running_server(
-        args, tmp_path_factory.mktemp("serve"), env={"HF_HUB_OFFLINE": "1"}, ready_timeout=120
+        engine_args=("--max-num-seqs", "16"),
     ) as process:
         yield process
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.engines.transformers.conftest import peft_greedy, save_tiny_lora
-from tests.support.server import ServerProcess, running_server
+from tests.support.server import ServerProcess, transformers_server
 from tests.support.tiny_llm import build_tiny_llama
 
 ADMIN_KEY = "k"
@@ -32,19 +32,8 @@ def lora_dir(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ServerProcess]:
-    args = [
-        "--engine",
-        "transformers",
-        "--model",
-        str(model_dir),
-        "--admin-api-key",
-        ADMIN_KEY,
-        "--",
-        "--cpu-threads",
-        "1",
-    ]
-    with running_server(
-        args, tmp_path_factory.mktemp("serve"), env={"HF_HUB_OFFLINE": "1"}, ready_timeout=120
+    with transformers_server(
+        model_dir, tmp_path_factory.mktemp("serve"), "--admin-api-key", ADMIN_KEY
     ) as process:
         yield process
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.server import ServerProcess, running_server
+from tests.support.server import ServerProcess, transformers_server
 from tests.support.tiny_llm import build_tiny_llama
 
 ADMIN_KEY = "k"
@@ -22,19 +22,8 @@ SYSTEM = "Answer in one short line and name the shelf. " * 8
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model_dir: Path = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    args = [
-        "--engine",
-        "transformers",
-        "--model",
-        str(model_dir),
-        "--admin-api-key",
-        ADMIN_KEY,
-        "--",
-        "--cpu-threads",
-        "1",
-    ]
-    with running_server(
-        args, tmp_path_factory.mktemp("serve"), env={"HF_HUB_OFFLINE": "1"}, ready_timeout=120
+    with transformers_server(
+        model_dir, tmp_path_factory.mktemp("serve"), "--admin-api-key", ADMIN_KEY
     ) as process:
         yield process
 

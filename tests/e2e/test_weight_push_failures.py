@@ -27,7 +27,12 @@ import torch
 
 from penstock.rl.trainer import EngineRefused, WeightPusher, broadcast_body
 from tests.support.broadcast_trainer import checkpoint_tensors
-from tests.support.server import REPO_ROOT, ServerProcess, free_port, running_server
+from tests.support.server import (
+    REPO_ROOT,
+    ServerProcess,
+    free_port,
+    transformers_server,
+)
 from tests.support.tiny_llm import build_tiny_llama
 
 ADMIN_KEY = "trainer-key"
@@ -44,22 +49,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ServerProcess]:
-    args = [
-        "--engine",
-        "transformers",
-        "--model",
-        str(model_dir),
+    with transformers_server(
+        model_dir,
+        tmp_path_factory.mktemp("serve"),
         "--admin-api-key",
         ADMIN_KEY,
         "--admin-timeout-s",
         "25",
         "--trust-weight-payloads",
-        "--",
-        "--cpu-threads",
-        "1",
-    ]
-    with running_server(
-        args, tmp_path_factory.mktemp("serve"), env={"HF_HUB_OFFLINE": "1"}, ready_timeout=120
     ) as process:
         yield process
 

@@ -87,3 +87,14 @@ def running_server(args: list[str], log_dir: Path, **kwargs: object) -> Iterator
     finally:
         if server.process.poll() is None:
             server.stop(signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def transformers_server(
+    model_dir: Path, log_dir: Path, *gateway_args: str, engine_args: tuple[str, ...] = ()
+) -> Iterator[ServerProcess]:
+    """``penstock serve --engine transformers`` on a local checkpoint: one CPU thread, no hub."""
+    args = ["--engine", "transformers", "--model", str(model_dir), *gateway_args]
+    args += ["--", "--cpu-threads", "1", *engine_args]
+    with running_server(args, log_dir, env={"HF_HUB_OFFLINE": "1"}, ready_timeout=120) as process:
+        yield process
