@@ -24,7 +24,7 @@ import socket
 from collections.abc import Callable
 from typing import Any, cast
 
-import msgpack
+import msgspec
 
 from penstock import errors
 from penstock.errors import PenstockError
@@ -87,7 +87,7 @@ def answer_error(answer: dict[str, Any]) -> PenstockError:
 
 
 # The data plane: one TCP connection from the ingress to each replica carries every
-# stream between them, as msgpack arrays one after another (msgpack delimits itself).
+# stream between them, as MessagePack arrays, each behind its length (4 bytes, big-endian).
 # Ingress to replica: HELLO first (the fleet's token), then OPEN, CANCEL and CREDIT.
 # Replica to ingress: BATCH (a stream's chunks, an error entry last when it failed)
 # and END. A replica sends a stream at most WINDOW batches beyond what the ingress has
@@ -96,13 +96,17 @@ HELLO, OPEN, CANCEL, CREDIT, BATCH, END = "hello", "open", "cancel", "credit", "
 WINDOW = 32
 # The key of a replica's status answer holding its data plane address (``host:port``).
 ADDRESS_KEY = "data_address"
-# A value msgpack has no type for (a tensor, an image) crosses pickled, as through Ray;
-# a replica unpickles only once the connection has shown the fleet's token.
+# A value MessagePack has no type for (a tensor, an image) crosses pickled, as through
+# Ray; a replica unpickles only once the connection has shown the fleet's token.
 _PICKLED = 1
+_LENGTH = 4
 
 
-def _pickled(value: Any) -> msgpack.ExtType:
-    return msgpack.ExtType(_PICKLED, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+def _pickled(value: Any) -> msgspec.msgpack.Ext:
+    return msgspec.msgpack.Ext(_PICKLED, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_pickled)
 
 
 class FrameProtocol(asyncio.Protocol):
@@ -122,7 +126,8 @@ class FrameProtocol(asyncio.Protocol):
         self._on_frame = on_frame
         self._on_lost = on_lost
         self._trusted = trusted
-        self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=self._unpickled)
+        self._decoder = msgspec.msgpack.Decoder(ext_hook=self._unpickled)
+        self._received = bytearray()
         self._transport: asyncio.Transport | None = None
         self._pending: list[bytes] = []
         self._writable = asyncio.Event()
@@ -131,7 +136,7 @@ class FrameProtocol(asyncio.Protocol):
     def trust(self) -> None:
         self._trusted = True
 
-    def _unpickled(self, code: int, data: bytes) -> Any:
+    def _unpickled(self, code: int, data: memoryview) -> Any:
         if code != _PICKLED or not self._trusted:
             raise ValueError("a pickled value from a peer not known to be of this fleet")
         return pickle.loads(data)
@@ -149,13 +154,24 @@ class FrameProtocol(asyncio.Protocol):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
     def data_received(self, data: bytes) -> None:
-        self._unpacker.feed(data)
-        try:
-            for frame in self._unpacker:
-                self._on_frame(frame)
-        except ValueError as exc:
-            logger.warning("closing a data plane connection: %s", exc)
-            self.close()
+        received = self._received
+        received += data
+        start, end = 0, len(received)
+        # The view is released before the buffer is cut, whatever a frame raised.
+        with memoryview(received) as view:
+            try:
+                while end - start >= _LENGTH:
+                    size = int.from_bytes(view[start : start + _LENGTH], "big")
+                    if end - start - _LENGTH < size:
+                        break
+                    start += _LENGTH
+                    frame = self._decoder.decode(view[start : start + size])
+                    start += size
+                    self._on_frame(frame)
+            except (ValueError, msgspec.DecodeError) as exc:
+                logger.warning("closing a data plane connection: %s", exc)
+                self.close()
+        del received[:start]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._writable.set()
@@ -171,7 +187,8 @@ class FrameProtocol(asyncio.Protocol):
         """Queue ``frame``; the frames of one turn of the event loop leave in one write."""
         if self.closed:
             return
-        self._pending.append(msgpack.packb(frame, default=_pickled))
+        body = _ENCODER.encode(frame)
+        self._pending.append(len(body).to_bytes(_LENGTH, "big") + body)
         if len(self._pending) == 1:
             asyncio.get_running_loop().call_soon(self._flush)
 
