@@ -62,6 +62,8 @@ _FD_RESERVE = 256
 _LIMIT_WARNING_INTERVAL_S = 10.0
 # The longest request line and headers read, in bytes, as common servers bound them.
 MAX_HEAD_BYTES = 64 * 1024
+# How long a refused connection stays open for the client to read its answer.
+LINGER_S = 2.0
 
 
 class ConnectionLimits:
@@ -265,6 +267,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         "_header_timer",
         "_in_body",
         "_in_headers",
+        "_lingering",
         "_read_body_bytes",
         "_read_bytes",
     )
@@ -292,6 +295,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._in_headers = False
         # Between the end of a request's headers and the end of its body.
         self._in_body = False
+        # After a refusal: what the client still sends is read and dropped until it closes.
+        self._lingering = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -313,6 +318,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 signal.fire()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return
         self._read_bytes = len(data)
         self._read_body_bytes = 0
         # Cleared by a head beginning in this read.
@@ -320,7 +327,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().data_received(data)
         # Timers are armed only for what this read left unfinished, so a request that
         # arrives whole costs no timer at all.
-        if self.transport.is_closing():
+        if self._lingering or self.transport.is_closing():
             return
         if self._in_headers:
             if self._head_in_reads:
@@ -358,7 +365,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._cancel_header_timer()
         self._in_headers = False
         self.transport.write(_raw_response(_head_error()))
-        self.transport.close()
+        self._close_after_refusal()
 
     def on_headers_complete(self) -> None:
         # Before uvicorn builds the request's cycle around this scope.
@@ -457,7 +464,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 code="header_timeout",
             )
             self.transport.write(_raw_response(error))
-        self.transport.close()
+        self._close_after_refusal()
 
     def _body_timed_out(self) -> None:
         self._body_timer = None
@@ -504,7 +511,21 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.write(_raw_response(error))
             if cycle is not None:
                 cycle.scope.setdefault("state", {})[ANSWERED_STATUS_KEY] = error.status_code
-        self.transport.close()
+        self._close_after_refusal()
+
+    def _close_after_refusal(self) -> None:
+        """Close once the client could read the refusal. Closing with the client's unread
+        bytes in the socket resets the connection, and a reset can drop the answer before
+        the client reads it: the write side is shut first, what arrives is dropped, and
+        the connection closes when the client closes it or after :data:`LINGER_S`."""
+        if self._lingering or self.transport.is_closing():
+            return
+        self._lingering = True
+        self._cancel_header_timer()
+        self._cancel_body_timers()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def guarded_protocol(limits: ConnectionLimits) -> type[GuardedHttpProtocol]:
