@@ -37,7 +37,8 @@ def _walk(value: Any, path: str) -> Iterator[str]:
         if extra:
             for name in extra:
                 yield f"{path}.{name}" if path else name
-        for name in type(value).model_fields:
+        # Only what the client sent can hold what it sent: defaults have no extras.
+        for name in value.__pydantic_fields_set__:
             child = value.__dict__.get(name)
             if child is not None and not isinstance(child, str | int | float | bool):
                 yield from _walk(child, f"{path}.{name}" if path else name)
