@@ -44,12 +44,18 @@ _GUIDED_FIELDS = {
     "guided_grammar": "grammar",
 }
 _BACKENDS = (None, "", "auto", "xgrammar")
+# A request that sets none of these asks for no constraint.
+_CONSTRAINT_FIELDS = frozenset(
+    {"response_format", "guided_decoding_backend", "structured_outputs", *_GUIDED_FIELDS}
+)
 
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 def sampling_guided_decoding(body: SamplingFields, model: ServedModel) -> dict[str, Any] | None:
     """The constraint of a chat or completions request's vLLM and OpenAI fields."""
+    if _CONSTRAINT_FIELDS.isdisjoint(body.__pydantic_fields_set__):
+        return None
     found: list[tuple[str, dict[str, Any]]] = []
     if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
         response_format = body.response_format
