@@ -201,7 +201,7 @@ class ResponsesFormat:
         ]
         return StoredResponse(response, items, [*self.conversation, reply])
 
-    # -- the ResponseFormat of :mod:`penstock.serving.stream` ------------------------------
+    # -- the StreamFormat of :mod:`penstock.serving.stream` --------------------------------
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -314,12 +314,6 @@ class ResponsesFormat:
             ),
             self._event("response.output_item.done", output_index=index, item=item),
         ]
-
-    def response_choice(self, generation: Generation, choice: ChoiceState) -> dict[str, Any]:
-        raise NotImplementedError("a Responses API answer is built by finished()")
-
-    def response_fields(self, generations: Sequence[Generation]) -> dict[str, Any]:
-        return {}
 
     def encoder(self, plan: ResponsePlan) -> ResponseEventEncoder:
         return ResponseEventEncoder()

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -32,8 +32,8 @@ from penstock.serving.generation import Generation, merge, usage
 from penstock.serving.sse import DONE_FRAME, EventStreamResponse
 
 
-class ResponseFormat(Protocol):
-    """What sets one endpoint's responses apart from the other's."""
+class StreamFormat(Protocol):
+    """What sets one endpoint's streams apart from the other's."""
 
     id_prefix: str
     chunk_object: str
@@ -44,6 +44,10 @@ class ResponseFormat(Protocol):
 
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
         """The delta as a stream choice; None when it shows the client nothing."""
+
+
+class ResponseFormat(StreamFormat, Protocol):
+    """A format whose non-stream answer is made of choices, as OpenAI's are."""
 
     def response_choice(self, generation: Generation, choice: ChoiceState) -> dict[str, Any]:
         """A finished choice as a choice of the non-stream response."""
@@ -57,9 +61,9 @@ class ResponseFormat(Protocol):
 # without them the OpenAI chunk and response shapes apply. With the OpenAI framing it may
 # define ``text_only(delta)`` and ``text_choice(index)``: a delta that is text only is then
 # framed by ``ChunkEncoder.text_frame``, the choice's constant bytes encoded once.
-# A format whose answer is not made of choices defines ``async finished(generations)``,
-# the whole non-stream body once every delta is in, and ``async closing(generations)``,
-# the stream items sent after the last delta.
+# A format whose answer is not made of choices is only a ``StreamFormat`` and defines
+# ``async finished(generations)``, the whole non-stream body once every delta is in, and
+# ``async closing(generations)``, the stream items sent after the last delta.
 
 
 def shows_anything(text: str, delta: Delta, with_token_ids: bool) -> bool:
@@ -71,7 +75,7 @@ def shows_anything(text: str, delta: Delta, with_token_ids: bool) -> bool:
 class ResponsePlan:
     """One chat or completions response, ready to run."""
 
-    format: ResponseFormat
+    format: StreamFormat
     generations: list[Generation]
     body: SamplingFields
     uploader: MetadataUploader | None
@@ -234,11 +238,11 @@ async def _fold(plan: ResponsePlan) -> dict[str, Any]:
     async for _ in _deltas(generations):
         pass
     await _upload_metadata(generations, plan.uploader)
-    fmt = plan.format
-    finished = getattr(fmt, "finished", None)
+    finished = getattr(plan.format, "finished", None)
     if finished is not None:
         answer: dict[str, Any] = await finished(generations)
         return answer
+    fmt = cast(ResponseFormat, plan.format)
     response: dict[str, Any] = {
         "id": plan.response_id,
         "object": fmt.response_object,
