@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from penstock.settings import local_path
+from penstock.destinations import local_path
 
 if TYPE_CHECKING:
     from fsspec.implementations.dirfs import DirFileSystem

@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from penstock.destinations import local_path
 from penstock.errors import MediaStoreError
-from penstock.settings import local_path
 
 if TYPE_CHECKING:
     import fsspec

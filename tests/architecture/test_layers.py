@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"engines"},
     {"preprocess", "multimodal"},
     {"http", "memory", "nixl_agent"},
-    {"schemas", "metrics", "tracing", "errors", "settings", "options", "__init__"},
+    {"schemas", "metrics", "tracing", "errors", "settings", "options", "destinations", "__init__"},
 ]
 
 

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from penstock.destinations import local_path
 from penstock.metadata_upload import (
     MAX_KEY_LENGTH,
     decode_metadata,
@@ -20,7 +21,7 @@ from penstock.metadata_upload import (
     under_root,
     upload_key,
 )
-from penstock.settings import Settings, local_path
+from penstock.settings import Settings
 from tests.support.file_server import serving
 
 ROOT = "/srv/rollouts"
