@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -18,20 +19,24 @@ def value(families: FrontendMetrics, name: str, **labels: str) -> float | None:
     return families.registry.get_sample_value(f"{PREFIX}{name}", {**MODEL, **labels})
 
 
-def test_a_streamed_request_is_counted_token_by_token_and_once_at_its_end() -> None:
+def test_a_streamed_request_is_counted_in_batches_and_once_at_its_end() -> None:
     families = FrontendMetrics()
     recorder = RequestRecorder(families, "m", 7)
     assert value(families, "active_requests") == 1
     assert value(families, "queued_requests") == 1
-    for _ in range(100):
-        recorder.tokens(2)
+    recorder.first_token(time.perf_counter())
     assert value(families, "queued_requests") == 0
     assert value(families, "time_to_first_token_seconds_count") == 1
     assert value(families, "input_sequence_tokens_sum") == 7
-    # Tokens reach the counter in batches while the request runs, every one by its end.
+    # 100 chunks of 2 tokens, as the stream's loop hands them over: 99 latencies between
+    # them, flushed with the tokens counted so far, the rest at the end.
+    itl = [0.001] * 95
+    recorder.flush(itl, 192)
+    assert itl == []
     assert value(families, "output_tokens_total") == 192
+    assert value(families, "inter_token_latency_seconds_count") == 95
     recorder.succeeded()
-    recorder.finish(200, "chat_completions", True)
+    recorder.finish([0.001] * 4, 8, 200, "chat_completions", True)
     assert value(families, "output_tokens_total") == 200
     assert value(families, "inter_token_latency_seconds_count") == 99
     assert value(families, "output_sequence_tokens_sum") == 200
@@ -45,7 +50,7 @@ def test_a_request_that_fails_before_its_first_token_leaves_the_queue() -> None:
     families = FrontendMetrics()
     recorder = RequestRecorder(families, "m", 7)
     recorder.failed(OverloadedError("busy"), None)
-    recorder.finish(0, "completions", False)
+    recorder.finish([], 0, 0, "completions", False)
     assert value(families, "queued_requests") == 0
     assert value(families, "time_to_first_token_seconds_count") == 0
     done = {"endpoint": "completions", "request_type": "unary", "status": "error"}
@@ -54,7 +59,7 @@ def test_a_request_that_fails_before_its_first_token_leaves_the_queue() -> None:
 
 def test_a_request_never_told_how_it_ended_counts_as_an_internal_error() -> None:
     families = FrontendMetrics()
-    RequestRecorder(families, "m", 7).finish(0, "completions", False)
+    RequestRecorder(families, "m", 7).finish([], 0, 0, "completions", False)
     done = {"endpoint": "completions", "request_type": "unary", "status": "error"}
     assert value(families, "requests_total", **done, error_type="internal") == 1
 
