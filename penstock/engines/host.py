@@ -37,7 +37,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import secrets
@@ -461,8 +460,11 @@ class EngineHost:
         if pumping is None:
             if not completed:
                 context.kill()
-            with contextlib.suppress(Exception):
+            # try/except, not contextlib.suppress: once a request, it costs three calls less.
+            try:
                 await agen.aclose()
+            except Exception:
+                logger.debug("closing the stream of request %s failed", context.id(), exc_info=True)
             if not completed:
                 self._schedule_abort(context)
         elif not completed and queue is not None:
