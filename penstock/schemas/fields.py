@@ -8,8 +8,9 @@ every unknown field by its full path (``sampling_params.foo``, ``messages[0].bar
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
+import functools
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel
 
@@ -28,24 +29,55 @@ def unknown_field_error(paths: list[str]) -> InvalidRequestError:
 
 def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
     """The path of every undeclared field in ``model`` and the models nested in it."""
-    return list(_walk(model, prefix))
+    paths: list[str] = []
+    _collect(model, prefix, paths)
+    return paths
 
 
-def _walk(value: Any, path: str) -> Iterator[str]:
+def _collect(value: Any, path: str, paths: list[str]) -> None:
+    # A list of appends, not a generator: it runs for every request's model and its parts.
     if isinstance(value, BaseModel):
         extra = value.__pydantic_extra__
         if extra:
-            for name in extra:
-                yield f"{path}.{name}" if path else name
-        # Only what the client sent can hold what it sent: defaults have no extras.
-        for name in value.__pydantic_fields_set__:
-            child = value.__dict__.get(name)
-            if child is not None and not isinstance(child, str | int | float | bool):
-                yield from _walk(child, f"{path}.{name}" if path else name)
+            paths.extend(f"{path}.{name}" if path else name for name in extra)
+        sent = value.__pydantic_fields_set__
+        # Only what the client sent can hold what it sent (defaults have no extras), and
+        # only a field whose type can hold a model.
+        for name in _nested_fields(type(value)):
+            if name in sent:
+                child = value.__dict__.get(name)
+                if child is not None:
+                    _collect(child, f"{path}.{name}" if path else name, paths)
     elif isinstance(value, list) and value and isinstance(value[0], BaseModel | list):
         # A list holds one kind of item: a list of token ids is not walked id by id.
         for index, item in enumerate(value):
-            yield from _walk(item, f"{path}[{index}]")
+            _collect(item, f"{path}[{index}]", paths)
+
+
+@functools.cache
+def _nested_fields(model: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of ``model`` whose values can be or hold a model, found once a class."""
+    return tuple(
+        name for name, field in model.model_fields.items() if _may_hold_model(field.annotation)
+    )
+
+
+def _may_hold_model(annotation: Any) -> bool:
+    """Whether a value of ``annotation`` can be or hold a model; True when unsure."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return False
+    if origin is Annotated:
+        return _may_hold_model(get_args(annotation)[0])
+    if origin is not None:
+        return any(_may_hold_model(arg) for arg in get_args(annotation))
+    if annotation is Any:
+        # JSON as it was sent: validation builds no model in it.
+        return False
+    if isinstance(annotation, type):
+        return issubclass(annotation, BaseModel) or annotation is object
+    # A forward reference, a type variable: it may.
+    return annotation is not None
 
 
 def refuse_unknown(model: BaseModel, allowed: bool, prefix: str = "") -> None:
