@@ -167,7 +167,7 @@ class SampleLLMEngine(
         SampleTelemetry.__init__(self)
         self._holds: dict[str, Hold] = {}
         self._flights: set[Flight] = set()
-        self._changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None
         self._passes: asyncio.Task[None] | None = None
         self._puller: NixlPuller | None = None
 

@@ -52,7 +52,7 @@ class SampleLifecycleControls:
 
     _holds: dict[str, Hold]
     _flights: set[Flight]
-    _changed: asyncio.Event
+    _changed: asyncio.Event | None
     # Empties the prefix cache; returns how many prompts it held.
     _clear_prefix_cache: Callable[[], int]
 
@@ -70,8 +70,16 @@ class SampleLifecycleControls:
 
     def _notify(self) -> None:
         """Wake everything waiting on the hold state or the set of in-flight requests."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
+
+    def _next_change(self) -> asyncio.Event:
+        """The event :meth:`_notify` sets next. Made only once something waits: every
+        request that ends notifies, and nearly always nothing waits."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
 
     def _blocked(self, flight: Flight) -> bool:
         if not self._holds:
@@ -86,7 +94,7 @@ class SampleLifecycleControls:
             and flight.abort_reason is None
             and not flight.context.is_stopped()
         ):
-            changed = asyncio.ensure_future(self._changed.wait())
+            changed = asyncio.ensure_future(self._next_change().wait())
             stopped = asyncio.ensure_future(flight.context.async_killed_or_stopped())
             try:
                 await asyncio.wait({changed, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -96,7 +104,7 @@ class SampleLifecycleControls:
 
     async def _wait_until(self, condition: Callable[[], bool]) -> None:
         while not condition():
-            await self._changed.wait()
+            await self._next_change().wait()
 
     def _abort_where(self, matches: Callable[[Flight], bool]) -> list[str]:
         aborted = []
