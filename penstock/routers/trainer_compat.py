@@ -26,8 +26,11 @@ Admin routes (the admin key, as every admin dialect):
   refused (below), another method a 400 naming it
 * ``POST /reset_prefix_cache/`` (TRL) -> ``{"message"}``; ``POST /close_communicator/``
   -> ``{"message"}`` (no communicator is ever open)
-* ``POST /fetch_weights {target_version, sync_dir?, uri?}`` (SkyRL's delta checkpoints):
-  400 ``transport_unavailable``
+* ``POST /fetch_weights {target_version, sync_dir?, uri?}`` (SkyRL's delta checkpoints,
+  local folders; :mod:`penstock.rl.deltas`) -> ``{"status": "ok", "result": [{"status",
+  "target_version", "version", "seeded_from", "applied_versions", "patched_tensors",
+  "skipped_tensors"}]}``; the reload follows at ``/update_weights`` (see
+  :mod:`penstock.routers.vllm_compat`)
 * ``POST /init_communicator/`` and ``POST /update_named_param/`` (TRL) and
   ``POST /init_broadcaster`` (prime-rl): 400 ``transport_unavailable`` naming what is
   missing, as every transfer this server cannot make. These trainers broadcast over NCCL through
@@ -46,6 +49,7 @@ Admin routes (the admin key, as every admin dialect):
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any, NoReturn
 
 from fastapi import APIRouter, Depends, Request
@@ -53,11 +57,26 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
 from penstock.errors import ConflictError, InvalidRequestError, clip
-from penstock.rl.fields import bool_field, invalid, json_object_body, required_str, tags_field
+from penstock.rl import deltas
+from penstock.rl.deltas import local_folder
+from penstock.rl.fields import (
+    bool_field,
+    invalid,
+    json_object_body,
+    required_str,
+    str_field,
+    tags_field,
+    version_number,
+)
 from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
 from penstock.routers.sglang_compat import group_body
-from penstock.routers.vllm_compat import begin_weight_update, end_weight_update, receive_bucket
+from penstock.routers.vllm_compat import (
+    begin_weight_update,
+    delta_target,
+    end_weight_update,
+    receive_bucket,
+)
 from penstock.schemas.fields import refuse_unknown, refuse_unsupported
 from penstock.schemas.openai import NonNegativeInt
 from penstock.schemas.unicode import JSONValue, RequestModel
@@ -238,17 +257,27 @@ async def init_broadcaster(request: Request) -> NoReturn:
     raise _nccl_unavailable("/init_broadcaster", "prime-rl")
 
 
-@admin_router.post("/fetch_weights", response_model=None)
-async def fetch_weights(request: Request) -> NoReturn:
+@admin_router.post("/fetch_weights")
+async def fetch_weights(request: Request) -> dict[str, Any]:
+    """SkyRL's delta pull, before it pauses: the served weights change only at the
+    ``/update_weights`` reload that follows."""
     body = await json_object_body(request)
-    target = body.get("target_version")
-    if not isinstance(target, int) or isinstance(target, bool):
-        raise invalid("target_version", "must be an integer")
-    raise TransportUnavailableError(
-        "/fetch_weights pulls SkyRL's delta checkpoints (XOR patches of the previous "
-        "weights), which this server does not apply; sync full weights with "
-        "/update_weights from a folder or over a broadcast group"
+    target_version = version_number(body, "target_version")
+    sync_dir = str_field(body, "sync_dir")
+    uri = str_field(body, "uri")
+    target = delta_target(request)
+    report = await asyncio.to_thread(
+        deltas.fetch_skyrl,
+        target.local_root,
+        target.base,
+        None if sync_dir is None else local_folder(sync_dir, "sync_dir"),
+        None if uri is None else local_folder(uri, "uri"),
+        target_version,
     )
+    return {
+        "status": "ok",
+        "result": [{"status": "ok", "target_version": target_version, **report.describe()}],
+    }
 
 
 @admin_router.post("/close_communicator/")
