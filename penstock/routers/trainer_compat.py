@@ -5,7 +5,11 @@ Inference routes (the inference keys guard them like ``/v1/completions``; bodies
 :mod:`penstock.serving.tokens`):
 
 * ``POST /inference/v1/generate``: vLLM's token-in/token-out generation (SkyRL, prime-rl)
-* ``POST /generate/``: ``trl vllm-serve``'s batch generation (TRL's ``VLLMClient``)
+* ``POST /generate/``: ``trl vllm-serve``'s batch generation (TRL's ``VLLMClient``);
+  ``structured_outputs_regex`` constrains every completion (engines that constrain)
+* ``POST /chat/``: the same for conversations (``messages``: one list of messages per
+  prompt, ``chat_template_kwargs``, ``tools``), each rendered by the chat template with
+  the generation prompt
 * ``POST /skyrl/v1/generate`` (SkyRL, for a mixture-of-experts model's routed experts): a
   400 naming ``routed_experts``, which no engine here records
 
@@ -52,6 +56,7 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any, NoReturn
 
+import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
@@ -78,8 +83,10 @@ from penstock.routers.vllm_compat import (
     receive_bucket,
 )
 from penstock.schemas.fields import refuse_unknown, refuse_unsupported
-from penstock.schemas.openai import NonNegativeInt
+from penstock.schemas.openai import ChatMessage, NonNegativeInt
 from penstock.schemas.unicode import JSONValue, RequestModel
+from penstock.serving.guided import check_can_constrain
+from penstock.serving.prompts import off_loop, render_and_tokenize
 from penstock.serving.tokens import run_tokens, sampling_request
 
 # The app-wide inference-key check guards these (see ``security.require_inference_key``).
@@ -149,14 +156,12 @@ async def tokens_generate(body: TokensGenerateBody, request: Request) -> Respons
     return await run_tokens(gateway, completion, request, "vllm")
 
 
-class TrlGenerateBody(RequestModel):
-    """The body ``trl vllm-serve`` takes at ``/generate/``."""
+class TrlSamplingBody(RequestModel):
+    """The sampling fields ``trl vllm-serve`` takes beside its prompts."""
 
     model_config = ConfigDict(extra="allow")
     __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
-    prompts: Annotated[list[str] | list[list[NonNegativeInt]], Field(min_length=1)]
-    images: list[JSONValue] | None = None
     n: int = 1
     repetition_penalty: float = 1.0
     temperature: float = 1.0
@@ -167,6 +172,38 @@ class TrlGenerateBody(RequestModel):
     logprobs: int | None = 0
     structured_outputs_regex: str | None = None
     generation_kwargs: dict[str, JSONValue] = Field(default_factory=dict)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The fields as ``trl vllm-serve`` builds its ``SamplingParams``: the top-level
+        ones, ``generation_kwargs`` over them, the regex over both."""
+        fields = self.model_dump(
+            include={"n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p"}
+        )
+        fields.update(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        merged = {**fields, **self.generation_kwargs}
+        if self.structured_outputs_regex is not None:
+            merged["structured_outputs"] = {"regex": self.structured_outputs_regex}
+        return merged
+
+
+class TrlGenerateBody(TrlSamplingBody):
+    """The body ``trl vllm-serve`` takes at ``/generate/``."""
+
+    prompts: Annotated[list[str] | list[list[NonNegativeInt]], Field(min_length=1)]
+    images: list[JSONValue] | None = None
+
+
+Conversation = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class TrlChatBody(TrlSamplingBody):
+    """The body ``trl vllm-serve`` takes at ``/chat/``: one conversation per prompt."""
+
+    messages: Annotated[
+        list[Annotated[list[ChatMessage], Field(min_length=1)]], Field(min_length=1)
+    ]
+    chat_template_kwargs: dict[str, JSONValue] = Field(default_factory=dict)
+    tools: list[dict[str, JSONValue]] | None = None
 
 
 @inference_router.post("/skyrl/v1/generate", response_model=None)
@@ -187,24 +224,65 @@ async def trl_generate(body: TrlGenerateBody, request: Request) -> Response:
     refuse_unknown(body, gateway.settings.allow_unknown_fields)
     if body.images and any(item is not None for item in body.images):
         raise InvalidRequestError("images are not supported on /generate/", param="images")
-    if body.structured_outputs_regex is not None:
+    return await _trl_run(request, body, body.prompts)
+
+
+@inference_router.post("/chat/", response_model=None)
+async def trl_chat(body: TrlChatBody, request: Request) -> Response:
+    """Each conversation through the chat template (with the generation prompt, as
+    vLLM's ``LLM.chat``), then generated as ``/generate/`` generates token ids."""
+    gateway = request.app.state.gateway
+    refuse_unknown(body, gateway.settings.allow_unknown_fields)
+    model = gateway.resolve(_default_model(request))
+    preprocessor = model.preprocessor
+    if preprocessor is None:
         raise InvalidRequestError(
-            "structured_outputs_regex is not supported by this server",
-            param="structured_outputs_regex",
-            code="unsupported_parameter",
+            f"The model '{model.name}' has no tokenizer configured", param="messages"
         )
-    fields = body.model_dump(
-        include={"n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p"}
-    )
-    fields.update(max_tokens=body.max_tokens, logprobs=body.logprobs)
-    # As ``trl vllm-serve`` merges them: ``generation_kwargs`` win.
-    merged = {**fields, **body.generation_kwargs}
+    prompts = []
+    for i, conversation in enumerate(body.messages):
+        for j, message in enumerate(conversation):
+            if isinstance(message.content, list) and any(
+                part.type != "text" for part in message.content
+            ):
+                raise InvalidRequestError(
+                    "/chat/ generates from text: media parts are not supported here",
+                    param=f"messages[{i}][{j}].content",
+                    code="unsupported_parameter",
+                )
+        messages = [message.model_dump(exclude_none=True) for message in conversation]
+        size = len(orjson.dumps(messages))
+        prompts.append(
+            await off_loop(
+                gateway,
+                None,
+                size,
+                render_and_tokenize,
+                gateway.settings,
+                model,
+                preprocessor,
+                messages,
+                add_generation_prompt=True,
+                tools=body.tools,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+        )
+    return await _trl_run(request, body, prompts)
+
+
+async def _trl_run(
+    request: Request, body: TrlSamplingBody, prompts: list[str] | list[list[int]]
+) -> Response:
+    gateway = request.app.state.gateway
+    if body.structured_outputs_regex is not None:
+        name = _default_model(request)
+        check_can_constrain(gateway.resolve(name), "structured_outputs_regex", name)
     completion = sampling_request(
-        merged,
+        body.sampling_fields(),
         "generation_kwargs",
         gateway.settings.allow_unknown_fields,
         model=_default_model(request),
-        prompt=body.prompts,
+        prompt=prompts,
     )
     return await run_tokens(gateway, completion, request, "trl")
 
