@@ -47,8 +47,10 @@ Admin routes (the admin key, as every admin dialect):
   digits is a number), ``/areal_set_update_weight_meta {names, dtypes, shapes,
   group_name}`` then ``/areal_update_weights_xccl`` (one broadcast of those tensors),
   ``/areal_update_weights {model_path}`` (from disk); both updates pause, aborting, when
-  generation is not paused already. Its LoRA broadcast and in-place reload routes are
-  refused: adapters load from a folder here.
+  generation is not paused already. ``/areal_update_weights_lora {lora_model_path,
+  lora_name, lora_int_id, base_model_name}`` reloads the adapter from its folder in place;
+  the LoRA broadcast (``/areal_set_update_weight_meta_lora``,
+  ``/areal_update_weights_lora_xccl``) is a 400 ``transport_unavailable``.
 """
 
 from __future__ import annotations
@@ -509,18 +511,33 @@ async def areal_update_weights(request: Request) -> dict[str, Any]:
     return _areal("Weights updated")
 
 
+@admin_router.post("/areal_update_weights_lora")
+async def areal_update_weights_lora(request: Request) -> dict[str, Any]:
+    """AReaL's adapter reload from a folder, in place under its name: requests already
+    running finish with the adapter they started with, so nothing is paused or aborted."""
+    body = await json_object_body(request)
+    path = required_str(body, "lora_model_path")
+    name = required_str(body, "lora_name")
+    base = str_field(body, "base_model_name")
+    served = _default_model(request)
+    if base is not None and base != served:
+        raise invalid("base_model_name", f"must be the served model {clip(repr(served))}")
+    await admin_plane(request).adapters.load(name, path, field="lora_model_path", in_place=True)
+    return _areal(f"LoRA adapter {name!r} updated")
+
+
 @admin_router.post(
     "/areal_set_update_weight_meta_lora", response_model=None, operation_id="areal_meta_lora"
 )
 @admin_router.post(
     "/areal_update_weights_lora_xccl", response_model=None, operation_id="areal_lora_xccl"
 )
-@admin_router.post("/areal_update_weights_lora", response_model=None, operation_id="areal_lora")
-async def areal_lora_update(request: Request) -> NoReturn:
+async def areal_lora_broadcast(request: Request) -> NoReturn:
     await json_object_body(request)
     raise TransportUnavailableError(
-        "LoRA adapters load from a folder on this server (POST /v1/load_lora_adapter); "
-        "they are not broadcast or reloaded in place"
+        "a broadcast LoRA adapter is received outside the model's parameters, which this "
+        "server's broadcast receive does not do; save the adapter and POST "
+        "/areal_update_weights_lora {lora_model_path, lora_name} (or /v1/load_lora_adapter)"
     )
 
 

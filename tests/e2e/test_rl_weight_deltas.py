@@ -1,8 +1,11 @@
-"""Delta weight syncs as slime and SkyRL drive them, against ``penstock serve --engine
-transformers`` on the tiny Llama: this process publishes each version in the trainer's own
+"""Weight syncs through the disk, as the trainers drive them, against ``penstock serve
+--engine transformers`` on the tiny Llama.
+
+slime's and SkyRL's delta syncs: this process publishes each version in the trainer's own
 layout (zstd-compressed patches of the previous version's bytes, each with the checksum
 of its new bytes), asks the server to pull it into a host-local checkpoint, then has it
 reload that checkpoint. Afterwards the greedy tokens and logprobs are the trainer's own.
+AReaL's LoRA reload from a folder: afterwards the adapter's greedy tokens are peft's.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from transformers import LlamaForCausalLM
 
 from penstock.rl.deltas import checksum
 from tests.e2e.test_rl_trainer_weights import assert_serves, trained
+from tests.engines.transformers.conftest import peft_greedy, save_tiny_lora
 from tests.support.server import ServerProcess, transformers_server
 from tests.support.tiny_llm import build_tiny_llama
 
@@ -288,3 +292,40 @@ def test_skyrl_fetches_a_delta_and_reloads_it(
         assert admin.post("/resume").status_code == 200
     assert_serves(admin, model)
     assert admin.get("/weight_info").json()["weight_version"] == "1"
+
+
+def test_areal_reloads_a_lora_adapter_from_its_folder(
+    admin: httpx.Client, model_dir: Path, tmp_path: Path
+) -> None:
+    prompt = [5, 17, 42, 9]
+    base = admin.get("/v1/models").json()["data"][0]["id"]
+    steps = [save_tiny_lora(model_dir, tmp_path / f"step_{n}", seed=40 + n) for n in range(2)]
+    for version, step in enumerate(steps):
+        # ``UpdateWeightsRequestLora``, one versioned adapter name per step as AReaL names them.
+        body = {
+            "lora_model_path": str(step),
+            "lora_name": "policy-v0",
+            "lora_int_id": 1,
+            "base_model_name": base,
+            "load_format": "auto",
+            "abort_all_requests": False,
+        }
+        reloaded = admin.post("/areal_update_weights_lora", json=body)
+        assert reloaded.status_code == 200, reloaded.text
+        assert reloaded.json()["success"] is True
+        completion = {
+            "model": "policy-v0",
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        answer = admin.post("/v1/completions", json=completion).json()["choices"][0]
+        assert answer["token_ids"] == peft_greedy(model_dir, step, prompt, 4), version
+    wrong = admin.post(
+        "/areal_update_weights_lora",
+        json={"lora_model_path": str(steps[0]), "lora_name": "x", "base_model_name": "other"},
+    )
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "base_model_name"
+    assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "policy-v0"}).status_code == 200
