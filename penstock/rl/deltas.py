@@ -38,6 +38,7 @@ import ctypes.util
 import fcntl
 import functools
 import hashlib
+import importlib
 import json
 import mmap
 import shutil
@@ -114,7 +115,7 @@ def _libxxhash() -> ctypes.CDLL | None:
 
 def _xxh3_128(data: np.ndarray) -> str:
     try:
-        import xxhash
+        xxhash = importlib.import_module("xxhash")
     except ImportError:
         lib = _libxxhash()
         if lib is None:
@@ -122,19 +123,18 @@ def _xxh3_128(data: np.ndarray) -> str:
         digest = lib.XXH3_128bits(data.ctypes.data_as(ctypes.c_void_p), data.nbytes)
         # The canonical form xxhash prints: the high half first, big-endian.
         return f"{digest.high64:016x}{digest.low64:016x}"
-    return str(xxhash.xxh3_128_hexdigest(memoryview(data)))
+    return str(xxhash.xxh3_128_hexdigest(data.data))
 
 
 def _blake3(data: np.ndarray) -> str:
-    import blake3
-
-    return str(blake3.blake3(memoryview(data)).hexdigest())
+    blake3 = importlib.import_module("blake3")
+    return str(blake3.blake3(data.data).hexdigest())
 
 
 _CHECKSUMS = {
     "xxh3-128": _xxh3_128,
-    "sha256": lambda data: hashlib.sha256(memoryview(data)).hexdigest(),
-    "adler32": lambda data: f"{zlib.adler32(memoryview(data)) & 0xFFFFFFFF:08x}",
+    "sha256": lambda data: hashlib.sha256(data.data).hexdigest(),
+    "adler32": lambda data: f"{zlib.adler32(data.data) & 0xFFFFFFFF:08x}",
     "blake3": _blake3,
 }
 

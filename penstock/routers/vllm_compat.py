@@ -187,7 +187,7 @@ _DELTA_TARGET = "skyrl_delta_target"
 
 
 def delta_target(request: Request) -> DeltaTarget:
-    target = getattr(request.app.state, _DELTA_TARGET, None)
+    target: DeltaTarget | None = getattr(request.app.state, _DELTA_TARGET, None)
     if target is None:
         raise ConflictError(
             "no delta weight sync set up: POST /init_weight_transfer_engine with an "
