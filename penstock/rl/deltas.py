@@ -113,17 +113,24 @@ def _libxxhash() -> ctypes.CDLL | None:
     return lib
 
 
-def _xxh3_128(data: np.ndarray) -> str:
+@functools.cache
+def _xxhash_module() -> Any:
     try:
-        xxhash = importlib.import_module("xxhash")
+        return importlib.import_module("xxhash")
     except ImportError:
-        lib = _libxxhash()
-        if lib is None:
-            raise
-        digest = lib.XXH3_128bits(data.ctypes.data_as(ctypes.c_void_p), data.nbytes)
-        # The canonical form xxhash prints: the high half first, big-endian.
-        return f"{digest.high64:016x}{digest.low64:016x}"
-    return str(xxhash.xxh3_128_hexdigest(data.data))
+        return None
+
+
+def _xxh3_128(data: np.ndarray) -> str:
+    xxhash = _xxhash_module()
+    if xxhash is not None:
+        return str(xxhash.xxh3_128_hexdigest(data.data))
+    lib = _libxxhash()
+    if lib is None:
+        raise ImportError("xxh3-128 needs the xxhash module or libxxhash", name="xxhash")
+    digest = lib.XXH3_128bits(data.ctypes.data_as(ctypes.c_void_p), data.nbytes)
+    # The canonical form xxhash prints: the high half first, big-endian.
+    return f"{digest.high64:016x}{digest.low64:016x}"
 
 
 def _blake3(data: np.ndarray) -> str:
