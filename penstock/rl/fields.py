@@ -70,6 +70,16 @@ def int_field(body: dict[str, Any], field: str, default: int, *, low: int, high:
     return value
 
 
+def version_number(body: dict[str, Any], field: str) -> int:
+    """A required weight version number (a non-negative integer, or one in digits)."""
+    value = body.get(field)
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise invalid(field, "must be a non-negative integer")
+    return value
+
+
 def str_field(body: dict[str, Any], field: str, *, required: bool = False) -> str | None:
     value = body.get(field, _MISSING)
     if value is _MISSING or value is None:

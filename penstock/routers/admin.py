@@ -4,7 +4,8 @@ Routes
   ``GET /engine/capabilities``
       ``{"object": "engine.capabilities", "engine", "controls", "updates", "rl_routes",
       "system_url", "state": {...}, "weight_version", "lora": {"supported", "loaded",
-      "schemes"}, "dialects": {"sglang": [...], "vllm": [...]}, "weight_sync":
+      "schemes"}, "dialects": {"sglang": [paths], "vllm": [paths]} (every route the
+      app serves from that dialect's routers, :data:`DIALECT_ROUTERS`), "weight_sync":
       {"methods": [the engine's update_weights_* names], "tensor_payloads": ["safetensors"]
       (+ "pickle" with --trust-weight-payloads), "checksum": "sha256"}}``; under ``--ray``
       also ``"fleet"`` (per replica: state, weight version, running requests).
@@ -74,6 +75,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.routing import APIRoute
 
 from penstock.errors import NotFoundError, clip
 from penstock.rl.fields import (
@@ -87,6 +89,14 @@ from penstock.rl.fields import (
 )
 from penstock.rl.plane import AdminPlane
 from penstock.rl.state import WEIGHT_UPDATES_PREFIX
+from penstock.routers import (
+    generate,
+    lora,
+    profiling,
+    sglang_compat,
+    trainer_compat,
+    vllm_compat,
+)
 from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
 
@@ -94,46 +104,29 @@ router = APIRouter(tags=[ADMIN_TAG], dependencies=[Depends(require_admin_key)])
 
 SLEEP_CONTROLS = frozenset({"sleep", "release_memory_occupation"})
 WAKE_CONTROLS = frozenset({"wake_up", "resume_memory_occupation"})
-SGLANG_ROUTES = (
-    "/pause_generation",
-    "/continue_generation",
-    "/update_weights_from_disk",
-    "/update_weight_version",
-    "/get_weight_version",
-    "/flush_cache",
-    "/abort_request",
-    "/release_memory_occupation",
-    "/resume_memory_occupation",
-    "/get_model_info",
-    "/get_server_info",
-    "/load_lora_adapter",
-    "/unload_lora_adapter",
-    "/init_weights_update_group",
-    "/update_weights_from_distributed",
-    "/destroy_weights_update_group",
-    "/update_weights_from_tensor",
-    "/update_weights_from_nixl",
-    "/weights_checker",
-    "/get_weights_by_name",
-)
-VLLM_ROUTES = (
-    "/pause",
-    "/resume",
-    "/is_paused",
-    "/sleep",
-    "/wake_up",
-    "/is_sleeping",
-    "/reset_prefix_cache",
-    "/abort_requests",
-    "/weight_info",
-    "/v1/load_lora_adapter",
-    "/v1/unload_lora_adapter",
-    "/init_weight_transfer_engine",
-    "/start_weight_update",
-    "/update_weights",
-    "/finish_weight_update",
-    "/weight_checker",
-)
+# The routers of each dialect; ``/engine/capabilities`` lists the paths of the routes
+# registered on them, so a new route is listed the moment it is served.
+DIALECT_ROUTERS: dict[str, tuple[APIRouter, ...]] = {
+    "sglang": (sglang_compat.router, generate.router, profiling.router),
+    # vLLM's own routes and those of the vLLM servers trainers launch (trl vllm-serve,
+    # SkyRL's, prime-rl's, AReaL's).
+    "vllm": (
+        vllm_compat.router,
+        lora.router,
+        trainer_compat.inference_router,
+        trainer_compat.admin_router,
+    ),
+}
+
+
+def dialect_routes() -> dict[str, list[str]]:
+    """Per dialect, the path of every route its routers hold, in registration order (a
+    router included in another is listed on its own)."""
+    listed: dict[str, list[str]] = {}
+    for dialect, routers in DIALECT_ROUTERS.items():
+        paths = [r.path for router in routers for r in router.routes if isinstance(r, APIRoute)]
+        listed[dialect] = list(dict.fromkeys(paths))
+    return listed
 
 
 def unknown(kind: str, name: str, supported: list[str]) -> NotFoundError:
@@ -164,7 +157,7 @@ async def capabilities(request: Request) -> dict[str, Any]:
             "loaded": plane.adapters.listing(),
             "schemes": plane.adapters.manager.schemes,
         },
-        "dialects": {"sglang": list(SGLANG_ROUTES), "vllm": list(VLLM_ROUTES)},
+        "dialects": dialect_routes(),
         "weight_sync": {
             "methods": sorted(
                 name for name in engine.supported_updates() if name.startswith("update_weights_")

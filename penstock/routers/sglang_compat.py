@@ -27,8 +27,12 @@ responses:
   path}}``; loading a loaded name again replaces it in place
 * ``POST /post_process_weights {restore_weights_before_load, post_process_quantization}``
   (slime's hooks for quantized weights) -> ``{"success": true, "message"}`` with both
-  false, else a 400 naming the field; ``POST /pull_weights`` (slime's delta disk sync):
-  400 ``unsupported_operation``
+  false, else a 400 naming the field
+* ``POST /pull_weights {local_checkpoint_dir, source_dir, target_version}`` (slime's
+  delta disk sync, :mod:`penstock.rl.deltas`; needs no pause: the served weights change
+  only at the reload) -> ``{"success": true, "message", "version", "seeded_from",
+  "applied_versions", "patched_tensors", "skipped_tensors"}``; weights that cannot be
+  applied are a 400 ``invalid_weights`` saying why
 * ``POST /start_profile``, ``POST /stop_profile``: see :mod:`penstock.routers.profiling`
 * ``POST /init_weights_update_group {master_address, master_port, rank_offset,
   world_size, group_name="weight_update_group", backend}`` (the trainer joins as rank 0
@@ -62,13 +66,17 @@ responses:
 
 from __future__ import annotations
 
+import asyncio
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from penstock.errors import InvalidRequestError, clip
+from penstock.rl import deltas
+from penstock.rl.deltas import local_folder
 from penstock.rl.fields import (
     bool_field,
     invalid,
@@ -76,6 +84,7 @@ from penstock.rl.fields import (
     required_str,
     str_field,
     tags_field,
+    version_number,
 )
 from penstock.rl.plane import AdminPlane
 from penstock.routers import profiling
@@ -254,12 +263,22 @@ async def post_process_weights(request: Request) -> dict[str, Any]:
 
 @router.post("/pull_weights")
 async def pull_weights(request: Request) -> dict[str, Any]:
-    await json_object_body(request)
-    raise InvalidRequestError(
-        "/pull_weights applies slime's published delta checkpoints, which this server does "
-        "not; reload the full checkpoint with /update_weights_from_disk {model_path}",
-        code="unsupported_operation",
-    )
+    """slime's delta disk sync: patch the host-local checkpoint up to ``target_version``
+    (:mod:`penstock.rl.deltas`); slime reloads it with ``/update_weights_from_disk``."""
+    body = await json_object_body(request)
+    local = local_folder(required_str(body, "local_checkpoint_dir"), "local_checkpoint_dir")
+    source = local_folder(required_str(body, "source_dir"), "source_dir")
+    target = version_number(body, "target_version")
+    base = _model_facts(request)["model_path"]
+    if target > 0 and not source.is_dir():
+        raise invalid("source_dir", f"is not a folder: {clip(str(source))}")
+    # The folder's file lock orders pulls of one folder, of this process and others.
+    report = await asyncio.to_thread(deltas.pull_slime, local, Path(str(base)), source, target)
+    return {
+        "success": True,
+        "message": f"Local checkpoint at version {target}.",
+        **report.describe(),
+    }
 
 
 @router.get("/get_weights_by_name", operation_id="get_weights_by_name_get")

@@ -5,7 +5,11 @@ Inference routes (the inference keys guard them like ``/v1/completions``; bodies
 :mod:`penstock.serving.tokens`):
 
 * ``POST /inference/v1/generate``: vLLM's token-in/token-out generation (SkyRL, prime-rl)
-* ``POST /generate/``: ``trl vllm-serve``'s batch generation (TRL's ``VLLMClient``)
+* ``POST /generate/``: ``trl vllm-serve``'s batch generation (TRL's ``VLLMClient``);
+  ``structured_outputs_regex`` constrains every completion (engines that constrain)
+* ``POST /chat/``: the same for conversations (``messages``: one list of messages per
+  prompt, ``chat_template_kwargs``, ``tools``), each rendered by the chat template with
+  the generation prompt
 * ``POST /skyrl/v1/generate`` (SkyRL, for a mixture-of-experts model's routed experts): a
   400 naming ``routed_experts``, which no engine here records
 
@@ -26,8 +30,11 @@ Admin routes (the admin key, as every admin dialect):
   refused (below), another method a 400 naming it
 * ``POST /reset_prefix_cache/`` (TRL) -> ``{"message"}``; ``POST /close_communicator/``
   -> ``{"message"}`` (no communicator is ever open)
-* ``POST /fetch_weights {target_version, sync_dir?, uri?}`` (SkyRL's delta checkpoints):
-  400 ``transport_unavailable``
+* ``POST /fetch_weights {target_version, sync_dir?, uri?}`` (SkyRL's delta checkpoints,
+  local folders; :mod:`penstock.rl.deltas`) -> ``{"status": "ok", "result": [{"status",
+  "target_version", "version", "seeded_from", "applied_versions", "patched_tensors",
+  "skipped_tensors"}]}``; the reload follows at ``/update_weights`` (see
+  :mod:`penstock.routers.vllm_compat`)
 * ``POST /init_communicator/`` and ``POST /update_named_param/`` (TRL) and
   ``POST /init_broadcaster`` (prime-rl): 400 ``transport_unavailable`` naming what is
   missing, as every transfer this server cannot make. These trainers broadcast over NCCL through
@@ -40,27 +47,48 @@ Admin routes (the admin key, as every admin dialect):
   digits is a number), ``/areal_set_update_weight_meta {names, dtypes, shapes,
   group_name}`` then ``/areal_update_weights_xccl`` (one broadcast of those tensors),
   ``/areal_update_weights {model_path}`` (from disk); both updates pause, aborting, when
-  generation is not paused already. Its LoRA broadcast and in-place reload routes are
-  refused: adapters load from a folder here.
+  generation is not paused already. ``/areal_update_weights_lora {lora_model_path,
+  lora_name, lora_int_id, base_model_name}`` reloads the adapter from its folder in place;
+  the LoRA broadcast (``/areal_set_update_weight_meta_lora``,
+  ``/areal_update_weights_lora_xccl``) is a 400 ``transport_unavailable``.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any, NoReturn
 
+import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
 from penstock.errors import ConflictError, InvalidRequestError, clip
-from penstock.rl.fields import bool_field, invalid, json_object_body, required_str, tags_field
+from penstock.rl import deltas
+from penstock.rl.deltas import local_folder
+from penstock.rl.fields import (
+    bool_field,
+    invalid,
+    json_object_body,
+    required_str,
+    str_field,
+    tags_field,
+    version_number,
+)
 from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
 from penstock.routers.sglang_compat import group_body
-from penstock.routers.vllm_compat import begin_weight_update, end_weight_update, receive_bucket
+from penstock.routers.vllm_compat import (
+    begin_weight_update,
+    delta_target,
+    end_weight_update,
+    receive_bucket,
+)
 from penstock.schemas.fields import refuse_unknown, refuse_unsupported
-from penstock.schemas.openai import NonNegativeInt
+from penstock.schemas.openai import ChatMessage, NonNegativeInt
 from penstock.schemas.unicode import JSONValue, RequestModel
+from penstock.serving.guided import check_can_constrain
+from penstock.serving.prompts import off_loop, render_and_tokenize
 from penstock.serving.tokens import run_tokens, sampling_request
 
 # The app-wide inference-key check guards these (see ``security.require_inference_key``).
@@ -130,14 +158,12 @@ async def tokens_generate(body: TokensGenerateBody, request: Request) -> Respons
     return await run_tokens(gateway, completion, request, "vllm")
 
 
-class TrlGenerateBody(RequestModel):
-    """The body ``trl vllm-serve`` takes at ``/generate/``."""
+class TrlSamplingBody(RequestModel):
+    """The sampling fields ``trl vllm-serve`` takes beside its prompts."""
 
     model_config = ConfigDict(extra="allow")
     __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
-    prompts: Annotated[list[str] | list[list[NonNegativeInt]], Field(min_length=1)]
-    images: list[JSONValue] | None = None
     n: int = 1
     repetition_penalty: float = 1.0
     temperature: float = 1.0
@@ -148,6 +174,38 @@ class TrlGenerateBody(RequestModel):
     logprobs: int | None = 0
     structured_outputs_regex: str | None = None
     generation_kwargs: dict[str, JSONValue] = Field(default_factory=dict)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The fields as ``trl vllm-serve`` builds its ``SamplingParams``: the top-level
+        ones, ``generation_kwargs`` over them, the regex over both."""
+        fields = self.model_dump(
+            include={"n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p"}
+        )
+        fields.update(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        merged = {**fields, **self.generation_kwargs}
+        if self.structured_outputs_regex is not None:
+            merged["structured_outputs"] = {"regex": self.structured_outputs_regex}
+        return merged
+
+
+class TrlGenerateBody(TrlSamplingBody):
+    """The body ``trl vllm-serve`` takes at ``/generate/``."""
+
+    prompts: Annotated[list[str] | list[list[NonNegativeInt]], Field(min_length=1)]
+    images: list[JSONValue] | None = None
+
+
+Conversation = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class TrlChatBody(TrlSamplingBody):
+    """The body ``trl vllm-serve`` takes at ``/chat/``: one conversation per prompt."""
+
+    messages: Annotated[
+        list[Annotated[list[ChatMessage], Field(min_length=1)]], Field(min_length=1)
+    ]
+    chat_template_kwargs: dict[str, JSONValue] = Field(default_factory=dict)
+    tools: list[dict[str, JSONValue]] | None = None
 
 
 @inference_router.post("/skyrl/v1/generate", response_model=None)
@@ -168,24 +226,65 @@ async def trl_generate(body: TrlGenerateBody, request: Request) -> Response:
     refuse_unknown(body, gateway.settings.allow_unknown_fields)
     if body.images and any(item is not None for item in body.images):
         raise InvalidRequestError("images are not supported on /generate/", param="images")
-    if body.structured_outputs_regex is not None:
+    return await _trl_run(request, body, body.prompts)
+
+
+@inference_router.post("/chat/", response_model=None)
+async def trl_chat(body: TrlChatBody, request: Request) -> Response:
+    """Each conversation through the chat template (with the generation prompt, as
+    vLLM's ``LLM.chat``), then generated as ``/generate/`` generates token ids."""
+    gateway = request.app.state.gateway
+    refuse_unknown(body, gateway.settings.allow_unknown_fields)
+    model = gateway.resolve(_default_model(request))
+    preprocessor = model.preprocessor
+    if preprocessor is None:
         raise InvalidRequestError(
-            "structured_outputs_regex is not supported by this server",
-            param="structured_outputs_regex",
-            code="unsupported_parameter",
+            f"The model '{model.name}' has no tokenizer configured", param="messages"
         )
-    fields = body.model_dump(
-        include={"n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p"}
-    )
-    fields.update(max_tokens=body.max_tokens, logprobs=body.logprobs)
-    # As ``trl vllm-serve`` merges them: ``generation_kwargs`` win.
-    merged = {**fields, **body.generation_kwargs}
+    prompts = []
+    for i, conversation in enumerate(body.messages):
+        for j, message in enumerate(conversation):
+            if isinstance(message.content, list) and any(
+                part.type != "text" for part in message.content
+            ):
+                raise InvalidRequestError(
+                    "/chat/ generates from text: media parts are not supported here",
+                    param=f"messages[{i}][{j}].content",
+                    code="unsupported_parameter",
+                )
+        messages = [message.model_dump(exclude_none=True) for message in conversation]
+        size = len(orjson.dumps(messages))
+        prompts.append(
+            await off_loop(
+                gateway,
+                None,
+                size,
+                render_and_tokenize,
+                gateway.settings,
+                model,
+                preprocessor,
+                messages,
+                add_generation_prompt=True,
+                tools=body.tools,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+        )
+    return await _trl_run(request, body, prompts)
+
+
+async def _trl_run(
+    request: Request, body: TrlSamplingBody, prompts: list[str] | list[list[int]]
+) -> Response:
+    gateway = request.app.state.gateway
+    if body.structured_outputs_regex is not None:
+        name = _default_model(request)
+        check_can_constrain(gateway.resolve(name), "structured_outputs_regex", name)
     completion = sampling_request(
-        merged,
+        body.sampling_fields(),
         "generation_kwargs",
         gateway.settings.allow_unknown_fields,
         model=_default_model(request),
-        prompt=body.prompts,
+        prompt=prompts,
     )
     return await run_tokens(gateway, completion, request, "trl")
 
@@ -238,17 +337,27 @@ async def init_broadcaster(request: Request) -> NoReturn:
     raise _nccl_unavailable("/init_broadcaster", "prime-rl")
 
 
-@admin_router.post("/fetch_weights", response_model=None)
-async def fetch_weights(request: Request) -> NoReturn:
+@admin_router.post("/fetch_weights")
+async def fetch_weights(request: Request) -> dict[str, Any]:
+    """SkyRL's delta pull, before it pauses: the served weights change only at the
+    ``/update_weights`` reload that follows."""
     body = await json_object_body(request)
-    target = body.get("target_version")
-    if not isinstance(target, int) or isinstance(target, bool):
-        raise invalid("target_version", "must be an integer")
-    raise TransportUnavailableError(
-        "/fetch_weights pulls SkyRL's delta checkpoints (XOR patches of the previous "
-        "weights), which this server does not apply; sync full weights with "
-        "/update_weights from a folder or over a broadcast group"
+    target_version = version_number(body, "target_version")
+    sync_dir = str_field(body, "sync_dir")
+    uri = str_field(body, "uri")
+    target = delta_target(request)
+    report = await asyncio.to_thread(
+        deltas.fetch_skyrl,
+        target.local_root,
+        target.base,
+        None if sync_dir is None else local_folder(sync_dir, "sync_dir"),
+        None if uri is None else local_folder(uri, "uri"),
+        target_version,
     )
+    return {
+        "status": "ok",
+        "result": [{"status": "ok", "target_version": target_version, **report.describe()}],
+    }
 
 
 @admin_router.post("/close_communicator/")
@@ -402,18 +511,33 @@ async def areal_update_weights(request: Request) -> dict[str, Any]:
     return _areal("Weights updated")
 
 
+@admin_router.post("/areal_update_weights_lora")
+async def areal_update_weights_lora(request: Request) -> dict[str, Any]:
+    """AReaL's adapter reload from a folder, in place under its name: requests already
+    running finish with the adapter they started with, so nothing is paused or aborted."""
+    body = await json_object_body(request)
+    path = required_str(body, "lora_model_path")
+    name = required_str(body, "lora_name")
+    base = str_field(body, "base_model_name")
+    served = _default_model(request)
+    if base is not None and base != served:
+        raise invalid("base_model_name", f"must be the served model {clip(repr(served))}")
+    await admin_plane(request).adapters.load(name, path, field="lora_model_path", in_place=True)
+    return _areal(f"LoRA adapter {name!r} updated")
+
+
 @admin_router.post(
     "/areal_set_update_weight_meta_lora", response_model=None, operation_id="areal_meta_lora"
 )
 @admin_router.post(
     "/areal_update_weights_lora_xccl", response_model=None, operation_id="areal_lora_xccl"
 )
-@admin_router.post("/areal_update_weights_lora", response_model=None, operation_id="areal_lora")
-async def areal_lora_update(request: Request) -> NoReturn:
+async def areal_lora_broadcast(request: Request) -> NoReturn:
     await json_object_body(request)
     raise TransportUnavailableError(
-        "LoRA adapters load from a folder on this server (POST /v1/load_lora_adapter); "
-        "they are not broadcast or reloaded in place"
+        "a broadcast LoRA adapter is received outside the model's parameters, which this "
+        "server's broadcast receive does not do; save the adapter and POST "
+        "/areal_update_weights_lora {lora_model_path, lora_name} (or /v1/load_lora_adapter)"
     )
 
 

@@ -26,6 +26,12 @@ in the query string wins over the same field in the body:
   folder, as ``update_weights_from_disk``) -> ``{"status": "ok", "weight_version"}``;
   ``POST /finish_weight_update {weight_version?}`` publishes the version
   -> ``{"message": "Weight update finished"}``
+* SkyRL's delta sync (:mod:`penstock.rl.deltas`): ``/init_weight_transfer_engine
+  {init_info: {base_model_path, local_checkpoint_dir, ...}}`` (local folders) sets it up;
+  ``POST /fetch_weights`` (:mod:`penstock.routers.trainer_compat`) patches the copy in
+  ``<local_checkpoint_dir>/weights``; inside an opened update, ``POST /update_weights
+  {update_info: {target_version}}`` reloads that copy (a 409 unless it holds that
+  version) and publishes the version number as the weight version
 * ``POST /weight_checker {action, baseline?}``: as SGLang's ``/weights_checker``
 
 LoRA (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) is in
@@ -34,20 +40,25 @@ LoRA (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) is in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
 from penstock.errors import ConflictError
+from penstock.rl.deltas import held_version, local_folder
 from penstock.rl.fields import (
     bool_field,
     int_field,
     invalid,
     json_object_body,
     mode_field,
+    required_str,
     str_field,
     str_list_field,
     tags_field,
+    version_number,
 )
 from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
@@ -159,10 +170,49 @@ def _object_field(body: dict[str, Any], field: str) -> dict[str, Any]:
     return value
 
 
+@dataclass(frozen=True)
+class DeltaTarget:
+    """SkyRL's delta sync of this server: the checkpoint its deltas start from, and the
+    folder whose ``weights`` copy they patch (:func:`penstock.rl.deltas.fetch_skyrl`)."""
+
+    base: Path
+    local_root: Path
+
+    @property
+    def weights(self) -> Path:
+        return self.local_root / "weights"
+
+
+_DELTA_TARGET = "skyrl_delta_target"
+
+
+def delta_target(request: Request) -> DeltaTarget:
+    target: DeltaTarget | None = getattr(request.app.state, _DELTA_TARGET, None)
+    if target is None:
+        raise ConflictError(
+            "no delta weight sync set up: POST /init_weight_transfer_engine with an "
+            "init_info naming base_model_path and local_checkpoint_dir first",
+            code="invalid_state_transition",
+        )
+    return target
+
+
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
     info = _object_field(await json_object_body(request), "init_info")
+    if "local_checkpoint_dir" in info or "base_model_path" in info:
+        # SkyRL's delta backend: no group to join; later fetches patch a local copy.
+        base = required_str(info, "base_model_path")
+        local = required_str(info, "local_checkpoint_dir")
+        target = DeltaTarget(
+            local_folder(base, "init_info.base_model_path"),
+            local_folder(local, "init_info.local_checkpoint_dir"),
+        )
+        if not target.base.is_dir():
+            raise invalid("init_info.base_model_path", "must name a checkpoint folder")
+        setattr(request.app.state, _DELTA_TARGET, target)
+        return {"message": "Weight transfer initialized"}
     await plane.state.run_update(
         "init_weights_update_group", {"group_name": VLLM_GROUP_NAME, **info}
     )
@@ -199,7 +249,33 @@ async def update_weights(request: Request) -> dict[str, Any]:
     if "weight_dir" in body and "update_info" not in body:
         return await reload_weight_dir(request, body)
     info = _object_field(body, "update_info")
+    if "names" not in info and ("target_version" in info or "version" in info):
+        return await reload_delta_checkpoint(request, info)
     return await receive_bucket(request, info)
+
+
+async def reload_delta_checkpoint(request: Request, info: dict[str, Any]) -> dict[str, Any]:
+    """SkyRL's delta reload: the local copy ``/fetch_weights`` brought to the target
+    version, loaded as a disk update inside an opened weight update."""
+    plane = admin_plane(request)
+    _require_started(request)
+    field = "target_version" if "target_version" in info else "version"
+    version = version_number(info, field)
+    target = delta_target(request)
+    held = held_version(target.weights)
+    if held != version:
+        raise ConflictError(
+            f"the local checkpoint holds version {held}, not {version}: POST /fetch_weights "
+            f"{{target_version: {version}}} first",
+            code="invalid_state_transition",
+        )
+    outcome = await plane.state.update_weights(
+        "update_weights_from_disk",
+        {"model_path": str(target.weights)},
+        str(version),
+        param=f"update_info.{field}",
+    )
+    return {"message": "Weights updated", "checksum": outcome.engine.get("checksum")}
 
 
 async def reload_weight_dir(request: Request, body: dict[str, Any]) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def test_slime_weight_step_from_disk(admin: httpx.Client, tmp_path: Path) -> Non
     assert ok(admin.get("/health_generate"))["status"] == "ok"
 
 
-def test_slime_post_process_hooks_and_delta_pull(admin: httpx.Client) -> None:
+def test_slime_post_process_hooks_and_delta_pull(admin: httpx.Client, tmp_path: Path) -> None:
     # ``post_process_weights``: both hooks off asks for nothing; each on is refused.
     hooks = {"restore_weights_before_load": False, "post_process_quantization": False}
     assert ok(admin.post("/post_process_weights", json=hooks))["success"] is True
@@ -97,10 +97,18 @@ def test_slime_post_process_hooks_and_delta_pull(admin: httpx.Client) -> None:
         refused = admin.post("/post_process_weights", json={**hooks, field: True})
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == field
-    pull = {"local_checkpoint_dir": "/tmp/ckpt", "source_dir": "/tmp/pub", "target_version": 3}
+    # A delta pull from a folder that was never published: a 400 naming it (the pulls
+    # themselves are in test_rl_weight_deltas.py).
+    pull = {
+        "local_checkpoint_dir": str(tmp_path / "ckpt"),
+        "source_dir": str(tmp_path / "unpublished"),
+        "target_version": 3,
+    }
     refused = admin.post("/pull_weights", json=pull)
     assert refused.status_code == 400
-    assert "/update_weights_from_disk" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "source_dir"
+    remote = admin.post("/pull_weights", json={**pull, "source_dir": "s3://bucket/pub"})
+    assert remote.status_code == 400 and remote.json()["error"]["param"] == "source_dir"
     assert len(generated(admin)) == 4
 
 
@@ -180,15 +188,19 @@ def test_skyrl_tokenizes_one_text_at_a_time(admin: httpx.Client) -> None:
     assert text == "hello"
 
 
-def test_skyrl_routed_experts_and_delta_fetch_are_refused_by_name(admin: httpx.Client) -> None:
+def test_skyrl_routed_experts_refused_and_delta_fetch_needs_its_init(
+    admin: httpx.Client,
+) -> None:
     body = {"sampling_params": {"max_tokens": 4}, "model": MODEL, "token_ids": PROMPT}
     routed = admin.post("/skyrl/v1/generate", json=body)
     assert routed.status_code == 400
     assert routed.json()["error"]["param"] == "routed_experts"
+    # Before a delta ``/init_weight_transfer_engine`` there is no local checkpoint to
+    # patch (the fetch itself is in test_rl_weight_deltas.py).
     fetch = {"target_version": 2, "sync_dir": "/tmp/sync"}
     refused = admin.post("/fetch_weights", json=fetch)
-    assert refused.status_code == 400
-    assert refused.json()["error"]["code"] == "transport_unavailable"
+    assert refused.status_code == 409
+    assert "/init_weight_transfer_engine" in refused.json()["error"]["message"]
     bad = admin.post("/fetch_weights", json={"sync_dir": "/tmp/sync"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "target_version"
 
