@@ -4,13 +4,16 @@
 Both take vLLM's sampling fields (``sampling_params``; TRL's top-level fields and its
 ``generation_kwargs``) and run on the completions path (:func:`completion_generations`),
 so every check and limit of ``/v1/completions`` applies. A vLLM sampling field this
-server cannot honour is a 400 naming it under its parent (``sampling_params.prompt_logprobs``),
+server cannot honour is a 400 naming it under its parent (``sampling_params.use_beam_search``),
 as is a field vLLM does not define (unless ``--allow-unknown-fields``).
 
 vLLM: ``{"token_ids", "sampling_params", "model"?, "cache_salt"?}`` ->
 ``{"request_id", "choices": [{"index", "token_ids", "finish_reason", "logprobs":
 {"content": [{"token", "logprob", "bytes", "top_logprobs"}]} | null}],
-"prompt_logprobs": null, "kv_transfer_params": null, "weight_version"}``; with ``stream``,
+"prompt_logprobs", "kv_transfer_params": null, "weight_version"}``; ``prompt_logprobs`` is
+null unless ``sampling_params.prompt_logprobs`` asks for them, then vLLM's list (None,
+then per prompt token ``{token_id: {"logprob", "rank", "decoded_token"}}``, the prompt's
+token first; they are not streamed); with ``stream``,
 one ``data: {"request_id", "choices": [{"index", "token_ids", "finish_reason", "logprobs"}],
 "weight_version"}`` event per engine output that adds tokens or ends a choice (the new
 tokens only), ``{"request_id", "choices": [], "usage"}`` last with
@@ -38,7 +41,7 @@ from penstock.gateway import Gateway, ServedModel
 from penstock.schemas.fields import unknown_field_error
 from penstock.schemas.openai import CompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
-from penstock.serving.completions import completion_generations
+from penstock.serving.completions import completion_generations, vllm_prompt_logprobs
 from penstock.serving.deadline import request_deadline
 from penstock.serving.framing import JSONObject
 from penstock.serving.generation import Generation
@@ -97,7 +100,15 @@ async def run_tokens(
 ) -> Response:
     """Generate ``body`` and answer in ``shape`` (``vllm`` or ``trl``)."""
     deadline = request_deadline(request, gateway.settings)
-    model, generations = await completion_generations(gateway, body, request, deadline, "generate")
+    try:
+        model, generations = await completion_generations(
+            gateway, body, request, deadline, "generate"
+        )
+    except InvalidRequestError as exc:
+        # The completions check names the field where completions has it.
+        if exc.param == "prompt_logprobs" and shape == "vllm":
+            exc.param = "sampling_params.prompt_logprobs"
+        raise
     fmt: VllmTokensFormat | TrlFormat = (
         VllmTokensFormat(model) if shape == "vllm" else TrlFormat(generations, body.logprobs)
     )
@@ -161,13 +172,13 @@ class VllmTokensFormat:
         }
 
     def response_fields(self, generations: Sequence[Generation]) -> dict[str, Any]:
-        return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.model, generations[0].prompt_logprobs)}
 
     def reshape(self, response: dict[str, Any]) -> dict[str, Any]:
         return {
             "request_id": response["id"],
             "choices": response["choices"],
-            "prompt_logprobs": None,
+            "prompt_logprobs": response["prompt_logprobs"],
             "kv_transfer_params": None,
             "weight_version": response["weight_version"],
         }
