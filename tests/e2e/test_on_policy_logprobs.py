@@ -10,6 +10,7 @@ the trainer's logprobs of the prompt in each one's shape.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -204,3 +205,21 @@ def test_bad_logprob_start_len_is_a_400_naming_it(server: ServerProcess) -> None
         response = httpx.post(f"{server.base_url}/generate", json=body, timeout=60)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "logprob_start_len"
+
+
+def test_deterministic_stream_carries_the_same_logprobs(deterministic: str) -> None:
+    # A choice's chunks with logprobs are held until it ends, then sent together.
+    model = str(httpx.get(f"{deterministic}/v1/models").json()["data"][0]["id"])
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "logprobs": 0, "seed": 3}
+    whole = httpx.post(f"{deterministic}/v1/completions", json=body, timeout=60).json()
+    streamed: list[float] = []
+    with httpx.stream(
+        "POST", f"{deterministic}/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                if choice["logprobs"]:
+                    streamed += choice["logprobs"]["token_logprobs"]
+    assert streamed == whole["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(streamed) == 8
