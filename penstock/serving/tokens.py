@@ -23,7 +23,8 @@ TRL: ``{"prompts": [str] | [[int]], "n", "temperature", "top_p", "top_k", "min_p
 "repetition_penalty", "max_tokens", "logprobs", "generation_kwargs"}`` ->
 ``{"prompt_ids", "completion_ids", "logprobs", "logprob_token_ids"}``: per completion,
 per token, the sampled token first when ``logprobs`` is 0, else the ``logprobs`` most
-likely and the sampled one, by descending logprob.
+likely and the sampled one, by descending logprob; ``generation_kwargs.prompt_logprobs``
+is a 400, TRL's answer having no place for them.
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ async def run_tokens(
     gateway: Gateway, body: CompletionRequest, request: Request, shape: str
 ) -> Response:
     """Generate ``body`` and answer in ``shape`` (``vllm`` or ``trl``)."""
+    if shape == "trl" and body.prompt_logprobs is not None:
+        raise InvalidRequestError(
+            "generation_kwargs.prompt_logprobs: TRL's answer has no place for prompt logprobs",
+            param="generation_kwargs.prompt_logprobs",
+            code="unsupported_parameter",
+        )
     deadline = request_deadline(request, gateway.settings)
     try:
         model, generations = await completion_generations(

@@ -223,3 +223,10 @@ def test_deterministic_stream_carries_the_same_logprobs(deterministic: str) -> N
                     streamed += choice["logprobs"]["token_logprobs"]
     assert streamed == whole["choices"][0]["logprobs"]["token_logprobs"]
     assert len(streamed) == 8
+
+
+def test_trl_generate_names_prompt_logprobs_it_cannot_return(server: ServerProcess) -> None:
+    body = {"prompts": [PROMPT], "max_tokens": 2, "generation_kwargs": {"prompt_logprobs": 1}}
+    response = httpx.post(f"{server.base_url}/generate/", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "generation_kwargs.prompt_logprobs"
