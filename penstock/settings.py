@@ -69,6 +69,19 @@ class Settings(BaseSettings):
         ),
     ] = None
     reasoning_parser: Annotated[ReasoningParser | None, Option("split off <think> blocks")] = None
+    deterministic: Annotated[
+        bool,
+        Option(
+            "the engine's --deterministic mode: a request's tokens and logprobs do not depend "
+            "on what runs beside it, and its logprobs equal a trainer's forward pass",
+            doc="forwarded to the engine as `--deterministic`, and the engine must declare it "
+            "(`deterministic` in `GET /engine/capabilities`) or the server does not start. "
+            "The transformers engine then runs one sequence per forward pass and recomputes "
+            "every returned logprob with one forward pass over prompt and completion, equal "
+            "to a trainer's `log_softmax(model(input_ids).logits.float())` for the same "
+            "weights and dtype; its cost is in `bench/README.md` (On-policy logprobs)",
+        ),
+    ] = False
     # The arguments after ``--``, handed to the engine unchanged.
     engine_args: list[str] = Field(default_factory=list)
     log_level: Annotated[

@@ -24,12 +24,12 @@ from penstock.app.connections import ConnectionLimits, guarded_protocol, raise_o
 from penstock.app.factory import create_app, media_store_location
 from penstock.app.middleware import OpenRequests, WireSend
 from penstock.engines.admission import AdmissionGate
-from penstock.engines.contract import parse_endpoint_types
+from penstock.engines.contract import SUPPORTS_DETERMINISTIC, parse_endpoint_types
 from penstock.engines.host import EngineHost
 from penstock.engines.host_setup import build_host
 from penstock.engines.loading import engine_argv, load_engine_class
 from penstock.engines.metric_outlets import bridge_engine_metrics
-from penstock.errors import ListenError
+from penstock.errors import EngineLoadError, ListenError
 from penstock.gateway import Gateway, ServedModel
 from penstock.media.artifacts import check_location
 from penstock.media.async_jobs import check_database
@@ -143,6 +143,11 @@ def _register_model(settings: Settings, host: EngineHost, worker_config: Any) ->
         preprocessor = Preprocessor.from_folder(folder)
     config = host.engine_config
     assert config is not None
+    if settings.deterministic and not (config.runtime_data or {}).get(SUPPORTS_DETERMINISTIC):
+        raise EngineLoadError(
+            f"--deterministic: the {settings.engine} engine does not declare a deterministic "
+            "mode (runtime_data['deterministic']); serve without --deterministic"
+        )
     name = settings.served_model_name or host.served_model_name
     aliases = [a for a in [config.model, *config.model_aliases] if a and a != name]
     gateway.add_model(

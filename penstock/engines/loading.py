@@ -82,8 +82,11 @@ def _without_usage(text: str) -> str:
 
 
 def engine_argv(settings: Settings) -> list[str]:
-    """The engine's own arguments: ``--model`` is forwarded, then everything after ``--``."""
+    """The engine's own arguments: ``--model`` and ``--deterministic`` are forwarded, then
+    everything after ``--``."""
     argv = list(settings.engine_args)
+    if settings.deterministic:
+        argv = ["--deterministic", *argv]
     if settings.model:
         argv = ["--model", settings.model, *argv]
     return argv

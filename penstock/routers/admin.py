@@ -4,8 +4,8 @@ Routes
   ``GET /engine/capabilities``
       ``{"object": "engine.capabilities", "engine", "controls", "updates", "rl_routes",
       "system_url", "state": {...}, "weight_version", "lora": {"supported", "loaded",
-      "schemes"}, "dialects": {"sglang": [paths], "vllm": [paths]} (every route the
-      app serves from that dialect's routers, :data:`DIALECT_ROUTERS`), "weight_sync":
+      "schemes"}, "deterministic", "dialects": {"sglang": [paths], "vllm": [paths]} (every
+      route the app serves from that dialect's routers, :data:`DIALECT_ROUTERS`), "weight_sync":
       {"methods": [the engine's update_weights_* names], "tensor_payloads": ["safetensors"]
       (+ "pickle" with --trust-weight-payloads), "checksum": "sha256"}}``; under ``--ray``
       also ``"fleet"`` (per replica: state, weight version, running requests).
@@ -77,6 +77,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.routing import APIRoute
 
+from penstock.engines.contract import SUPPORTS_DETERMINISTIC
 from penstock.errors import NotFoundError, clip
 from penstock.rl.fields import (
     bool_field,
@@ -166,8 +167,16 @@ async def capabilities(request: Request) -> dict[str, Any]:
             + (["pickle"] if plane.state.trust_weight_payloads else []),
             "checksum": "sha256",
         },
+        "deterministic": _deterministic(request),
         **_fleet(request),
     }
+
+
+def _deterministic(request: Request) -> bool:
+    """Whether the engine runs in its ``--deterministic`` mode (see the engine contract)."""
+    models = request.app.state.gateway.listed_models()
+    config = models[0].host.engine_config if models else None
+    return bool(config and config.runtime_data and config.runtime_data.get(SUPPORTS_DETERMINISTIC))
 
 
 def _fleet(request: Request) -> dict[str, Any]:

@@ -316,13 +316,15 @@ class CompletionRequest(SamplingFields):
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
     max_tokens: PositiveInt | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # vLLM's: each prompt token's logprob, its rank and this many most likely others.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     best_of: PositiveInt | None = None
     suffix: str | None = None
     # Text prompts: the tokenizer's BOS token first, by default as in vLLM.
     add_special_tokens: bool = True
     unsupported: ClassVar[dict[str, Any]] = {
-        **VLLM_UNSUPPORTED,
+        **{name: value for name, value in VLLM_UNSUPPORTED.items() if name != "prompt_logprobs"},
         "response_format": None,
         "prompt_embeds": None,
     }

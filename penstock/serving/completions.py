@@ -1,7 +1,9 @@
 """Completions: one engine request per prompt, and the completions response format.
 
 Choice ``index`` is ``prompt_index * n + choice``. With ``echo`` the prompt's text opens
-each choice: in the stream it is prepended to the choice's first delta.
+each choice: in the stream it is prepended to the choice's first delta. vLLM's
+``prompt_logprobs`` (not streamed, as in vLLM) come back on each choice of the prompt, in
+vLLM's shape (:func:`vllm_prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from penstock.engines.contract import SUPPORTS_PROMPT_LOGPROBS
 from penstock.errors import InvalidRequestError
 from penstock.gateway import Gateway, ServedModel
 from penstock.metadata_upload import MetadataUploader
@@ -21,7 +24,7 @@ from penstock.serving.deadline import Deadline, request_deadline
 from penstock.serving.framing import TEXT_SLOT
 from penstock.serving.generation import Generation
 from penstock.serving.guided import sampling_guided_decoding
-from penstock.serving.limits import served_model
+from penstock.serving.limits import engine_capability, served_model
 from penstock.serving.prompts import completion_prompts
 from penstock.serving.requests import engine_context, generate_request, metadata_uploader
 from penstock.serving.stream import ResponsePlan, respond, shows_anything
@@ -54,6 +57,35 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def vllm_prompt_logprobs(
+    model: ServedModel, positions: list[Any] | None, tokens_as_ids: bool = False
+) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token
+    ``{token_id: {"logprob", "rank", "decoded_token"}}``, the prompt's own token first."""
+    if positions is None:
+        return None
+    pre = model.preprocessor
+
+    def decoded(token_id: int) -> str | None:
+        if tokens_as_ids:
+            return f"token_id:{token_id}"
+        return pre.token_text(token_id) if pre is not None else None
+
+    return [
+        None
+        if entries is None
+        else {
+            str(entry["token_id"]): {
+                "logprob": entry["logprob"],
+                "rank": entry["rank"],
+                "decoded_token": decoded(entry["token_id"]),
+            }
+            for entry in entries
+        }
+        for entries in positions
+    ]
 
 
 class CompletionFormat:
@@ -142,6 +174,10 @@ class CompletionFormat:
             "finish_reason": choice.finish_reason,
             "weight_versions": choice.weight_version_segments(),
         }
+        if generation.prompt_logprobs is not None:
+            item["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.model, generation.prompt_logprobs, self.tokens_as_ids
+            )
         if self.return_token_ids:
             item["prompt_token_ids"] = generation.request["token_ids"]
             item["token_ids"] = choice.token_ids
@@ -151,7 +187,20 @@ class CompletionFormat:
         return {}
 
 
-def _check_unsupported(body: CompletionRequest) -> None:
+def _check_unsupported(body: CompletionRequest, model: ServedModel) -> None:
+    if body.prompt_logprobs is not None:
+        if not engine_capability(model, SUPPORTS_PROMPT_LOGPROBS):
+            raise InvalidRequestError(
+                f"prompt_logprobs is not supported by the model '{body.model}': its engine "
+                "reports no prompt logprobs",
+                param="prompt_logprobs",
+                code="unsupported_parameter",
+            )
+        if body.stream:
+            raise InvalidRequestError(
+                "prompt_logprobs are not streamed: send the request without stream",
+                param="prompt_logprobs",
+            )
     if body.suffix is not None:
         raise InvalidRequestError("suffix is not supported by this server", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -199,7 +248,7 @@ async def completion_generations(
 ) -> tuple[ServedModel, list[Generation]]:
     """One :class:`Generation` per prompt of ``body``, every check passed; none started."""
     model = served_model(gateway, body, "completions", endpoint)
-    _check_unsupported(body)
+    _check_unsupported(body, model)
     prompts = await completion_prompts(gateway, body, model, deadline)
     _check_batch_fits(prompts, model)
     guided_decoding = sampling_guided_decoding(body, model)

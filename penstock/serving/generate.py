@@ -3,31 +3,37 @@ serving path of completions (one :class:`Generation`, :func:`respond`).
 
 Request: exactly one of ``text`` (tokenized without a chat template) or ``input_ids``;
 ``sampling_params`` (``max_new_tokens`` default 128, ``min_new_tokens``, ``temperature``
-default 1.0, ``top_p``, ``top_k``, ``min_p``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
-``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``, ``seed`` (or SGLang's
-``sampling_seed``), ``skip_special_tokens``, ``spaces_between_special_tokens``,
-``no_stop_trim``, ``custom_params``); ``stream``; ``return_logprob`` with
-``top_logprobs_num`` and ``return_text_in_logprobs``; ``model`` (optional: a served model
-or adapter name, else ``lora_path``; default the first served model); ``rid`` (optional:
-the engine request id, for ``/abort_request``); ``log_metrics``, ``no_logs`` and
-``extra_key`` change no output. The other fields of SGLang's ``SamplingParams`` and
-``GenerateReqInput`` (:data:`SAMPLING_UNSUPPORTED`, :data:`GENERATE_UNSUPPORTED`) are
-accepted only at the value that asks for nothing, else a 400 naming them; a field
-neither defines is a 400 ``unknown_field`` naming its path, at any depth, unless
-``--allow-unknown-fields``. One prompt per request: a batch is a 400.
+default 1.0, ``top_p``, ``top_k``, ``min_p``, ``stop``, ``stop_token_ids``,
+``ignore_eos``, ``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``,
+``seed`` (or SGLang's ``sampling_seed``), ``skip_special_tokens``,
+``spaces_between_special_tokens``, ``no_stop_trim``, ``custom_params``); ``stream``;
+``return_logprob`` with ``top_logprobs_num``, ``return_text_in_logprobs`` and
+``logprob_start_len`` (from that prompt position on, the prompt's logprobs too, for
+engines that report them); ``model`` (optional: a served model or adapter name, else
+``lora_path``; default the first served model); ``rid`` (optional: the engine request
+id, for ``/abort_request``); ``log_metrics``, ``no_logs`` and ``extra_key`` change no
+output. The other fields of SGLang's ``SamplingParams`` and ``GenerateReqInput``
+(:data:`SAMPLING_UNSUPPORTED`, :data:`GENERATE_UNSUPPORTED`) are accepted only at the
+value that asks for nothing, else a 400 naming them; a field neither defines is a 400
+``unknown_field`` naming its path, at any depth, unless ``--allow-unknown-fields``. One
+prompt per request: a batch is a 400.
 
 Response (and each stream event, ``data: {...}`` then ``data: [DONE]``)::
 
     {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "weight_version", "weight_versions",
-     "output_token_logprobs"?, "output_top_logprobs"?}}
+     "output_token_logprobs"?, "output_top_logprobs"?, "input_token_logprobs"?,
+     "input_top_logprobs"?}}
 
 Stream events are cumulative, as SGLang streams them by default: each carries the whole
 text and every output id so far. ``finish_reason`` is None until the last event, then
 ``{"type": "stop", "matched": null}``, ``{"type": "length", "length": n}`` or
 ``{"type": "abort", "message"}``. ``output_token_logprobs`` are ``[logprob, token_id,
-text]`` triples (``text`` null unless ``return_text_in_logprobs``). ``weight_version`` is
-the version that produced the latest token.
+text]`` triples (``text`` null unless ``return_text_in_logprobs``). With
+``logprob_start_len`` >= 0, ``input_token_logprobs`` holds the same triples for the prompt
+from that position (the first prompt token's logprob is null), and with
+``top_logprobs_num`` ``input_top_logprobs`` the most likely tokens at each. ``weight_version``
+is the version that produced the latest token.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from penstock.engines.context import Context
+from penstock.engines.contract import SUPPORTS_PROMPT_LOGPROBS
 from penstock.errors import InvalidRequestError, PenstockError, ServiceUnavailableError
 from penstock.gateway import Gateway, ServedModel
 from penstock.schemas.fields import refuse_unknown, refuse_unsupported
@@ -52,7 +59,7 @@ from penstock.serving.deadline import Deadline, request_deadline
 from penstock.serving.framing import JSONObject
 from penstock.serving.generation import Generation
 from penstock.serving.guided import check_can_constrain, sampling_guided_decoding
-from penstock.serving.limits import served_model
+from penstock.serving.limits import engine_capability, served_model
 from penstock.serving.prompts import completion_prompts
 from penstock.serving.requests import engine_context, generate_request
 from penstock.serving.stream import ResponsePlan, respond
@@ -76,7 +83,6 @@ GENERATE_UNSUPPORTED: dict[str, Any] = {
     "image_data": None,
     "video_data": None,
     "audio_data": None,
-    "logprob_start_len": -1,
     "token_ids_logprob": None,
     "return_hidden_states": False,
     "return_routed_experts": False,
@@ -142,6 +148,8 @@ class GenerateBody(RequestModel):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: Annotated[int, Field(ge=0, le=20)] = 0
+    # -1: no prompt logprobs; else the prompt position they start from.
+    logprob_start_len: Annotated[int, Field(ge=-1)] = -1
     model: str | None = None
     rid: str | None = None
     # Token text as the third element of each logprob triple.
@@ -184,6 +192,38 @@ def _no_text(token_id: int) -> None:
     return None
 
 
+def _input_logprob_fields(
+    prompt: list[int],
+    positions: list[Any],
+    start: int,
+    top: int,
+    token_text: Callable[[int], str | None],
+) -> dict[str, Any]:
+    """SGLang's ``input_token_logprobs`` (and ``input_top_logprobs``) from prompt position
+    ``start``, out of the engine's prompt logprobs (the prompt token first at each)."""
+
+    def triple(entry: dict[str, Any]) -> list[Any]:
+        return [entry["logprob"], entry["token_id"], token_text(entry["token_id"])]
+
+    tokens: list[Any] = []
+    tops: list[Any] = []
+    for token, entries in zip(prompt[start:], positions[start:], strict=True):
+        if entries is None:
+            # The first prompt token follows nothing: it has no logprob.
+            tokens.append([None, token, token_text(token)])
+            tops.append(None)
+            continue
+        own, ranked = entries[0], list(entries[1:])
+        tokens.append(triple(own))
+        if own["rank"] <= top:
+            ranked.insert(own["rank"] - 1, own)
+        tops.append([triple(entry) for entry in ranked[:top]])
+    fields: dict[str, Any] = {"input_token_logprobs": tokens}
+    if top:
+        fields["input_top_logprobs"] = tops
+    return fields
+
+
 class GenerateFormat:
     """SGLang's shapes: one object per event, cumulative, instead of OpenAI chunks."""
 
@@ -192,10 +232,15 @@ class GenerateFormat:
     response_object = "generate"
 
     def __init__(
-        self, top_logprobs: int, token_text: Callable[[int], str | None] = _no_text
+        self,
+        top_logprobs: int,
+        token_text: Callable[[int], str | None] = _no_text,
+        input_start: int = -1,
     ) -> None:
+        """``input_start``: the prompt position input logprobs start from; -1, none."""
         self.top_logprobs = top_logprobs
         self.token_text = token_text
+        self.input_start = input_start
         self.generation: Generation | None = None
 
     def prelude(self, generations: Sequence[Generation]) -> list[dict[str, Any]]:
@@ -216,6 +261,16 @@ class GenerateFormat:
         }
         if choice.logprobs is not None:
             meta.update(_logprob_fields(choice.logprobs, self.top_logprobs, self.token_text))
+        if self.input_start >= 0 and generation.prompt_logprobs is not None:
+            meta.update(
+                _input_logprob_fields(
+                    generation.request["token_ids"],
+                    generation.prompt_logprobs,
+                    self.input_start,
+                    self.top_logprobs,
+                    self.token_text,
+                )
+            )
         return {"text": choice.text, "output_ids": list(choice.token_ids), "meta_info": meta}
 
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
@@ -311,6 +366,7 @@ def completion_body(gateway: Gateway, body: GenerateBody) -> CompletionRequest:
         include_stop_str_in_output=params.no_stop_trim,
         stream=body.stream,
         logprobs=body.top_logprobs_num if body.return_logprob else None,
+        prompt_logprobs=_prompt_logprobs(gateway, body, model),
         guided_json=params.json_schema,
         guided_regex=params.regex,
         guided_grammar=params.ebnf,
@@ -324,6 +380,25 @@ def completion_body(gateway: Gateway, body: GenerateBody) -> CompletionRequest:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"])
         raise InvalidRequestError(f"{where}: {error['msg']}", param=where) from exc
+
+
+def _prompt_logprobs(gateway: Gateway, body: GenerateBody, model: str) -> int | None:
+    """``prompt_logprobs`` for ``logprob_start_len`` >= 0 with ``return_logprob``."""
+    if body.logprob_start_len < 0 or not body.return_logprob:
+        return None
+    if not engine_capability(gateway.resolve(model), SUPPORTS_PROMPT_LOGPROBS):
+        raise InvalidRequestError(
+            f"logprob_start_len is not supported by the model '{model}': its engine reports "
+            "no prompt logprobs; leave it at -1",
+            param="logprob_start_len",
+            code="unsupported_parameter",
+        )
+    if body.stream:
+        raise InvalidRequestError(
+            "logprob_start_len: prompt logprobs are not streamed; send it without stream",
+            param="logprob_start_len",
+        )
+    return body.top_logprobs_num
 
 
 def _generation(
@@ -370,10 +445,18 @@ async def generate(gateway: Gateway, body: GenerateBody, request: Request) -> Re
         if exc.param == "prompt":
             exc.param = "text" if body.text is not None else "input_ids"
         raise
+    input_start = body.logprob_start_len if completion.prompt_logprobs is not None else -1
+    if input_start >= len(token_ids):
+        raise InvalidRequestError(
+            f"logprob_start_len ({input_start}) must be less than the prompt's "
+            f"{len(token_ids)} tokens",
+            param="logprob_start_len",
+        )
     generation = _generation(gateway, model, completion, token_ids, request, body.rid, deadline)
     pre = model.preprocessor
     token_text = pre.token_text if body.return_text_in_logprobs and pre is not None else _no_text
-    fmt = GenerateFormat(body.top_logprobs_num if body.return_logprob else 0, token_text)
+    top = body.top_logprobs_num if body.return_logprob else 0
+    fmt = GenerateFormat(top, token_text, input_start)
     fmt.generation = generation
     plan = ResponsePlan(fmt, [generation], completion, None, deadline)
     return await respond(request, plan)

@@ -43,6 +43,7 @@ class Generation:
         "endpoint",
         "gateway",
         "model",
+        "prompt_logprobs",
         "prompt_tokens",
         "request",
         "streaming",
@@ -89,6 +90,9 @@ class Generation:
         ]
         self.prompt_tokens = len(request["token_ids"])
         self.cached_tokens: int | None = None
+        # The engine's prompt logprobs, when the request asked for them (see the contract's
+        # SUPPORTS_PROMPT_LOGPROBS).
+        self.prompt_logprobs: list[Any] | None = None
         self.weight_version: str | None = gateway.weight_version
 
     @property
@@ -123,6 +127,8 @@ class Generation:
                     self.weight_version = engine_data["weight_version"]
                 if chunk.get("finish_reason") == "error":
                     raise EngineError(chunk.get("error") or "the engine reported an error")
+                if "prompt_logprobs" in chunk:
+                    self.prompt_logprobs = chunk["prompt_logprobs"]
                 delta = choice.consume(chunk, self.weight_version)
                 count = len(delta.token_ids)
                 if count:

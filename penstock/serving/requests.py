@@ -120,6 +120,9 @@ def _output_options(body: SamplingFields, logprobs: int | None) -> dict[str, Any
     options: dict[str, Any] = {}
     if logprobs is not None:
         options["logprobs"] = logprobs
+    prompt_logprobs = getattr(body, "prompt_logprobs", None)
+    if prompt_logprobs is not None:
+        options["prompt_logprobs"] = prompt_logprobs
     if not body.skip_special_tokens:
         options["skip_special_tokens"] = False
     return options

@@ -4,13 +4,16 @@
 Both take vLLM's sampling fields (``sampling_params``; TRL's top-level fields and its
 ``generation_kwargs``) and run on the completions path (:func:`completion_generations`),
 so every check and limit of ``/v1/completions`` applies. A vLLM sampling field this
-server cannot honour is a 400 naming it under its parent (``sampling_params.prompt_logprobs``),
+server cannot honour is a 400 naming it under its parent (``sampling_params.use_beam_search``),
 as is a field vLLM does not define (unless ``--allow-unknown-fields``).
 
 vLLM: ``{"token_ids", "sampling_params", "model"?, "cache_salt"?}`` ->
 ``{"request_id", "choices": [{"index", "token_ids", "finish_reason", "logprobs":
 {"content": [{"token", "logprob", "bytes", "top_logprobs"}]} | null}],
-"prompt_logprobs": null, "kv_transfer_params": null, "weight_version"}``; with ``stream``,
+"prompt_logprobs", "kv_transfer_params": null, "weight_version"}``; ``prompt_logprobs`` is
+null unless ``sampling_params.prompt_logprobs`` asks for them, then vLLM's list (None,
+then per prompt token ``{token_id: {"logprob", "rank", "decoded_token"}}``, the prompt's
+token first; they are not streamed); with ``stream``,
 one ``data: {"request_id", "choices": [{"index", "token_ids", "finish_reason", "logprobs"}],
 "weight_version"}`` event per engine output that adds tokens or ends a choice (the new
 tokens only), ``{"request_id", "choices": [], "usage"}`` last with
@@ -20,7 +23,8 @@ TRL: ``{"prompts": [str] | [[int]], "n", "temperature", "top_p", "top_k", "min_p
 "repetition_penalty", "max_tokens", "logprobs", "generation_kwargs"}`` ->
 ``{"prompt_ids", "completion_ids", "logprobs", "logprob_token_ids"}``: per completion,
 per token, the sampled token first when ``logprobs`` is 0, else the ``logprobs`` most
-likely and the sampled one, by descending logprob.
+likely and the sampled one, by descending logprob; ``generation_kwargs.prompt_logprobs``
+is a 400, TRL's answer having no place for them.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from penstock.gateway import Gateway, ServedModel
 from penstock.schemas.fields import unknown_field_error
 from penstock.schemas.openai import CompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
-from penstock.serving.completions import completion_generations
+from penstock.serving.completions import completion_generations, vllm_prompt_logprobs
 from penstock.serving.deadline import request_deadline
 from penstock.serving.framing import JSONObject
 from penstock.serving.generation import Generation
@@ -96,8 +100,22 @@ async def run_tokens(
     gateway: Gateway, body: CompletionRequest, request: Request, shape: str
 ) -> Response:
     """Generate ``body`` and answer in ``shape`` (``vllm`` or ``trl``)."""
+    if shape == "trl" and body.prompt_logprobs is not None:
+        raise InvalidRequestError(
+            "generation_kwargs.prompt_logprobs: TRL's answer has no place for prompt logprobs",
+            param="generation_kwargs.prompt_logprobs",
+            code="unsupported_parameter",
+        )
     deadline = request_deadline(request, gateway.settings)
-    model, generations = await completion_generations(gateway, body, request, deadline, "generate")
+    try:
+        model, generations = await completion_generations(
+            gateway, body, request, deadline, "generate"
+        )
+    except InvalidRequestError as exc:
+        # The completions check names the field where completions has it.
+        if exc.param == "prompt_logprobs" and shape == "vllm":
+            exc.param = "sampling_params.prompt_logprobs"
+        raise
     fmt: VllmTokensFormat | TrlFormat = (
         VllmTokensFormat(model) if shape == "vllm" else TrlFormat(generations, body.logprobs)
     )
@@ -161,13 +179,13 @@ class VllmTokensFormat:
         }
 
     def response_fields(self, generations: Sequence[Generation]) -> dict[str, Any]:
-        return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(self.model, generations[0].prompt_logprobs)}
 
     def reshape(self, response: dict[str, Any]) -> dict[str, Any]:
         return {
             "request_id": response["id"],
             "choices": response["choices"],
-            "prompt_logprobs": None,
+            "prompt_logprobs": response["prompt_logprobs"],
             "kv_transfer_params": None,
             "weight_version": response["weight_version"],
         }

@@ -148,7 +148,7 @@ def test_generate_names_an_unknown_field_at_any_depth(
         ({"sampling_params": {"n": 2}}, "sampling_params.n"),
         ({"return_hidden_states": True}, "return_hidden_states"),
         ({"image_data": ["data:image/png;base64,AAAA"]}, "image_data"),
-        ({"logprob_start_len": 0}, "logprob_start_len"),
+        ({"logprob_start_len": 0, "return_logprob": True}, "logprob_start_len"),
     ],
 )
 def test_generate_refuses_what_it_cannot_honour_by_name(

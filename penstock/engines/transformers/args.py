@@ -41,6 +41,7 @@ class EngineArgs:
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
+    deterministic: bool = False
 
     def kv_pool_tokens(self, *, bytes_per_token: int, default: int) -> int:
         """The KV pool's size in tokens: ``--kv-cache-tokens``, or ``--kv-cache-bytes`` at
@@ -175,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--health-check-payload", help="canary request JSON or @file (replaces the default)"
     )
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="one sequence per forward pass, no prefix cache, float32 weights on cpu, and "
+        "logprobs recomputed by one forward pass over prompt and completion: a request's "
+        "output does not depend on what runs beside it, and its logprobs equal a trainer's "
+        "forward pass (see penstock serve --deterministic)",
+    )
     return parser
 
 
@@ -199,4 +208,5 @@ def parse_args(argv: list[str]) -> EngineArgs:
         kv_cache_bytes=namespace.kv_cache_bytes,
         enable_prefix_caching=namespace.enable_prefix_caching,
         max_num_batched_tokens=namespace.max_num_batched_tokens,
+        deterministic=namespace.deterministic,
     )

@@ -36,9 +36,11 @@ from penstock.engines.context import Context
 from penstock.engines.contract import (
     CANCEL_SAFE_RUNTIME_KEY,
     MULTI_CHOICE_RUNTIME_KEY,
+    SUPPORTS_DETERMINISTIC,
     SUPPORTS_GUIDED_DECODING,
     SUPPORTS_IMAGE_INPUT,
     SUPPORTS_PRIORITY,
+    SUPPORTS_PROMPT_LOGPROBS,
     EngineConfig,
     GenerateChunk,
     GenerateRequest,
@@ -280,6 +282,8 @@ class TransformersEngine(
                 SUPPORTS_IMAGE_INPUT: self.vision is not None,
                 SUPPORTS_PRIORITY: True,
                 SUPPORTS_GUIDED_DECODING: True,
+                SUPPORTS_PROMPT_LOGPROBS: True,
+                SUPPORTS_DETERMINISTIC: self.args.deterministic,
             },
             llm=LlmRegistration(
                 context_length=self.context_length,
@@ -327,8 +331,10 @@ class TransformersEngine(
             engine_data=self._engine_data,
             on_forward_pass=self._on_forward_pass,
             worker_id=str(worker_id),
-            prefix_caching=self.args.enable_prefix_caching,
+            # A cached prefix's KV was computed inside another prompt.
+            prefix_caching=self.args.enable_prefix_caching and not self.args.deterministic,
             step_tokens=self.args.max_num_batched_tokens,
+            deterministic=self.args.deterministic,
         )
         scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)
         if self._load_model is load_vision_model:
@@ -348,6 +354,9 @@ class TransformersEngine(
     def _choose_cpu_weights(self, config: Any) -> None:
         choice = self.args.cpu_weight_dtype
         if self.device is None or self.device.type != "cpu" or self.dtype != torch.float32:
+            return
+        if self.args.deterministic:
+            # The trainer's forward pass runs on the checkpoint's modules, not packed copies.
             return
         if choice == "auto":
             stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)

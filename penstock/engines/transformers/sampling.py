@@ -4,7 +4,8 @@ Every row of a decode batch carries its own parameters. Logits are processed in 
 order: repetition/presence/frequency penalties, the ``min_tokens`` ban on stop tokens,
 temperature, top-k, top-p, min-p; then greedy rows take the argmax and sampled rows draw
 from their own generator, so a seeded request draws the same tokens whatever else shares
-the batch. Reported logprobs are those of the model's raw distribution.
+the batch. Reported logprobs are those of the model's raw distribution; prompt logprobs
+come from a forward pass of their own (see :mod:`.deterministic`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's ``prompt_logprobs``: each prompt token's logprob and this many others.
+    prompt_logprobs: int | None = None
     # The request's constraint (see :mod:`.constraints`); None decodes freely.
     guided: GuidedSpec | None = None
 
@@ -150,7 +153,7 @@ def parse_sampling_params(
     sampling = _group(request, "sampling_options")
     stop = _group(request, "stop_conditions")
     output = _group(request, "output_options")
-    _refuse_unsupported(sampling, output)
+    _refuse_unsupported(sampling)
     n = _choice_count(sampling, max_num_seqs)
     top_k = _integer(sampling, "top_k", "sampling_options", defaults.top_k, -1)
     max_tokens, min_tokens = _token_bounds(stop, prompt_len, context_length, defaults)
@@ -158,9 +161,7 @@ def parse_sampling_params(
     ignore_eos = stop.get("ignore_eos")
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise ValueError("stop_conditions.ignore_eos must be a boolean")
-    logprobs = _integer(output, "logprobs", "output_options", None, 0)
-    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
-        raise ValueError(f"output_options.logprobs must be <= {MAX_TOP_LOGPROBS}, got {logprobs}")
+    logprobs = _top_count(output, "logprobs")
     seed = sampling.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"sampling_options.seed must be an integer, got {seed!r}")
@@ -188,19 +189,24 @@ def parse_sampling_params(
         stop_token_ids=stop_ids,
         ignore_eos=bool(ignore_eos),
         logprobs=logprobs,
+        prompt_logprobs=_top_count(output, "prompt_logprobs"),
         guided=parse_guided_decoding(sampling.get("guided_decoding")),
     )
 
 
-def _refuse_unsupported(sampling: dict[str, Any], output: dict[str, Any]) -> None:
+def _refuse_unsupported(sampling: dict[str, Any]) -> None:
     for key, reason in _UNSUPPORTED_SAMPLING.items():
         if sampling.get(key) not in (None, False, {}, []):
             raise ValueError(f"sampling_options.{key}: {reason}")
-    if output.get("prompt_logprobs") is not None:
-        raise ValueError(
-            "output_options.prompt_logprobs: prompt logprobs are not supported "
-            "by the transformers engine"
-        )
+
+
+def _top_count(output: dict[str, Any], key: str) -> int | None:
+    """``output_options.logprobs`` or ``.prompt_logprobs``: how many most likely tokens
+    to report beside the chosen (or prompt) one."""
+    count: int | None = _integer(output, key, "output_options", None, 0)
+    if count is not None and count > MAX_TOP_LOGPROBS:
+        raise ValueError(f"output_options.{key} must be <= {MAX_TOP_LOGPROBS}, got {count}")
+    return count
 
 
 def _choice_count(sampling: dict[str, Any], max_num_seqs: int) -> int:

@@ -41,6 +41,7 @@ from penstock.engines.transformers.block_manager import (
     BlockManager,
     KvEventRelay,
 )
+from penstock.engines.transformers.deterministic import DeterministicRunner, OutgoingChunks
 from penstock.engines.transformers.kv_cache import KvPair
 from penstock.engines.transformers.model_runner import ModelRunner
 from penstock.engines.transformers.prefill_plan import Prefiller
@@ -100,12 +101,16 @@ class BatchScheduler:
         worker_id: str = "",
         prefix_caching: bool = True,
         step_tokens: int = DEFAULT_STEP_TOKENS,
+        deterministic: bool = False,
     ) -> None:
         """``step_tokens``: the tokens one step computes at most, decode rows and prefill
-        chunks together (a longer prompt is prefilled over several steps)."""
-        self.runner = ModelRunner(
+        chunks together (a longer prompt is prefilled over several steps);
+        ``deterministic``: one sequence per forward pass (see :mod:`.deterministic`)."""
+        runner = DeterministicRunner if deterministic else ModelRunner
+        self.runner = runner(
             model, device, seed=seed, rows=max_num_seqs, vocab=vocab_size, ends=eos_token_ids
         )
+        self.outgoing = OutgoingChunks(self.runner)
         self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
         self.worker_id = worker_id
@@ -459,7 +464,7 @@ class BatchScheduler:
         elif len(seq.output_ids) >= params.max_tokens:
             self._finish(seq, "length", outbox, last_chunk=chunk)
         else:
-            outbox.setdefault(seq.submission, []).append(chunk)
+            outbox.setdefault(seq.submission, []).extend(self.outgoing.emit(seq, chunk, last=False))
 
     def _finish(
         self,
@@ -484,7 +489,7 @@ class BatchScheduler:
         )
         self.blocks.free(seq.blocks)
         seq.blocks = []
-        outbox.setdefault(submission, []).append(chunk)
+        outbox.setdefault(submission, []).extend(self.outgoing.emit(seq, chunk, last=True))
         submission.unfinished -= 1
         if submission.unfinished <= 0:
             self._retire(submission)

@@ -1,0 +1,213 @@
+"""Logprobs as a trainer computes them, and the ``--deterministic`` mode.
+
+An RL trainer recomputes a rollout's logprobs with one forward pass over prompt and
+completion, ``log_softmax(model(input_ids).logits.float())``. The serving forward passes
+differ from that one: prompts prefilled side by side (padded), decode steps one token at a
+time over a KV cache, a prompt computed in chunks. Each changes the order of the floating
+point sums, so the logprobs differ in their last bits in float32 and by about 1e-2 in
+bfloat16 (``bench/README.md``, "On-policy logprobs"), even the logits of one position over
+a shorter and a longer sequence.
+
+:func:`forward_logprobs` is the trainer's pass: one sequence, no padding, no cache, the
+live model (and the request's LoRA adapter). It gives prompt logprobs
+(:func:`prompt_logprobs`, vLLM's ``prompt_logprobs``) in every mode.
+
+``--deterministic`` (:class:`DeterministicRunner`) makes a request's output its own:
+
+- each prompt is prefilled in a forward pass of its own, in one pass however long (the
+  chunks a busy step would cut it into depend on the other rows), and each sequence
+  decodes in a forward pass of its own over its own KV cache, unpadded; the prefix cache
+  is off (a cached prefix's KV was computed inside another prompt);
+- every returned logprob (and top logprob) is recomputed when the choice ends, by
+  :func:`forward_logprobs` over its prompt and completion: equal to the trainer's pass
+  for the same weights and dtype. The choice's chunks are held until then, so a stream
+  with logprobs arrives at the end.
+
+A greedy or seeded request then gets the same tokens and logprobs alone or beside any
+others; an unseeded sampled one draws from the generator every such row shares. A row
+preempted for KV blocks recomputes its KV, which can change its later tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from penstock.engines.transformers.model_runner import ModelRunner, Prefilled, PrefillRow
+from penstock.engines.transformers.sampling import TokenChoice, choose_tokens
+from penstock.engines.transformers.sequence import Sequence, Submission
+
+Chunk = dict[str, Any]
+
+
+def forward_logprobs(runner: ModelRunner, submission: Submission, tokens: list[int]) -> Any:
+    """``[len(tokens), vocab]`` float32 log-probabilities of the next token at each
+    position: the trainer's forward pass over ``tokens`` (``submission``'s prompt first)."""
+    ids = torch.tensor([tokens], device=runner.device)
+    inputs: dict[str, Any] = {"input_ids": ids}
+    if submission.embed is not None:
+        # Image placeholders of the prompt stand for features; the rest are plain tokens.
+        prompt = len(submission.prompt_ids)
+        embeds = submission.embed(runner.model, ids[:, :prompt])
+        if len(tokens) > prompt:
+            rest = runner.model.get_input_embeddings()(ids[:, prompt:])
+            embeds = torch.cat([embeds, rest.to(embeds.dtype)], dim=1)
+        inputs = {"inputs_embeds": embeds}
+    adapters = runner._adapter_names([submission])
+    logits = runner.model(**inputs, use_cache=False, **adapters).logits
+    return torch.log_softmax(logits.float(), dim=-1)[0]
+
+
+def _entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+    return {"token_id": token_id, "logprob": logprob, "rank": rank}
+
+
+def prompt_logprobs(runner: ModelRunner, submission: Submission, top: int) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token its
+    logprob and vocabulary rank, followed by the ``top`` most likely others."""
+    tokens = submission.prompt_ids
+    if len(tokens) < 2:
+        return [None]
+    rows = forward_logprobs(runner, submission, tokens)[:-1]
+    ids = torch.tensor(tokens[1:], device=rows.device)
+    actual = rows.gather(1, ids.unsqueeze(1))
+    ranks = (rows > actual).sum(dim=1) + 1
+    positions: list[Any] = [None]
+    top_values: list[list[float]] = [[] for _ in ids.tolist()]
+    top_ids: list[list[int]] = [[] for _ in ids.tolist()]
+    if top:
+        best, best_ids = rows.topk(top)
+        top_values, top_ids = best.tolist(), best_ids.tolist()
+    for token, value, rank, values, others in zip(
+        tokens[1:], actual.squeeze(1).tolist(), ranks.tolist(), top_values, top_ids, strict=True
+    ):
+        entries = [_entry(token, value, rank)]
+        ranked = enumerate(zip(others, values, strict=True), start=1)
+        entries += [_entry(other, lp, place) for place, (other, lp) in ranked if other != token]
+        positions.append(entries)
+    return positions
+
+
+class OutgoingChunks:
+    """What the scheduler sends for a choice's token chunk: prompt logprobs on the first
+    chunk of choice 0 when asked for, and in ``--deterministic`` mode (``runner`` a
+    :class:`DeterministicRunner`) chunks with logprobs held until the choice ends."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def emit(self, seq: Sequence, chunk: Chunk, *, last: bool) -> list[Chunk]:
+        params = seq.submission.params
+        if params.prompt_logprobs is not None and seq.index == 0 and len(seq.output_ids) == 1:
+            if chunk["token_ids"]:
+                chunk["prompt_logprobs"] = prompt_logprobs(
+                    self.runner, seq.submission, params.prompt_logprobs
+                )
+        runner = self.runner
+        if params.logprobs is None or not isinstance(runner, DeterministicRunner):
+            return [chunk]
+        held = runner.held.setdefault(seq, [])
+        held.append(chunk)
+        if not last:
+            return []
+        del runner.held[seq]
+        if chunk.get("finish_reason") in ("stop", "length"):
+            self._recompute(seq, held, params.logprobs)
+        return held
+
+    def _recompute(self, seq: Sequence, chunks: list[Chunk], top: int) -> None:
+        submission = seq.submission
+        tokens = submission.prompt_ids + seq.output_ids
+        rows = forward_logprobs(self.runner, submission, tokens)
+        position = len(submission.prompt_ids) - 1
+        for chunk in chunks:
+            values, tops = [], []
+            for token in chunk["token_ids"]:
+                row = rows[position]
+                values.append(float(row[token]))
+                if top:
+                    best, ids = row.topk(top)
+                    tops.append(
+                        [
+                            {"rank": rank, "token_id": token_id, "logprob": logprob}
+                            for rank, (token_id, logprob) in enumerate(
+                                zip(ids.tolist(), best.tolist(), strict=True), start=1
+                            )
+                        ]
+                    )
+                position += 1
+            if chunk["token_ids"]:
+                chunk["log_probs"] = values
+                if top:
+                    chunk["top_logprobs"] = tops
+
+
+class DeterministicRunner(ModelRunner):
+    """Forward passes of one sequence each: every decode row over its own KV cache,
+    every prompt alone and whole (see the module's docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._caches: dict[Sequence, DynamicCache] = {}
+        # The chunks of choices with logprobs, until each choice ends (see OutgoingChunks).
+        self.held: dict[Sequence, list[Chunk]] = {}
+
+    def decode(self, rows: list[Sequence]) -> list[TokenChoice]:
+        choices: list[TokenChoice] = []
+        for seq in rows:
+            output = self.model(
+                input_ids=torch.tensor([[seq.next_token]], device=self.device),
+                position_ids=torch.tensor([[seq.kv_length]], device=self.device),
+                cache=self._caches[seq],
+                use_cache=True,
+                **self._adapter_names([seq.submission]),
+            )
+            seq.kv_length += 1
+            choices += choose_tokens(
+                output.logits[:, -1, :],
+                [seq.sampling(self.eos_token_ids)],
+                self._shared_generator,
+            )
+        return choices
+
+    def prefill(self, rows: list[PrefillRow]) -> list[Prefilled]:
+        prefill_one = super().prefill
+        return [done for row in rows for done in prefill_one([row])]
+
+    def prefill_chunk(self, row: PrefillRow, end: int) -> Prefilled | None:
+        """The chunks only count the step budget; the whole prompt is computed at once
+        with its last chunk."""
+        if end < len(row.tokens):
+            row.computed = end
+            return None
+        (done,) = self.prefill([row])
+        row.computed = end
+        return done
+
+    def rebuild_batch(
+        self, running: list[Sequence], joined: list[tuple[Sequence, list[Any]]]
+    ) -> list[Sequence] | None:
+        for seq in running:
+            if not seq.in_batch:
+                self._caches.pop(seq, None)
+        if all(seq.in_batch for seq in running) and not joined:
+            return None
+        for seq, layers in joined:
+            cache = DynamicCache()
+            for index, (keys, values) in enumerate(layers):
+                cache.update(keys, values, index)
+            self._caches[seq] = cache
+        return [seq for seq in running if seq.in_batch] + [seq for seq, _ in joined]
+
+    def reset(self) -> None:
+        self._caches.clear()
+        self.held.clear()
+        super().reset()
+
+    def move_kv(self, device: torch.device) -> None:
+        for cache in self._caches.values():
+            for layer in cache.layers:
+                layer.keys = layer.keys.to(device)
+                layer.values = layer.values.to(device)
