@@ -68,7 +68,10 @@ class Settings(BaseSettings):
             choices="tool_call_parsers",
         ),
     ] = None
-    reasoning_parser: Annotated[ReasoningParser | None, Option("split off <think> blocks")] = None
+    reasoning_parser: Annotated[
+        ReasoningParser | None,
+        Option("split off <think> blocks", default="the engine's, else none"),
+    ] = None
     # The arguments after ``--``, handed to the engine unchanged.
     engine_args: list[str] = Field(default_factory=list)
     log_level: Annotated[
