@@ -84,7 +84,7 @@ def client(
     args += ["--tool-call-parser", request.param]
     args += ["--", "--served-model-name", "tiny", "--cpu-threads", "1", "--max-num-seqs", "8"]
     log_dir = tmp_path_factory.mktemp(request.param)
-    with running_server(args, log_dir, env={"HF_HUB_OFFLINE": "1"}, ready_timeout=120) as server:
+    with running_server(args, log_dir, env={"HF_HUB_OFFLINE": "1"}, ready_timeout=240) as server:
         yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
 
 
