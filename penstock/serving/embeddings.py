@@ -201,7 +201,7 @@ async def _answer(
 ) -> dict[str, Any] | None:
     """The engine's terminal chunk."""
     answer: dict[str, Any] | None = None
-    async for chunk in served.host.generate(engine_request, context):  # type: ignore[arg-type]
+    async for chunk in served.host.generate(engine_request, context):
         if chunk.get("finish_reason"):
             answer = chunk
     return answer
