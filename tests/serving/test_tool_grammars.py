@@ -14,7 +14,8 @@ from xgrammar.testing import _is_grammar_accept_string
 from penstock.errors import InvalidRequestError
 from penstock.preprocess.tool_calls import TOOL_CALL_FORMATS, TOOL_CALL_PARSERS, split_tool_calls
 from penstock.preprocess.tool_calls import tool_schemas as schemas_of
-from penstock.schemas.openai import Tool
+from penstock.schemas.openai import ChatCompletionRequest, Tool
+from penstock.serving.guided import tool_call_constraint
 from penstock.serving.tool_grammars import CALL_FORMATS, forced_calls_tag
 
 WEATHER = {
@@ -163,3 +164,38 @@ def test_a_tool_python_cannot_call_is_a_400_naming_tools(
     with pytest.raises(InvalidRequestError) as refused:
         forced_calls_tag("pythonic", [tool], parallel=False)
     assert refused.value.param == "tools"
+
+
+@pytest.mark.parametrize(
+    ("written", "read"),
+    [
+        ("\nParis\n", "Paris"),
+        (" Paris\t", "Paris"),
+        ("\n\nParis \n", "\nParis "),
+        ("Paris", "Paris"),
+    ],
+)
+def test_a_qwen_xml_string_loses_the_whitespace_the_grammar_may_wrap_it_in(
+    written: str, read: str
+) -> None:
+    text = (
+        f"<tool_call>\n<function=get_weather>\n<parameter=city>{written}</parameter>\n"
+        "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+    )
+    (call,) = split_tool_calls(TOOL_CALL_FORMATS["qwen3_coder"], text, schemas_of(TOOLS)).calls
+    assert json.loads(call.arguments) == {"city": read, "days": 2}
+
+
+def test_forced_calls_need_a_tool_call_parser() -> None:
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [TOOLS[0].model_dump()],
+            "tool_choice": "required",
+        }
+    )
+    with pytest.raises(InvalidRequestError) as refused:
+        tool_call_constraint(body, None)
+    assert refused.value.param == "tool_choice"
+    assert "--tool-call-parser" in str(refused.value)
