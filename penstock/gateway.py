@@ -55,6 +55,7 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
     lora_adapter: str | None = None
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @property
     def context_length(self) -> int | None:

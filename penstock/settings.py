@@ -68,7 +68,10 @@ class Settings(BaseSettings):
             choices="tool_call_parsers",
         ),
     ] = None
-    reasoning_parser: Annotated[ReasoningParser | None, Option("split off <think> blocks")] = None
+    reasoning_parser: Annotated[
+        ReasoningParser | None,
+        Option("split off <think> blocks", default="the engine's, else none"),
+    ] = None
     deterministic: Annotated[
         bool,
         Option(

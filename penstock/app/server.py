@@ -35,6 +35,7 @@ from penstock.media.artifacts import check_location
 from penstock.media.async_jobs import check_database
 from penstock.media.requests import generates_media
 from penstock.preprocess import Preprocessor
+from penstock.preprocess.reasoning import REASONING_PARSERS
 from penstock.preprocess.tool_calls import TOOL_CALL_PARSERS
 from penstock.settings import Settings
 
@@ -70,6 +71,17 @@ def _tool_call_parser(settings: Settings, worker_config: Any) -> str | None:
     if name is not None and name not in TOOL_CALL_PARSERS:
         raise ValueError(
             f"unknown tool call parser '{name}'; supported: {', '.join(TOOL_CALL_PARSERS)}"
+        )
+    return name
+
+
+def _reasoning_parser(settings: Settings, worker_config: Any) -> str | None:
+    """``--reasoning-parser``, else the one the engine's ``WorkerConfig`` declares (as
+    Dynamo's frontend reads ``--dyn-reasoning-parser``)."""
+    name = settings.reasoning_parser or getattr(worker_config, "reasoning_parser", None)
+    if name is not None and name not in REASONING_PARSERS:
+        raise ValueError(
+            f"unknown reasoning parser '{name}'; supported: {', '.join(REASONING_PARSERS)}"
         )
     return name
 
@@ -158,6 +170,7 @@ def _register_model(settings: Settings, host: EngineHost, worker_config: Any) ->
             endpoint_types=endpoint_types,
             aliases=list(dict.fromkeys(aliases)),
             tool_call_parser=_tool_call_parser(settings, worker_config),
+            reasoning_parser=_reasoning_parser(settings, worker_config),
         )
     )
     return gateway

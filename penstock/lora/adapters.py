@@ -157,6 +157,8 @@ class LoadedAdapters:
             preprocessor=base.preprocessor,
             endpoint_types=set(base.endpoint_types),
             lora_adapter=adapter.info.path,
+            tool_call_parser=base.tool_call_parser,
+            reasoning_parser=base.reasoning_parser,
         )
 
     async def _unload_replaced(self, slot: str) -> None:

@@ -227,10 +227,19 @@ def _read_qwen3_xml(text: str, tools: ToolSchemas) -> list[ParsedToolCall] | Non
         schemas = tools.get(name, {})
         arguments = {}
         for parameter, raw in _XML_PARAMETER.findall(body):
-            value = raw.removeprefix("\n").removesuffix("\n")
-            arguments[parameter] = _typed_value(value, schemas.get(parameter))
+            arguments[parameter] = _typed_value(_unwrapped(raw), schemas.get(parameter))
         calls.append(ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False)))
     return calls
+
+
+def _unwrapped(raw: str) -> str:
+    """A parameter's text without the one whitespace character that may wrap it on each
+    side (the newlines Qwen3-Coder writes; what a constrained call may write instead)."""
+    if raw[:1].isspace():
+        raw = raw[1:]
+    if raw[-1:].isspace():
+        raw = raw[:-1]
+    return raw
 
 
 def _typed_value(value: str, schema: Any) -> Any:

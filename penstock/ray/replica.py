@@ -42,6 +42,7 @@ _WORKER_FIELDS = (
     "model_name",
     "endpoint_types",
     "tool_call_parser",
+    "reasoning_parser",
     "namespace",
     "component",
     "endpoint",

@@ -188,7 +188,7 @@ async def create_chat_completion(
         streaming=body.stream,
         deadline=deadline,
     )
-    attach_parsers(generation, body, gateway.settings.reasoning_parser, prompt.token_ids)
+    attach_parsers(generation, body, prompt.token_ids)
     chat_format = ChatFormat(
         model,
         return_token_ids=body.return_token_ids,
@@ -199,15 +199,12 @@ async def create_chat_completion(
 
 
 def attach_parsers(
-    generation: Generation,
-    body: ChatCompletionRequest,
-    reasoning_parser: str | None,
-    prompt_token_ids: list[int],
+    generation: Generation, body: ChatCompletionRequest, prompt_token_ids: list[int]
 ) -> None:
-    """Split each choice's answer with the request's tool-call and reasoning parsers."""
+    """Split each choice's answer with its model's tool-call and reasoning parsers."""
     model = generation.model
     parsing = output_parsing(
-        body, model.tool_call_parser, reasoning_parser, model.preprocessor, prompt_token_ids
+        body, model.tool_call_parser, model.reasoning_parser, model.preprocessor, prompt_token_ids
     )
     if parsing is not None:
         for choice in generation.choices:

@@ -8,6 +8,11 @@ normalised embedding and normalises them again (what matryoshka models are train
 and what vLLM and OpenAI's ``text-embedding-3`` do); any N from 1 to the model's width is
 accepted. ``base64`` is the vector as little-endian float32 bytes, as the ``openai`` client
 decodes it.
+
+Each request runs as a chat request does: under its deadline (``X-Request-Timeout``,
+``--request-timeout-s``; a 408 once it passes, the engine request cancelled), cancelled
+when the client leaves, through the engine's admission gate, and counted in the frontend
+families (``endpoint`` ``embeddings``, ``classify`` or ``pooling``; no output tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 
 from fastapi import Request
 
+from penstock.engines.context import Context
 from penstock.engines.pooling import PoolingCapabilities, PoolingTask, pooling_capabilities
 from penstock.errors import EngineError, InvalidRequestError
 from penstock.gateway import Gateway, ServedModel
@@ -32,8 +38,11 @@ from penstock.schemas.embeddings import (
     PoolingFields,
     PoolingRequest,
 )
+from penstock.serving.deadline import Deadline, request_deadline
+from penstock.serving.framing import unless_disconnected
 from penstock.serving.limits import check_prompt_length, check_token_ids
 from penstock.serving.prompts import off_loop
+from penstock.serving.request_metrics import RequestRecorder
 from penstock.serving.requests import engine_context
 
 # OpenAI's limit on the inputs of one embeddings request.
@@ -135,15 +144,45 @@ async def _tokenized(
 
 
 async def _pool(
-    gateway: Gateway, body: PoolingFields, task: PoolingTask, request: Request, served: ServedModel
+    gateway: Gateway,
+    body: PoolingFields,
+    task: PoolingTask,
+    request: Request,
+    served: ServedModel,
+    endpoint: str,
+) -> Pooled:
+    """The request's vectors, under its deadline and cancelled if the client leaves."""
+    deadline = request_deadline(request, gateway.settings)
+    work = _pooled(gateway, body, task, request, served, endpoint, deadline)
+    if deadline is None:
+        return await unless_disconnected(request, work)
+    try:
+        return await unless_disconnected(request, deadline.within(work))
+    finally:
+        deadline.close()
+
+
+async def _pooled(
+    gateway: Gateway,
+    body: PoolingFields,
+    task: PoolingTask,
+    request: Request,
+    served: ServedModel,
+    endpoint: str,
+    deadline: Deadline | None,
 ) -> Pooled:
     token_lists = await _token_lists(gateway, served, body)
     engine_request = {"token_ids": token_lists, "model": served.name, "pooling_task": task}
     context = engine_context(request, user=body.user)
-    answer: dict[str, Any] | None = None
-    async for chunk in served.host.generate(engine_request, context):
-        if chunk.get("finish_reason"):
-            answer = chunk
+    recorder = RequestRecorder(gateway.metrics, served.name, sum(map(len, token_lists)))
+    try:
+        answer = await _answer(served, engine_request, context)
+        recorder.succeeded()
+    except BaseException as exc:
+        recorder.failed(exc, deadline)
+        raise
+    finally:
+        recorder.finish(0, endpoint, False)
     vectors = answer.get("embeddings") if answer is not None else None
     if (
         answer is None
@@ -155,6 +194,17 @@ async def _pool(
     prompt_tokens = int(answer.get("prompt_tokens") or sum(len(ids) for ids in token_lists))
     request.state.usage = lambda: _usage(prompt_tokens)
     return Pooled(vectors, prompt_tokens)
+
+
+async def _answer(
+    served: ServedModel, engine_request: dict[str, Any], context: Context
+) -> dict[str, Any] | None:
+    """The engine's terminal chunk."""
+    answer: dict[str, Any] | None = None
+    async for chunk in served.host.generate(engine_request, context):
+        if chunk.get("finish_reason"):
+            answer = chunk
+    return answer
 
 
 def _usage(prompt_tokens: int) -> dict[str, int]:
@@ -187,7 +237,7 @@ async def create_embeddings(
     """``POST /v1/embeddings``, answered as OpenAI does."""
     served, capabilities = _pooling_model(gateway, body.model, "embed")
     _check_dimensions(body.dimensions, capabilities)
-    pooled = await _pool(gateway, body, "embed", request, served)
+    pooled = await _pool(gateway, body, "embed", request, served, "embeddings")
     vectors = pooled.vectors
     if body.dimensions is not None and body.dimensions < capabilities.dimensions:
         vectors = [_normalised(vector[: body.dimensions]) for vector in vectors]
@@ -235,7 +285,7 @@ async def classify(
 ) -> dict[str, Any]:
     """vLLM's ``POST /classify``: per input the probabilities and the likeliest label."""
     served, capabilities = _pooling_model(gateway, body.model, "classify")
-    pooled = await _pool(gateway, body, "classify", request, served)
+    pooled = await _pool(gateway, body, "classify", request, served, "classify")
     data = []
     for index, logits in enumerate(pooled.vectors):
         probs = activated(logits) if body.use_activation else logits
@@ -269,7 +319,7 @@ async def pooling(gateway: Gateway, body: PoolingRequest, request: Request) -> d
             f"{', '.join(sorted(capabilities.tasks))})",
             param="task",
         )
-    pooled = await _pool(gateway, body, task, request, served)
+    pooled = await _pool(gateway, body, task, request, served, "pooling")
     data = [
         {
             "index": index,

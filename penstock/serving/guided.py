@@ -17,7 +17,6 @@ model given free whitespace pads until the token limit. vLLM's
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ from penstock.gateway import ServedModel
 from penstock.schemas.openai import ChatCompletionRequest, SamplingFields, Tool
 from penstock.serving.limits import engine_capability
 from penstock.serving.parsing import check_named_tool
+from penstock.serving.tool_grammars import ANY_JSON_OBJECT, forced_calls_tag
 
 # Each kind of ``structured_outputs`` as the engine's kind.
 _STRUCTURED_KINDS = {
@@ -48,8 +48,6 @@ _BACKENDS = (None, "", "auto", "xgrammar")
 _CONSTRAINT_FIELDS = frozenset(
     {"response_format", "guided_decoding_backend", "structured_outputs", *_GUIDED_FIELDS}
 )
-
-ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
 
 def sampling_guided_decoding(body: SamplingFields, model: ServedModel) -> dict[str, Any] | None:
@@ -102,7 +100,8 @@ def tool_call_constraint(
     body: ChatCompletionRequest, tool_call_parser: str | None
 ) -> tuple[str, dict[str, Any]] | None:
     """For ``tool_choice`` ``required`` or naming a function: the grammar of the calls,
-    in the hermes format the parser reads, the arguments held to each tool's schema."""
+    in the format the server's parser reads, the arguments held to each tool's schema
+    (:mod:`penstock.serving.tool_grammars`)."""
     choice = body.tool_choice
     if isinstance(choice, dict):
         check_named_tool(body, choice)
@@ -112,16 +111,9 @@ def tool_call_constraint(
         raise InvalidRequestError(
             f"tool_choice {_describe(choice)} needs tools", param="tool_choice"
         )
-    if tool_call_parser not in ("hermes", None):
-        raise InvalidRequestError(
-            f"tool_choice {_describe(choice)} is constrained only in the hermes call format; "
-            f"this model reads calls with {tool_call_parser!r}",
-            param="tool_choice",
-        )
     if tool_call_parser is None:
         raise InvalidRequestError(
-            f"tool_choice {_describe(choice)} needs the server started with "
-            "--tool-call-parser hermes",
+            f"tool_choice {_describe(choice)} needs the server started with --tool-call-parser",
             param="tool_choice",
         )
     tools: Sequence[Tool] = body.tools
@@ -129,34 +121,9 @@ def tool_call_constraint(
         name = choice["function"]["name"]
         tools = [tool for tool in body.tools if tool.function.name == name]
     parallel = body.parallel_tool_calls is not False and choice == "required"
-    return "tool_choice", {"structural_tag": hermes_calls_tag(tools, parallel=parallel)}
-
-
-def hermes_calls_tag(tools: Sequence[Tool], *, parallel: bool) -> dict[str, Any]:
-    """xgrammar's structural tag of hermes ``<tool_call>`` blocks and nothing else: one, or
-    with ``parallel`` one or more, each a call of one of ``tools`` with arguments valid
-    against its parameter schema, with at most one whitespace character at a time."""
-    tags = [
-        {
-            "type": "tag",
-            "begin": '<tool_call>\n{"name": ' + json.dumps(tool.function.name) + ', "arguments": ',
-            "content": {
-                "type": "json_schema",
-                "json_schema": tool.function.parameters or ANY_JSON_OBJECT,
-                "max_whitespace_cnt": 1,
-            },
-            "end": "}\n</tool_call>",
-        }
-        for tool in tools
-    ]
-    calls = {
-        "type": "tags_with_separator",
-        "tags": tags,
-        "separator": "\n",
-        "at_least_one": True,
-        "stop_after_first": not parallel,
+    return "tool_choice", {
+        "structural_tag": forced_calls_tag(tool_call_parser, tools, parallel=parallel)
     }
-    return {"type": "structural_tag", "format": calls}
 
 
 def _one(

@@ -391,6 +391,6 @@ async def create_response(
         streaming=body.stream,
         deadline=deadline,
     )
-    attach_parsers(generation, chat, gateway.settings.reasoning_parser, prompt.token_ids)
+    attach_parsers(generation, chat, prompt.token_ids)
     fmt = ResponsesFormat(body, conversation, store, owner)
     return await respond(request, ResponsePlan(fmt, [generation], chat, None, deadline))

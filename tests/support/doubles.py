@@ -174,10 +174,15 @@ class ReplyEngine(SampleLLMEngine):
     async def from_args(cls, argv: list[str] | None = None) -> tuple[Any, WorkerConfig]:
         parser = argparse.ArgumentParser()
         parser.add_argument("--reply", required=True)
+        # The parsers the engine declares, as Dynamo's workers take them.
+        parser.add_argument("--dyn-tool-call-parser", default=None)
+        parser.add_argument("--dyn-reasoning-parser", default=None)
         own, rest = parser.parse_known_args(argv)
         engine, config = await SampleLLMEngine.from_args(rest)
         engine.__class__ = cls
         engine.reply = own.reply
+        config.tool_call_parser = own.dyn_tool_call_parser
+        config.reasoning_parser = own.dyn_reasoning_parser
         return engine, config
 
     async def start(self, worker_id: int) -> EngineConfig:
