@@ -53,6 +53,7 @@ from penstock.ray.fleet_admin import FleetEngine
 from penstock.ray.local_cluster import LocalCluster
 from penstock.ray.metrics import SCRAPE_TIMEOUT_S, fleet_families, labelled_families, render
 from penstock.ray.replica import EngineReplica
+from penstock.ray.replica_header import note_replica
 from penstock.ray.routing import affinity_key
 from penstock.ray.streams import FleetStreams, IngressStream
 from penstock.ray.wire import entry_error
@@ -192,6 +193,7 @@ class FleetHost:
             affinity_key(request, context, self._settings.ray_affinity_prefix_tokens),
         )
         self._streams[context] = stream
+        note_replica(name)
         load = self.replicas.setdefault(name, ReplicaLoad())
         load.served += 1
         load.running += 1
