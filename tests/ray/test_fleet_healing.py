@@ -12,6 +12,7 @@ replicas) or from the push the ingress kept (one replica). The module takes abou
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ ray = pytest.importorskip(
 )
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from penstock.engines.sample import write_sample_weights  # noqa: E402
 from penstock.ray.replica_header import REPLICA_HEADER  # noqa: E402
 from tests.support.ray_cluster import two_node_cluster  # noqa: E402
 from tests.support.server import ServerProcess, start_server  # noqa: E402
@@ -103,6 +105,62 @@ def chat(
     return reply
 
 
+def push_tensors(client: httpx.Client, shift: int, version: str) -> str:
+    """The fleet's checksum after one tensor push of the sample model's weights."""
+    pushed = client.post(
+        "/update_weights_from_tensor",
+        json={"named_tensors": {"token_shift": [shift]}, "weight_version": version},
+    )
+    assert pushed.status_code == 200, pushed.text
+    checksum: str = pushed.json()["checksum"]
+    return checksum
+
+
+def sigkill(replica: str) -> None:
+    """SIGKILL the process of ``replica`` (a Serve actor on this machine's cluster)."""
+    actor = ray.get_actor(replica, namespace="serve")
+    pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    os.kill(pid, signal.SIGKILL)
+
+
+def healed(client: httpx.Client, before: set[str]) -> tuple[str, set[Any]]:
+    """Requests while the fleet heals, until one is served by a replica not in ``before``
+    (the header names it): that replica, and every weight version the answers carried.
+    A replica out of rotation serves nothing meanwhile."""
+    versions: set[Any] = set()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        reply = client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
+        )
+        served_by = None
+        if reply.status_code == 200:
+            versions.add(reply.json()["weight_version"])
+            served_by = reply.headers[REPLICA_HEADER]
+        else:
+            assert reply.json()["error"]["code"] == "replica_lost", reply.text
+        replicas = client.get("/health").json()["fleet"]["replicas"]
+        fresh = {name: r for name, r in replicas.items() if name not in before and "state" in r}
+        for replica in fresh.values():
+            if not replica["in_rotation"]:
+                assert replica["served"] == 0, replica
+        if served_by in fresh:
+            return served_by, versions
+        time.sleep(0.1)
+    raise AssertionError(f"no replacement served within 120 s: {replicas}")
+
+
+def assert_on_fleet_weights(
+    client: httpx.Client, replica: str, checksum: str, version: str, source: str
+) -> None:
+    """``replica`` serves the fleet's weights, taken from ``source``."""
+    entry = client.get("/health").json()["fleet"]["replicas"][replica]
+    assert entry["in_rotation"] and entry["weight_version"] == version, entry
+    assert entry["caught_up_from"] == source, entry
+    checked = client.post("/engine/control/weights_checksum", json={}).json()
+    assert checked["replicas"][replica]["checksum"] == checksum, checked
+
+
 class TestTwoReplicas:
     def test_every_answer_names_the_replica_that_served_it(self, pair: httpx.Client) -> None:
         names = set(live_replicas(pair, 2))
@@ -144,3 +202,67 @@ class TestTwoReplicas:
         refused = pair.post("/v1/chat/completions", json={"model": MODEL})
         assert refused.status_code == 400
         assert REPLICA_HEADER not in refused.headers
+
+    def test_a_killed_replica_comes_back_on_the_pushed_weights_from_its_peer(
+        self, pair: httpx.Client
+    ) -> None:
+        checksum = push_tensors(pair, 6, "pushed-pair")
+        before = live_replicas(pair, 2, checksum)
+        victim, survivor = sorted(before)
+        sigkill(victim)
+
+        replacement, versions = healed(pair, set(before))
+        # Nothing was served from the checkpoint's weights, and the trainer never pushed again.
+        assert versions == {"pushed-pair"}
+        source = f"the weights of replica {survivor}"
+        assert_on_fleet_weights(pair, replacement, checksum, "pushed-pair", source)
+
+
+class TestOneReplica:
+    def test_a_killed_only_replica_comes_back_on_the_push_the_ingress_kept(
+        self, single: httpx.Client
+    ) -> None:
+        checksum = push_tensors(single, 9, "pushed-single")
+        before = live_replicas(single, 1, checksum)
+        sigkill(next(iter(before)))
+
+        replacement, versions = healed(single, set(before))
+        assert versions == {"pushed-single"}
+        # No peer to copy from: the push the ingress kept, replayed.
+        source = "update_weights_from_tensor"
+        assert_on_fleet_weights(single, replacement, checksum, "pushed-single", source)
+
+    def test_a_replacement_that_cannot_be_healed_stays_out_and_says_why(
+        self, single: httpx.Client, tmp_path: Path
+    ) -> None:
+        """The fleet's last update was from a file since deleted, and no peer is left: the
+        replacement stays out of rotation, ``/health`` says why, and the trainer's next
+        update brings it in."""
+        weights = write_sample_weights(tmp_path / "deleted.safetensors", 4)
+        updated = single.post(
+            "/engine/update_weights_from_disk",
+            json={"model_path": str(weights), "weight_version": "from-disk"},
+        )
+        assert updated.status_code == 200, updated.text
+        before = live_replicas(single, 1, updated.json()["checksum"])
+        weights.unlink()
+        sigkill(next(iter(before)))
+
+        deadline = time.monotonic() + 120
+        while True:
+            replicas = single.get("/health").json()["fleet"]["replicas"]
+            fresh = {n: r for n, r in replicas.items() if n not in before and "state" in r}
+            reasons = [r.get("out_of_rotation", "") for r in fresh.values()]
+            if any("taking update_weights_from_disk failed" in reason for reason in reasons):
+                break
+            assert time.monotonic() < deadline, replicas
+            assert all(not r["in_rotation"] for r in fresh.values()), replicas
+            time.sleep(0.2)
+        (replacement,) = fresh
+        assert fresh[replacement]["served"] == 0
+
+        checksum = push_tensors(single, 11, "pushed-again")
+        reply = chat(single)
+        assert reply.headers[REPLICA_HEADER] == replacement
+        assert reply.json()["weight_version"] == "pushed-again"
+        assert live_replicas(single, 1, checksum)[replacement]["in_rotation"]
