@@ -5,9 +5,10 @@ A local two-node Ray cluster (two logical CPUs per node) runs a two-replica flee
 sample engine, then a one-replica fleet. Weights change by a tensor push; a replica is
 then killed with SIGKILL and Ray's replacement must come back on the pushed weights
 without the trainer pushing again: from its peer's weights in the object store (two
-replicas) or from the push the ingress kept (one replica). The module takes about
-90-150 s on two cores (cluster ~7 s, each fleet ~15-30 s to deploy, each replacement
-~10-20 s, teardown ~15 s each).
+replicas) or from the push the ingress kept (one replica); a two-replica fleet of the
+transformers engine on the tiny checkpoint heals from its peer too. The module takes
+about 200-300 s on two cores (cluster ~7 s, each sample fleet ~25-65 s to deploy and the
+transformers one longer, each replacement ~10-20 s, teardown ~5-15 s each).
 """
 
 from __future__ import annotations
@@ -45,7 +46,11 @@ def cluster() -> Iterator[Cluster]:
 
 
 def serve_fleet(
-    cluster: Cluster, log_dir: Path, replicas: int, app_name: str
+    cluster: Cluster,
+    log_dir: Path,
+    replicas: int,
+    app_name: str,
+    engine: tuple[str, ...] | list[str] = ("--engine", "sample"),
 ) -> Iterator[httpx.Client]:
     args = [
         "--ray",
@@ -57,10 +62,11 @@ def serve_fleet(
         str(replicas),
         "--ray-replica-cpus",
         "1",
-        "--engine",
-        "sample",
+        *engine,
     ]
-    process: ServerProcess = start_server(args, log_dir, ready_timeout=120)
+    process: ServerProcess = start_server(
+        args, log_dir, env={"HF_HUB_OFFLINE": "1"}, ready_timeout=300
+    )
     try:
         with httpx.Client(base_url=process.base_url, timeout=60) as client:
             yield client
@@ -116,6 +122,12 @@ def push_tensors(client: httpx.Client, shift: int, version: str) -> str:
     return checksum
 
 
+def fleet_checksum(client: httpx.Client) -> str:
+    """The whole-model checksum the fleet's last weight update committed."""
+    committed: str = client.get("/health").json()["fleet"]["fleet_weights"]["checksum"]
+    return committed
+
+
 def sigkill(replica: str) -> None:
     """SIGKILL the process of ``replica`` (a Serve actor on this machine's cluster)."""
     actor = ray.get_actor(replica, namespace="serve")
@@ -123,7 +135,7 @@ def sigkill(replica: str) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def healed(client: httpx.Client, before: set[str]) -> tuple[str, set[Any]]:
+def healed(client: httpx.Client, before: set[str], model: str = MODEL) -> tuple[str, set[Any]]:
     """Requests while the fleet heals, until one is served by a replica not in ``before``
     (the header names it): that replica, and every weight version the answers carried.
     A replica out of rotation serves nothing meanwhile."""
@@ -131,7 +143,7 @@ def healed(client: httpx.Client, before: set[str]) -> tuple[str, set[Any]]:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         reply = client.post(
-            "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}
+            "/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2}
         )
         served_by = None
         if reply.status_code == 200:
@@ -266,3 +278,51 @@ class TestOneReplica:
         assert reply.headers[REPLICA_HEADER] == replacement
         assert reply.json()["weight_version"] == "pushed-again"
         assert live_replicas(single, 1, checksum)[replacement]["in_rotation"]
+
+
+@pytest.fixture(scope="class")
+def tiny_pair(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[httpx.Client, Path]]:
+    from tests.support.tiny_llm import build_tiny_llama
+
+    model = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    engine = ["--engine", "transformers", "--model", str(model), "--", "--cpu-threads", "1"]
+    for client in serve_fleet(
+        cluster, tmp_path_factory.mktemp("tiny-pair"), 2, "penstock-tiny", engine
+    ):
+        yield client, model
+
+
+@pytest.mark.timeout(480)
+class TestTransformersReplicas:
+    def test_a_killed_replica_comes_back_on_pushed_tensors_from_its_peer(
+        self, tiny_pair: tuple[httpx.Client, Path]
+    ) -> None:
+        """The peer's whole model crosses the object store: the replacement holds the
+        pushed tensor and every other one of the peer, by the whole-model checksum."""
+        import base64
+
+        import safetensors.numpy
+
+        client, model = tiny_pair
+        norm = safetensors.numpy.load_file(model / "model.safetensors")["model.norm.weight"]
+        payload = safetensors.numpy.save({"model.norm.weight": norm * 0.5})
+        pushed = client.post(
+            "/update_weights_from_tensor",
+            json={
+                "serialized_named_tensors": [base64.b64encode(payload).decode()],
+                "weight_version": "tiny-pushed",
+            },
+        )
+        assert pushed.status_code == 200, pushed.text
+        checksum = fleet_checksum(client)
+        before = live_replicas(client, 2, checksum)
+        victim, survivor = sorted(before)
+        sigkill(victim)
+
+        served_model = client.get("/v1/models").json()["data"][0]["id"]
+        replacement, versions = healed(client, set(before), served_model)
+        assert versions == {"tiny-pushed"}
+        source = f"the weights of replica {survivor}"
+        assert_on_fleet_weights(client, replacement, checksum, "tiny-pushed", source)
