@@ -30,6 +30,7 @@ from penstock.media.requests import generates_media
 from penstock.media.service import MediaService
 from penstock.metrics.http import HttpMetricsMiddleware
 from penstock.multimodal.inputs import MediaInputs
+from penstock.ray.replica_header import ReplicaHeader
 from penstock.responses.async_store import AsyncResponseStore
 from penstock.rl.plane import install_admin_plane
 from penstock.routers import (
@@ -259,6 +260,9 @@ def _middlewares(
     """Penstock's middlewares around FastAPI's layers, innermost first."""
     # Innermost: the hot operations, served without any of FastAPI's layers.
     wrapped: ASGIApp = HotRoutes(fastapi_layers, routes=hot)
+    if gateway.settings.ray:
+        # Which replica served each answer: a fleet's only (penstock.ray.replica_header).
+        wrapped = ReplicaHeader(wrapped)
     if tracing is not None:
         # Inside the gateway middleware: the request id is known when the span starts.
         from penstock.tracing.otel import TracingMiddleware

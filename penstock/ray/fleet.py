@@ -53,6 +53,8 @@ from penstock.ray.fleet_admin import FleetEngine
 from penstock.ray.local_cluster import LocalCluster
 from penstock.ray.metrics import SCRAPE_TIMEOUT_S, fleet_families, labelled_families, render
 from penstock.ray.replica import EngineReplica
+from penstock.ray.replica_header import note_replica
+from penstock.ray.replica_load import POLICY_PATH as AUTOSCALING_POLICY_PATH
 from penstock.ray.routing import affinity_key
 from penstock.ray.streams import FleetStreams, IngressStream
 from penstock.ray.wire import entry_error
@@ -192,6 +194,7 @@ class FleetHost:
             affinity_key(request, context, self._settings.ray_affinity_prefix_tokens),
         )
         self._streams[context] = stream
+        note_replica(name)
         load = self.replicas.setdefault(name, ReplicaLoad())
         load.served += 1
         load.running += 1
@@ -293,6 +296,8 @@ def deployment_options(settings: Settings) -> dict[str, Any]:
         "max_replicas": high,
         "initial_replicas": min(max(settings.ray_replicas, low), high),
         "target_ongoing_requests": settings.ray_target_ongoing_requests,
+        # Serve sees no stream: the replicas report theirs (penstock.ray.replica_load).
+        "policy": {"policy_function": AUTOSCALING_POLICY_PATH},
     }
     return options
 

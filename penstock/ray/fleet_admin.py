@@ -50,8 +50,9 @@ are per replica (:mod:`penstock.ray.wire`). The replica side is
   until the trainer re-creates the group with it.
 * Rotation (:mod:`penstock.ray.rotation`): once a weight update has committed, requests
   go only to the replicas that hold the fleet's weights; :meth:`FleetEngine.catch_up`
-  replays a disk update on a replica Ray starts later (within a second or so of it
-  appearing) so that it joins. The next fleet weight update includes a replica out of
+  brings a replica Ray starts later to them (within a second or so of it appearing:
+  a peer's weights through Ray's object store, else the fleet's last update replayed)
+  so that it joins. The next fleet weight update includes a replica out of
   rotation (it joins if it then agrees with the replicas in rotation, whose agreement
   alone decides the transaction).
 * :meth:`FleetEngine.refresh` asks every replica for its state, weight version and
@@ -311,25 +312,48 @@ class FleetEngine:
         return None
 
     async def catch_up(self) -> None:
-        """Bring replicas out of rotation to the fleet's weights by replaying the fleet's
-        last update on them (once per update and replica); a replica that then reports the
+        """Bring replicas out of rotation to the fleet's weights (once per committed update
+        and replica): copied from a live peer in rotation, else by replaying the fleet's
+        last update (:mod:`penstock.ray.rotation`); a replica that then reports the
         fleet's checksum and version joins the rotation."""
         if self._weights_lock.locked():
             return
-        late = self.rotation.late(list(self.view))
+        late = self.rotation.late([name for name, seen in self.view.items() if "state" in seen])
         if not late:
-            return
-        if self.rotation.replay is None:
-            self.rotation.cannot_replay(late)
             return
         async with self._weights_lock:
             generation = self.rotation.generation
-            update, body = self.rotation.replay
             members = sorted(self.rotation.members or ())
-            answers = await self.broadcast("sync", members, update, body)
-            for name in self.rotation.replayed(update, late, generation, answers):
-                logger.info("replica %s replayed %s and joins the rotation", name, update)
+            donors = [name for name in members if "state" in self.view.get(name, {})]
+            answers, source = None, ""
+            if donors:
+                source = f"the weights of replica {donors[0]}"
+                answers = await self._copy_from(donors[0], members)
+            if answers is None and self.rotation.replay is not None:
+                update, body = self.rotation.replay
+                source = update
+                answers = await self.broadcast("sync", members, update, body)
+            if answers is None:
+                self.rotation.cannot_replay(late)
+                return
+            for name in self.rotation.replayed(source, late, generation, answers):
+                logger.info("replica %s took %s and joins the rotation", name, source)
             self._note(answers)
+
+    async def _copy_from(self, donor: str, members: list[str]) -> list[dict[str, Any]] | None:
+        """Every replica's answer to taking ``donor``'s weights through Ray's object store
+        (those in ``members`` keep theirs); None when ``donor`` could not share the fleet's
+        weights."""
+        shared = await self.broadcast("share", donor)
+        offer = next((a for a in shared if a["replica"] == donor), None)
+        if offer is None or not offer["ok"] or not offer.get("weights"):
+            reason = offer["error"]["message"] if offer and not offer["ok"] else "no answer"
+            logger.warning("replica %s could not share its weights: %s", donor, reason)
+            return None
+        if not self.rotation.holds(offer.get("checksum")):
+            logger.warning("replica %s no longer holds the fleet's weights", donor)
+            return None
+        return await self.broadcast("adopt", members, offer["weights"])
 
     def _check_rolled_back(
         self,

@@ -31,6 +31,7 @@ from penstock.ray.adapters import ReplicaAdapters
 from penstock.ray.batching import StreamServer
 from penstock.ray.metrics import ReplicaMetrics
 from penstock.ray.replica_admin import ReplicaAdmin
+from penstock.ray.replica_load import RUNNING_STREAMS
 from penstock.ray.wire import ADDRESS_KEY, error_entry
 from penstock.settings import Settings
 
@@ -148,6 +149,11 @@ class EngineReplica:
             answer["running"] = len(self._live)
             answer[ADDRESS_KEY] = self.data_address
         return answer
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaling policy scales on (:mod:`penstock.ray.replica_load`):
+        the streams this replica runs, which Serve's own count never sees."""
+        return {RUNNING_STREAMS: float(len(self._live))}
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -2,8 +2,9 @@
 
 :class:`ReplicaAdmin` runs what :class:`~penstock.ray.fleet_admin.FleetEngine` broadcasts
 to every replica (``control``, ``update``, the weight update transaction's ``begin``,
-``apply`` and ``end``, ``sync`` (replaying the fleet's last update), ``join`` and ``leave``
-of the trainer's weights update group, ``status``) and judges the engine's answers exactly
+``apply`` and ``end``, ``sync`` (replaying the fleet's last update), ``share`` and
+``adopt`` (a peer's weights through Ray's object store), ``join`` and ``leave`` of the
+trainer's weights update group, ``status``) and judges the engine's answers exactly
 as the single-process admin plane does (:meth:`AdminStateMachine.call_engine`). Each
 answer carries this replica's name; an error is this replica's failed answer
 (:mod:`penstock.ray.wire`).
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from penstock.engines.weight_sync import DEFAULT_GROUP_NAME
 from penstock.errors import ConflictError, InternalServerError, InvalidRequestError, PenstockError
+from penstock.ray import require_ray
 from penstock.ray.wire import TRANSACTION_PAUSE_MODE, failed_answer, ok_answer
 from penstock.rl.state import AdminStateMachine
 
@@ -67,6 +69,8 @@ class ReplicaAdmin:
             "apply": self.apply,
             "end": self.end,
             "sync": self.sync,
+            "share": self.share,
+            "adopt": self.adopt,
             "join": self.join,
             "leave": self.leave,
             "status": self.status,
@@ -75,7 +79,7 @@ class ReplicaAdmin:
             unknown = InvalidRequestError(f"unknown fleet operation {operation}")
             return failed_answer(self.name, unknown)
         try:
-            if operation in ("begin", "apply", "end", "sync"):
+            if operation in ("begin", "apply", "end", "sync", "adopt"):
                 async with self._steps:
                     return await handler(*args)
             return await handler(*args)
@@ -212,6 +216,45 @@ class ReplicaAdmin:
             raise
         await self.end(txn, False)
         return {**applied, "current": False}
+
+    async def share(self, donor: str) -> dict[str, Any]:
+        """On the ``donor`` only: this replica's weights (the engine's
+        ``weights_snapshot()``, as a rollback keeps them) put in Ray's object store, for
+        replicas that start later to :meth:`adopt`; ``weights`` holds the one reference.
+        The others answer with nothing to share."""
+        if self.name != donor:
+            return ok_answer(self.name, weights=None)
+        take = getattr(self.host.engine, "weights_snapshot", None)
+        if not callable(take):
+            raise ConflictError(
+                f"{type(self.host.engine).__name__} cannot hand its weights to another replica",
+                code="weights_not_shareable",
+            )
+        ray, _ = require_ray()
+        snapshot = await take()
+        reference = await asyncio.to_thread(ray.put, snapshot)
+        # In a list: Ray passes a reference nested in a value on as a reference.
+        return ok_answer(self.name, weights=[reference], **await self._weights())
+
+    async def adopt(self, members: list[str], weights: list[Any]) -> dict[str, Any]:
+        """Take a peer's weights (what its :meth:`share` put in the object store), paused
+        in ``keep`` mode meanwhile, unless this is one of the ``members`` that hold the
+        fleet's weights. The answer's checksum decides whether this replica joins."""
+        if self.name in members:
+            return ok_answer(self.name, current=True)
+        snapshot = await weights[0]
+        paused_here = self.paused is None and not self.sleeping
+        if paused_here:
+            await self._calls.call_engine(
+                "control", "pause_generation", {"mode": TRANSACTION_PAUSE_MODE}
+            )
+            self.paused = TRANSACTION_PAUSE_MODE
+        try:
+            await self.host.engine.restore_weights_snapshot(snapshot)
+        finally:
+            if paused_here:
+                await self._resume()
+        return ok_answer(self.name, current=False, **await self._weights())
 
     async def status(self) -> dict[str, Any]:
         weights = await self._weights(checksum=self.checksum is None)

@@ -1,16 +1,25 @@
-"""The rotation: which replicas hold the fleet's committed weights, and the replay that
-brings a replica started later to them.
+"""The rotation: which replicas hold the fleet's committed weights, and how a replica
+started later is brought to them.
 
 Before the first committed weight update every replica is routed to. From then on only
 the replicas that reported the committed checksum and version are
-(:func:`penstock.ray.routing.set_rotation`). A replica Ray starts later (a replacement,
-autoscaling) begins on the checkpoint's weights, so it stays out until it holds the
-fleet's: a disk update is replayed on it (:meth:`FleetEngine.catch_up
-<penstock.ray.fleet_admin.FleetEngine.catch_up>` drives the broadcast) and it joins once it
-reports the fleet's checksum and version. Other updates (tensors, NIXL, broadcast) are not
-kept, so such a replica stays out, ``/health`` says why, and the next fleet weight update
-includes it. :class:`Rotation` holds this state and judges the replicas' answers; it
-sends nothing itself.
+(:func:`penstock.ray.routing.set_rotation`). A replica Ray starts later (a replacement
+after a crash, autoscaling) begins on the checkpoint's weights, so it stays out until it
+holds the fleet's (:meth:`FleetEngine.catch_up
+<penstock.ray.fleet_admin.FleetEngine.catch_up>` drives it, within a second or so of the
+replica appearing):
+
+1. from a peer: a replica in rotation puts its weights in Ray's object store and the late
+   one takes them, whatever update made them (disk, tensors, NIXL, a broadcast);
+2. with no live peer in rotation (a fleet of one), by replaying the fleet's last update,
+   which the ingress keeps when its request alone reproduces the weights: a disk update,
+   or a tensor push (the trainer's payload, held until the next update);
+3. otherwise it stays out, ``/health`` says why, and the next fleet weight update
+   includes it.
+
+Either way it joins only once it reports the fleet's checksum and version, and each late
+replica is tried once per committed update. :class:`Rotation` holds this state and judges
+the replicas' answers; it sends nothing itself.
 """
 
 from __future__ import annotations
@@ -19,8 +28,9 @@ from typing import Any
 
 from penstock.ray.routing import set_rotation
 
-# Updates whose request alone reproduces the weights on a replica started later.
-REPLAYABLE_UPDATES = frozenset({"update_weights_from_disk"})
+# Updates whose request alone reproduces the weights on a replica started later (a tensor
+# push whose payload only pointed at the trainer's memory fails the checksum instead).
+REPLAYABLE_UPDATES = frozenset({"update_weights_from_disk", "update_weights_from_tensor"})
 
 
 class Rotation:
@@ -35,6 +45,8 @@ class Rotation:
         # Counts commits, so a late replica is tried once per committed update.
         self.generation = 0
         self.out_of_rotation: dict[str, str] = {}
+        # How each replica that joined since the last commit got the fleet's weights.
+        self.caught_up_from: dict[str, str] = {}
         self._synced: dict[str, int] = {}
 
     def reference(self, answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -59,10 +71,11 @@ class Rotation:
             "checksum": reference["checksum"],
             "update": update,
         }
-        # Only a disk update can be run again later as it ran now.
+        # Kept for a fleet left with no peer to copy from (see REPLAYABLE_UPDATES).
         self.replay = (update, dict(body)) if update in REPLAYABLE_UPDATES else None
         members = set()
         self.out_of_rotation = {}
+        self.caught_up_from = {}
         for answer in applied:
             if self._holds_fleet_weights(answer) and not answer.get("skipped"):
                 members.add(answer["replica"])
@@ -76,9 +89,11 @@ class Rotation:
         self._publish(frozenset(members))
 
     def state(self, name: str) -> dict[str, Any]:
-        """Whether ``name`` is routed to and, when not, why (for ``/health``)."""
+        """Whether ``name`` is routed to and, when not, why; for a replica that joined
+        late, what it took the fleet's weights from (for ``/health``)."""
         if self.members is None or name in self.members:
-            return {"in_rotation": True}
+            source = self.caught_up_from.get(name)
+            return {"in_rotation": True, **({"caught_up_from": source} if source else {})}
         reason = self.out_of_rotation.get(
             name, "started after the fleet's last weight update: not yet on its weights"
         )
@@ -95,20 +110,23 @@ class Rotation:
         ]
 
     def cannot_replay(self, late: list[str]) -> None:
-        """Say why ``late`` stay out when the fleet's last update cannot be replayed."""
+        """Say why ``late`` stay out when no peer in rotation could hand them the fleet's
+        weights and the fleet's last update cannot be replayed."""
         weights = self.fleet_weights or {}
         for name in late:
             self.out_of_rotation[name] = (
-                f"started after the fleet's last weight update ({weights.get('update')}), "
-                "which cannot be replayed; the next fleet weight update includes it"
+                f"started after the fleet's last weight update ({weights.get('update')}); "
+                "no replica in rotation could hand it the weights and that update cannot "
+                "be replayed: the next fleet weight update includes it"
             )
             self._synced[name] = self.generation
 
     def replayed(
-        self, update: str, late: list[str], generation: int, answers: list[dict[str, Any]]
+        self, source: str, late: list[str], generation: int, answers: list[dict[str, Any]]
     ) -> list[str]:
-        """Judge the ``sync`` answers of replaying ``update`` (commit ``generation``): the
-        ``late`` replicas now on the fleet's weights join the rotation. Returns those."""
+        """Judge the ``late`` replicas' answers (``sync`` or ``adopt``) to being brought to
+        commit ``generation``'s weights from ``source`` (the update replayed, or the peer
+        copied): those now on the fleet's weights join the rotation. Returns those."""
         joined = set()
         for answer in answers:
             name = answer["replica"]
@@ -118,15 +136,18 @@ class Rotation:
             if self._holds_fleet_weights(answer):
                 joined.add(name)
                 self.out_of_rotation.pop(name, None)
+                self.caught_up_from[name] = source
             elif answer["ok"]:
-                self.out_of_rotation[name] = f"replayed {update} but " + self._mismatch(answer)
+                self.out_of_rotation[name] = f"took {source} but " + self._mismatch(answer)
             else:
-                self.out_of_rotation[name] = (
-                    f"replaying {update} failed: {answer['error']['message']}"
-                )
+                self.out_of_rotation[name] = f"taking {source} failed: {answer['error']['message']}"
         if joined and self.members is not None:
             self._publish(self.members | joined)
         return sorted(joined)
+
+    def holds(self, checksum: Any) -> bool:
+        """Whether ``checksum`` is the fleet's committed one."""
+        return self.fleet_weights is not None and checksum == self.fleet_weights["checksum"]
 
     def _holds_fleet_weights(self, answer: dict[str, Any]) -> bool:
         weights = self.fleet_weights or {}

@@ -475,8 +475,8 @@ def test_a_replacement_replica_serves_only_once_on_the_fleets_weights(
     client: httpx.Client, tmp_path: Path
 ) -> None:
     """After a fleet disk update one replica is killed: Ray's replacement starts on the
-    checkpoint's weights, so it gets no request until the ingress has replayed the update
-    on it and it reports the fleet's checksum and version (about 10-20 s)."""
+    checkpoint's weights, so it gets no request until it has taken its peer's weights and
+    reports the fleet's checksum and version (about 10-20 s)."""
     weights = write_sample_weights(tmp_path / "v4.safetensors", 5)
     answer = client.post(
         "/engine/update_weights_from_disk",
