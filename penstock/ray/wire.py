@@ -90,8 +90,9 @@ def answer_error(answer: dict[str, Any]) -> PenstockError:
 # stream between them, as MessagePack arrays, each behind its length (4 bytes, big-endian).
 # Ingress to replica: HELLO first (the fleet's token), then OPEN, CANCEL and CREDIT (stream
 # ids and their credit, flat: ``[CREDIT, [id, credit, id, credit, ...]]``). Replica to
-# ingress: BATCH, once per turn of its loop, with every stream's chunks since the last one
-# (an error entry last when the stream failed) and the streams that ended:
+# ingress: BATCH, at most one per FRAME_INTERVAL_S (``penstock.ray.batching``), with every
+# stream's chunks since the last one (an error entry last when the stream failed) and the
+# streams that ended:
 # ``[BATCH, [id, chunks, id, chunks, ...], [ended id, ...]]``. A replica sends a stream at
 # most WINDOW batches beyond what the ingress has consumed; the ingress returns credit
 # every WINDOW // 2 batches it consumed.
