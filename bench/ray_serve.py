@@ -19,6 +19,8 @@ the rounds. The setups:
   (``bench/byte_forwarder.py`` in front of a plain ``penstock serve``); its CPU is the
   forwarder's plus the server's.
 
+* ``fleet, N replica(s), before`` (with ``--before TREE``): the same fleets run from
+  another checkout (the data plane before a change), in the same rounds;
 * ``fleet, 1 replica, pinned`` (with ``--pinned``): the ingress's threads on CPU 0, the
   replica's and the load's on CPU 1: the tokens/s one ingress core streams, and how busy
   that core was (``ingress_cpu_s_per_s``).
@@ -26,7 +28,10 @@ the rounds. The setups:
 ``ingress_tokens_per_core_s`` is the tokens one core of the ingress alone streams at the
 measured CPU cost per token.
 
-    python bench/ray_serve.py [--replicas 1 2] [--rounds 3] [--pinned] [--forwarded]
+``client_cpu_s_per_1k_tokens`` is the load's own CPU, to tell when the client caps a run.
+
+    python bench/ray_serve.py [--replicas 1 2] [--rounds 3] [--pinned] [--before TREE]
+        [--forwarded]
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -42,6 +48,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,10 +113,10 @@ def serve_argv(port: int, gateway_args: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def started(argv: list[str]) -> Iterator[subprocess.Popen[bytes]]:
-    # The replicas too (Ray's workers inherit it) import this tree's penstock.
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+def started(argv: list[str], tree: Path = REPO) -> Iterator[subprocess.Popen[bytes]]:
+    # The replicas too (Ray's workers inherit it) import that tree's penstock.
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    process = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.DEVNULL)
     try:
         yield process
     finally:
@@ -144,8 +151,8 @@ def pin(pid: int, cpu: int) -> None:
 
 
 @contextlib.contextmanager
-def penstock(port: int, gateway_args: list[str]) -> Iterator[Serving]:
-    with started(serve_argv(port, gateway_args)) as process:
+def penstock(port: int, gateway_args: list[str], tree: Path = REPO) -> Iterator[Serving]:
+    with started(serve_argv(port, gateway_args), tree) as process:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, process)
         yield Serving(url, process.pid, replica_pids(process.pid))
@@ -192,7 +199,9 @@ def measure(name: str, serving: Serving, args: argparse.Namespace) -> dict:
         os.sched_setaffinity(0, {1})
     try:
         before, started_at = serving.cpu(), time.perf_counter()
+        client_before = time.process_time()
         busy = load(serving.url, args.concurrency, args.requests, args.max_tokens)
+        client = time.process_time() - client_before
         after, elapsed = serving.cpu(), time.perf_counter() - started_at
         serial = load(serving.url, 1, args.serial, args.max_tokens)
     finally:
@@ -210,6 +219,7 @@ def measure(name: str, serving: Serving, args: argparse.Namespace) -> dict:
         "ingress_cpu_s_per_1k_tokens": round(per_1k["ingress"], 4),
         "replica_cpu_s_per_1k_tokens": round(per_1k["replicas"], 4),
         "ingress_cpu_s_per_s": round(spent["ingress"] / elapsed, 3),
+        "client_cpu_s_per_1k_tokens": round(1000 * client / tokens, 4),
         "ingress_tokens_per_core_s": round(1 / ingress_per_token) if ingress_per_token else None,
         "ttft_p50_ms_c1": round(serial["ttft_p50_ms"], 2),
         "ttft_p99_ms_c1": round(serial["ttft_p99_ms"], 2),
@@ -248,19 +258,28 @@ def main() -> None:
     parser.add_argument("--pinned", action="store_true", help="also the pinned 1-replica fleet")
     parser.add_argument("--forwarded", action="store_true", help="also the byte forwarder")
     parser.add_argument("--port", type=int, default=18620)
+    parser.add_argument("--before", type=Path, help="also the fleets of this tree")
     args = parser.parse_args()
     setups: list[tuple[str, Any]] = [("single process", lambda port: penstock(port, []))]
     for n in args.replicas:
         fleet = ["--ray", "--ray-replicas", str(n), "--ray-replica-cpus", "0.5"]
         setups.append((f"fleet, {n} replica(s)", lambda port, f=fleet: penstock(port, f)))
+    if args.before:
+        for n in args.replicas:
+            fleet = ["--ray", "--ray-replicas", str(n), "--ray-replica-cpus", "0.5"]
+            before = functools.partial(penstock, gateway_args=fleet, tree=args.before.resolve())
+            setups.append((f"fleet, {n} replica(s), before", before))
     if args.pinned:
         setups.append(("fleet, 1 replica, pinned", pinned))
     if args.forwarded:
         setups.append(("forwarded bytes, 1 replica", forwarded))
-    with contextlib.ExitStack() as stack:
-        running = {}
-        for index, (name, start) in enumerate(setups):
-            running[name] = stack.enter_context(start(args.port + 2 * index))
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(setups)) as starting:
+        # Started side by side: each Ray cluster takes tens of seconds to come up.
+        entered = [
+            starting.submit(stack.enter_context, start(args.port + 2 * index))
+            for index, (name, start) in enumerate(setups)
+        ]
+        running = {name: future.result() for (name, _), future in zip(setups, entered, strict=True)}
         for name, serving in running.items():
             print(json.dumps({"setup": name, "idle_cpu_s_per_s": idle_cpu(serving)}), flush=True)
         rows: dict[str, list[dict]] = {name: [] for name in running}
