@@ -48,7 +48,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -273,13 +272,12 @@ def main() -> None:
         setups.append(("fleet, 1 replica, pinned", pinned))
     if args.forwarded:
         setups.append(("forwarded bytes, 1 replica", forwarded))
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(setups)) as starting:
-        # Started side by side: each Ray cluster takes tens of seconds to come up.
-        entered = [
-            starting.submit(stack.enter_context, start(args.port + 2 * index))
+    with contextlib.ExitStack() as stack:
+        # One at a time: Ray clusters starting side by side on two loaded cores time out.
+        running = {
+            name: stack.enter_context(start(args.port + 2 * index))
             for index, (name, start) in enumerate(setups)
-        ]
-        running = {name: future.result() for (name, _), future in zip(setups, entered, strict=True)}
+        }
         for name, serving in running.items():
             print(json.dumps({"setup": name, "idle_cpu_s_per_s": idle_cpu(serving)}), flush=True)
         rows: dict[str, list[dict]] = {name: [] for name in running}
