@@ -113,8 +113,9 @@ def serve_argv(port: int, gateway_args: list[str]) -> list[str]:
 
 @contextlib.contextmanager
 def started(argv: list[str], tree: Path = REPO) -> Iterator[subprocess.Popen[bytes]]:
-    # The replicas too (Ray's workers inherit it) import that tree's penstock.
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # The replicas too (Ray's workers inherit it) import that tree's penstock. Ray's
+    # ~20 s window to reach a cluster's GCS runs out on two cores loaded by other work.
+    env = {**os.environ, "PYTHONPATH": str(tree), "RAY_gcs_server_port_wait_time_s": "120"}
     process = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.DEVNULL)
     try:
         yield process
