@@ -128,18 +128,14 @@ class EngineReplica:
         context = Context(request_id)
         self._live[request_id] = context
         try:
-            async for chunk in self._chunks(request, context, adapter):
+            if adapter is not None:
+                await self.adapters.ensure(*adapter)
+            # One generator between the host's chunks and the data plane: each level
+            # costs every chunk a resumption.
+            async for chunk in self.host.generate(request, context):
                 yield chunk
         finally:
             self._live.pop(request_id, None)
-
-    async def _chunks(
-        self, request: dict[str, Any], context: Context, adapter: tuple[str, str] | None
-    ) -> AsyncIterator[dict[str, Any]]:
-        if adapter is not None:
-            await self.adapters.ensure(*adapter)
-        async for chunk in self.host.generate(request, context):
-            yield chunk
 
     async def admin(self, operation: str, *args: Any) -> dict[str, Any]:
         """One replica's part of a fleet admin call (:mod:`penstock.ray.fleet_admin`), reached

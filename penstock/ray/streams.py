@@ -50,7 +50,9 @@ class IngressStream:
             last = arrived[-1] if arrived[-1] is None or arrived[-1] is _LOST else False
             if last is not False:
                 arrived.pop()
-            if arrived:
+            if len(arrived) == 1:
+                yield arrived[0]
+            elif arrived:
                 yield [chunk for batch in arrived for chunk in batch]
             if last is _LOST:
                 raise ReplicaLostError(
@@ -60,7 +62,7 @@ class IngressStream:
                 return
             consumed += len(arrived)
             if consumed >= wire.WINDOW // 2:
-                self._channel.send(wire.CREDIT, self._id, consumed)
+                self._channel.credit(self._id, consumed)
                 consumed = 0
 
     def cancel(self) -> None:
@@ -82,6 +84,8 @@ class ReplicaChannel:
         self._connected: asyncio.Task[None] | None = None
         self._streams: dict[int, IngressStream] = {}
         self._ids = itertools.count()
+        # Credit returned this turn of the loop, sent in one frame: stream id, credit, ...
+        self._credits: list[int] = []
 
     async def connect(self) -> None:
         if self._connected is None:
@@ -121,6 +125,15 @@ class ReplicaChannel:
         if self._protocol is not None:
             self._protocol.send(*frame)
 
+    def credit(self, stream_id: int, batches: int) -> None:
+        if not self._credits:
+            asyncio.get_running_loop().call_soon(self._send_credits)
+        self._credits += (stream_id, batches)
+
+    def _send_credits(self) -> None:
+        credits, self._credits = self._credits, []
+        self.send(wire.CREDIT, credits)
+
     def detach(self, stream_id: int) -> bool:
         return self._streams.pop(stream_id, None) is not None
 
@@ -129,15 +142,17 @@ class ReplicaChannel:
             self._protocol.close()
 
     def _on_frame(self, frame: list[Any]) -> None:
-        kind, stream_id = frame[0], frame[1]
-        stream = self._streams.get(stream_id)
-        if stream is None:
-            return  # cancelled here; the replica's last frames were under way
-        if kind == wire.BATCH:
-            stream.inbox.put(frame[2])
-        elif kind == wire.END:
-            del self._streams[stream_id]
-            stream.inbox.put(None)
+        if frame[0] != wire.BATCH:
+            return
+        # A stream cancelled here is skipped: the replica's last frames were under way.
+        streams = self._streams
+        batches = frame[1]
+        for i in range(0, len(batches), 2):
+            if (stream := streams.get(batches[i])) is not None:
+                stream.inbox.put(batches[i + 1])
+        for stream_id in frame[2]:
+            if (stream := streams.pop(stream_id, None)) is not None:
+                stream.inbox.put(None)
 
     def _on_lost(self, exc: Exception | None) -> None:
         self.lost = True

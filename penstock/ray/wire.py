@@ -88,11 +88,15 @@ def answer_error(answer: dict[str, Any]) -> PenstockError:
 
 # The data plane: one TCP connection from the ingress to each replica carries every
 # stream between them, as MessagePack arrays, each behind its length (4 bytes, big-endian).
-# Ingress to replica: HELLO first (the fleet's token), then OPEN, CANCEL and CREDIT.
-# Replica to ingress: BATCH (a stream's chunks, an error entry last when it failed)
-# and END. A replica sends a stream at most WINDOW batches beyond what the ingress has
-# consumed; the ingress returns credit every WINDOW // 2 batches it consumed.
-HELLO, OPEN, CANCEL, CREDIT, BATCH, END = "hello", "open", "cancel", "credit", "batch", "end"
+# Ingress to replica: HELLO first (the fleet's token), then OPEN, CANCEL and CREDIT (stream
+# ids and their credit, flat: ``[CREDIT, [id, credit, id, credit, ...]]``). Replica to
+# ingress: BATCH, at most one per FRAME_INTERVAL_S (``penstock.ray.batching``), with every
+# stream's chunks since the last one (an error entry last when the stream failed) and the
+# streams that ended:
+# ``[BATCH, [id, chunks, id, chunks, ...], [ended id, ...]]``. A replica sends a stream at
+# most WINDOW batches beyond what the ingress has consumed; the ingress returns credit
+# every WINDOW // 2 batches it consumed.
+HELLO, OPEN, CANCEL, CREDIT, BATCH = "hello", "open", "cancel", "credit", "batch"
 WINDOW = 32
 # The key of a replica's status answer holding its data plane address (``host:port``).
 ADDRESS_KEY = "data_address"
@@ -114,6 +118,7 @@ class FrameProtocol(asyncio.Protocol):
 
     ``trusted``: whether pickled values from the peer are unpickled from the start (the
     ingress, which connected to the address Ray gave it); else once :meth:`trust` is called.
+    ``on_writable``: called when the socket's send buffer, full before, drains.
     """
 
     def __init__(
@@ -122,16 +127,17 @@ class FrameProtocol(asyncio.Protocol):
         on_lost: Callable[[Exception | None], None],
         *,
         trusted: bool,
+        on_writable: Callable[[], None] | None = None,
     ) -> None:
         self._on_frame = on_frame
+        self._on_writable = on_writable
         self._on_lost = on_lost
         self._trusted = trusted
         self._decoder = msgspec.msgpack.Decoder(ext_hook=self._unpickled)
         self._received = bytearray()
         self._transport: asyncio.Transport | None = None
         self._pending: list[bytes] = []
-        self._writable = asyncio.Event()
-        self._writable.set()
+        self._writable = True
 
     def trust(self) -> None:
         self._trusted = True
@@ -174,14 +180,19 @@ class FrameProtocol(asyncio.Protocol):
         del received[:start]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._writable.set()
         self._on_lost(exc)
 
     def pause_writing(self) -> None:
-        self._writable.clear()
+        self._writable = False
 
     def resume_writing(self) -> None:
-        self._writable.set()
+        self._writable = True
+        if self._on_writable is not None:
+            self._on_writable()
+
+    @property
+    def writable(self) -> bool:
+        return self._writable
 
     def send(self, *frame: Any) -> None:
         """Queue ``frame``; the frames of one turn of the event loop leave in one write."""
@@ -192,15 +203,21 @@ class FrameProtocol(asyncio.Protocol):
         if len(self._pending) == 1:
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def send_now(self, *frame: Any) -> None:
+        """Write ``frame`` at once (for a caller that gathers a turn's frame itself); an
+        error encoding it is raised before anything is written."""
+        buffer = bytearray(_LENGTH)
+        _ENCODER.encode_into(frame, buffer, _LENGTH)
+        buffer[:_LENGTH] = (len(buffer) - _LENGTH).to_bytes(_LENGTH, "big")
+        if not self.closed:
+            assert self._transport is not None
+            self._transport.write(buffer)
+
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
         if not self.closed:
             assert self._transport is not None
             self._transport.write(b"".join(pending))
-
-    async def drain(self) -> None:
-        """Wait while the socket's send buffer is full (the peer reads slower)."""
-        await self._writable.wait()
 
     def close(self) -> None:
         if self._transport is not None:

@@ -53,21 +53,52 @@ def test_admin_answers_name_the_replica() -> None:
     assert (error.status_code, error.code) == (409, "replica_not_in_update")
 
 
-async def drain(batcher: ChunkBatcher) -> list[list[dict[str, Any]]]:
+async def drain(chunks: AsyncIterator[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Each batch taken when the batcher calls back, until its chunks end."""
+    ready = asyncio.Event()
+    batcher = ChunkBatcher(chunks, "request r", ready.set)
     batches = []
-    while (batch := await batcher.next_batch()) is not None:
-        batches.append(batch)
+    while not batcher.ended:
+        await ready.wait()
+        ready.clear()
+        if batch := batcher.take():
+            batches.append(batch)
     return batches
 
 
-async def test_chunks_produced_between_sends_leave_as_one_batch() -> None:
+async def test_chunks_produced_between_takes_leave_as_one_batch() -> None:
     async def chunks() -> AsyncIterator[dict[str, Any]]:
         for index in range(3):
             yield {"token_ids": [index]}
 
-    batcher = ChunkBatcher(chunks(), "request r")
+    assert await drain(chunks()) == [[{"token_ids": [0]}, {"token_ids": [1]}, {"token_ids": [2]}]]
+
+
+async def test_the_batcher_calls_back_at_a_batch_s_first_chunk_and_at_the_end() -> None:
+    calls = []
+    more = asyncio.Event()
+
+    async def chunks() -> AsyncIterator[dict[str, Any]]:
+        for index in range(3):
+            yield {"token_ids": [index]}
+        await more.wait()
+        yield {"token_ids": [3]}
+
+    ended = asyncio.Event()
+
+    def ready() -> None:
+        calls.append(batcher.ended)
+        if batcher.ended:
+            ended.set()
+
+    batcher = ChunkBatcher(chunks(), "request r", ready)
     await asyncio.sleep(0)
-    assert await drain(batcher) == [[{"token_ids": [0]}, {"token_ids": [1]}, {"token_ids": [2]}]]
+    assert calls == [False]
+    assert len(batcher.take()) == 3
+    more.set()
+    await asyncio.wait_for(ended.wait(), 5)
+    assert calls == [False, False, True]
+    assert batcher.take() == [{"token_ids": [3]}]
 
 
 async def test_an_engine_error_is_the_last_entry_of_the_stream() -> None:
@@ -75,7 +106,7 @@ async def test_an_engine_error_is_the_last_entry_of_the_stream() -> None:
         yield {"token_ids": [7]}
         raise InvalidRequestError("too long", param="max_tokens")
 
-    batches = await drain(ChunkBatcher(chunks(), "request r"))
+    batches = await drain(chunks())
     entries = [entry for batch in batches for entry in batch]
     assert entries[0] == {"token_ids": [7]}
     error = entry_error(entries[-1])
@@ -88,13 +119,13 @@ async def test_an_unexpected_failure_is_an_internal_error_entry() -> None:
         raise RuntimeError("engine bug")
         yield {}
 
-    [[entry]] = await drain(ChunkBatcher(chunks(), "request r"))
+    [[entry]] = await drain(chunks())
     error = entry_error(entry)
     assert error is not None and error.status_code == 500
     assert "engine bug" not in error.message
 
 
-async def test_closing_the_batcher_cancels_the_running_request() -> None:
+async def test_cancelling_the_batcher_cancels_the_running_request() -> None:
     cancelled = asyncio.Event()
 
     async def chunks() -> AsyncIterator[dict[str, Any]]:
@@ -104,7 +135,10 @@ async def test_closing_the_batcher_cancels_the_running_request() -> None:
         finally:
             cancelled.set()
 
-    batcher = ChunkBatcher(chunks(), "request r")
-    assert await batcher.next_batch() == [{"token_ids": [1]}]
-    await batcher.close()
-    assert cancelled.is_set()
+    ready = asyncio.Event()
+    batcher = ChunkBatcher(chunks(), "request r", ready.set)
+    await ready.wait()
+    assert batcher.take() == [{"token_ids": [1]}]
+    batcher.cancel()
+    await asyncio.wait_for(cancelled.wait(), 5)
+    assert not batcher.ended
