@@ -154,6 +154,7 @@ async def tokens_generate(body: TokensGenerateBody, request: Request) -> Respons
         prompt=body.token_ids,
         stream=body.stream,
         stream_options=body.stream_options,
+        cache_salt=body.cache_salt,
     )
     return await run_tokens(gateway, completion, request, "vllm")
 

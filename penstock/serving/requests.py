@@ -32,6 +32,8 @@ class PassthroughRequest(GenerateRequest, total=False):
     nvext: dict[str, Any]
     # vLLM's scheduling priority, only for engines that advertise SUPPORTS_PRIORITY.
     priority: int
+    # vLLM's ``cache_salt``: requests share cached KV only with requests of the same salt.
+    cache_salt: str
 
 
 def engine_context(
@@ -155,6 +157,8 @@ def generate_request(
         request["sampling_options"]["guided_decoding"] = guided_decoding
     if body.priority:
         request["priority"] = body.priority
+    if body.cache_salt is not None:
+        request["cache_salt"] = body.cache_salt
     return request
 
 

@@ -28,13 +28,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield process
 
 
-def ask(client: openai.OpenAI, question: str) -> tuple[str, int, int]:
+def ask(
+    client: openai.OpenAI, question: str, cache_salt: str | None = None
+) -> tuple[str, int, int]:
     """The answer, the prompt's token count and its cached tokens."""
     reply = client.chat.completions.create(
         model=client.models.list().data[0].id,
         messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
         max_tokens=8,
         temperature=0,
+        extra_body={} if cache_salt is None else {"cache_salt": cache_salt},
     )
     usage = reply.usage
     assert usage is not None and usage.prompt_tokens_details is not None
@@ -87,3 +90,15 @@ def test_priority_reaches_the_engine_that_orders_by_it(server: ServerProcess) ->
     )
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["param"] == "priority"
+
+
+def test_a_cache_salt_keeps_a_prompt_from_matching_another_salts_blocks(
+    server: ServerProcess,
+) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    answer, prompt_tokens, cold = ask(client, "Which aisle has paint?", cache_salt="team-a")
+    other = ask(client, "Which aisle has paint?", cache_salt="team-b")
+    same = ask(client, "Which aisle has paint?", cache_salt="team-a")
+    assert (cold, other[2]) == (0, 0)
+    assert same[2] == 16 * ((prompt_tokens - 1) // 16) > 0
+    assert other[0] == same[0] == answer

@@ -4,7 +4,8 @@ and the prefix cache over them.
 A sequence holds ``ceil(kv tokens / BLOCK_SIZE)`` blocks, taken one at a time as it
 grows; a pool that cannot give one makes the scheduler preempt (see :mod:`.scheduler`).
 A block whose tokens are all known is named by a hash chained over every token before
-it, salted with the LoRA adapter the KV was computed with and the cache's epoch; a later
+it, salted with the LoRA adapter the KV was computed with, the request's ``cache_salt``
+and the cache's epoch; a later
 prompt starting with the same tokens under the same salt takes that block (its reference
 count goes up) instead of computing its KV again. A block nobody holds any more keeps
 its KV and hash until the pool needs it: such blocks are reused least recently freed
@@ -131,15 +132,16 @@ class BlockManager:
 
     # -- matching and storing -------------------------------------------------------------
 
-    def salt(self, adapter: str | None) -> tuple[int, str | None]:
-        return (self.epoch, adapter)
+    def salt(self, request_salt: object) -> tuple[int, object]:
+        return (self.epoch, request_salt)
 
-    def match(self, token_ids: Sequence[int], adapter: str | None) -> Match:
-        """Hold the cached blocks ``token_ids`` starts with. At least its last token is
-        left to compute: its logits choose the next token."""
+    def match(self, token_ids: Sequence[int], request_salt: object) -> Match:
+        """Hold the cached blocks ``token_ids`` starts with among those stored under
+        ``request_salt`` (a request's adapter and ``cache_salt``). At least its last token
+        is left to compute: its logits choose the next token."""
         if not self.prefix_caching:
             return Match([], [])
-        hashes = chain_hashes(token_ids, self.salt(adapter))
+        hashes = chain_hashes(token_ids, self.salt(request_salt))
         usable = (len(token_ids) - 1) // BLOCK_SIZE
         matched: list[Block] = []
         for block_hash in hashes[:usable]:

@@ -77,7 +77,7 @@ from penstock.engines.transformers.scheduler import (
     StepFailure,
     Submission,
 )
-from penstock.engines.transformers.sequence import request_priority
+from penstock.engines.transformers.sequence import request_cache_salt, request_priority
 from penstock.engines.transformers.sync import WeightSync
 from penstock.engines.transformers.telemetry import TransformersTelemetry
 from penstock.engines.transformers.vision import (
@@ -439,6 +439,7 @@ class TransformersEngine(
             deliver,
             adapter,
             embed=embed,
+            cache_salt=request_cache_salt(request),
             priority=request_priority(request),
             grammar=grammar,
         )

@@ -52,7 +52,7 @@ def prefill_groups(
     heads: set[int] = set()
     longest = 0
     for submission, tokens, sequences in rows:
-        head = chain_hashes(tokens[:BLOCK_SIZE], submission.adapter)
+        head = chain_hashes(tokens[:BLOCK_SIZE], submission.kv_salt)
         if group and heads.intersection(head):
             yield group
             group, heads, longest = [], set(), 0
@@ -77,7 +77,7 @@ def claim_blocks(
 ) -> Claimed:
     """Hold the blocks of ``tokens`` for ``sequences``; the row to prefill and its match."""
     if submission.embed is None:
-        match = pool.match(tokens, submission.adapter)
+        match = pool.match(tokens, submission.kv_salt)
     else:
         # Image features are not in the token ids the blocks are named by.
         match = Match([], [])

@@ -33,6 +33,8 @@ class Submission:
     deliver: Deliver
     # peft's name of the LoRA adapter the request runs with; None runs the base model.
     adapter: str | None = None
+    # vLLM's ``cache_salt``: only requests with the same salt share cached KV blocks.
+    cache_salt: str | None = None
     # Builds the prompt's ``inputs_embeds`` from (model, prompt ids) at prefill, for
     # prompts whose placeholder tokens stand for image features; None feeds the ids.
     embed: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
@@ -50,6 +52,12 @@ class Submission:
     sequences: list[Sequence] = field(default_factory=list)
     # Prompt tokens whose KV came from the prefix cache at the first prefill.
     cached_tokens: int | None = None
+
+    @property
+    def kv_salt(self) -> tuple[str | None, str | None]:
+        """What its KV blocks are hashed with besides their tokens: the adapter the KV is
+        computed with and the client's ``cache_salt``."""
+        return (self.adapter, self.cache_salt)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -161,3 +169,13 @@ def request_priority(request: Mapping[str, Any]) -> int:
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"priority: must be an integer, got {type(priority).__name__}")
     return priority
+
+
+def request_cache_salt(request: Mapping[str, Any]) -> str | None:
+    """vLLM's ``cache_salt`` of an engine request, None when absent."""
+    salt = request.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ValueError("cache_salt: must be a non-empty string")
+    return salt
