@@ -182,7 +182,7 @@ async def _pooled(
         recorder.failed(exc, deadline)
         raise
     finally:
-        recorder.finish(0, endpoint, False)
+        recorder.finish([], 0, 0, endpoint, False)
     vectors = answer.get("embeddings") if answer is not None else None
     if (
         answer is None
