@@ -42,9 +42,12 @@ from penstock.engines.transformers.sequence import Sequence, Submission
 Chunk = dict[str, Any]
 
 
-def forward_logprobs(runner: ModelRunner, submission: Submission, tokens: list[int]) -> Any:
-    """``[len(tokens), vocab]`` float32 log-probabilities of the next token at each
-    position: the trainer's forward pass over ``tokens`` (``submission``'s prompt first)."""
+def forward_logprobs(
+    runner: ModelRunner, submission: Submission, tokens: list[int], first: int = 0
+) -> Any:
+    """``[len(tokens) - first, vocab]`` float32 log-probabilities of the next token at
+    each position from ``first`` on: the trainer's forward pass over ``tokens``
+    (``submission``'s prompt first)."""
     ids = torch.tensor([tokens], device=runner.device)
     inputs: dict[str, Any] = {"input_ids": ids}
     if submission.embed is not None:
@@ -57,7 +60,9 @@ def forward_logprobs(runner: ModelRunner, submission: Submission, tokens: list[i
         inputs = {"inputs_embeds": embeds}
     adapters = runner._adapter_names([submission])
     logits = runner.model(**inputs, use_cache=False, **adapters).logits
-    return torch.log_softmax(logits.float(), dim=-1)[0]
+    # Every position's logits, as the trainer's pass computes them (fewer would change the
+    # output layer's product); only the rows asked for are normalised, each on its own.
+    return torch.log_softmax(logits[0, first:].float(), dim=-1)
 
 
 def _entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
@@ -100,11 +105,11 @@ class OutgoingChunks:
 
     def emit(self, seq: Sequence, chunk: Chunk, *, last: bool) -> list[Chunk]:
         params = seq.submission.params
-        if params.prompt_logprobs is not None and seq.index == 0 and len(seq.output_ids) == 1:
-            if chunk["token_ids"]:
-                chunk["prompt_logprobs"] = prompt_logprobs(
-                    self.runner, seq.submission, params.prompt_logprobs
-                )
+        first_chunk = seq.index == 0 and len(seq.output_ids) == 1 and bool(chunk["token_ids"])
+        if params.prompt_logprobs is not None and first_chunk:
+            chunk["prompt_logprobs"] = prompt_logprobs(
+                self.runner, seq.submission, params.prompt_logprobs
+            )
         runner = self.runner
         if params.logprobs is None or not isinstance(runner, DeterministicRunner):
             return [chunk]
@@ -120,8 +125,8 @@ class OutgoingChunks:
     def _recompute(self, seq: Sequence, chunks: list[Chunk], top: int) -> None:
         submission = seq.submission
         tokens = submission.prompt_ids + seq.output_ids
-        rows = forward_logprobs(self.runner, submission, tokens)
-        position = len(submission.prompt_ids) - 1
+        position = 0
+        rows = forward_logprobs(self.runner, submission, tokens, len(submission.prompt_ids) - 1)
         for chunk in chunks:
             values, tops = [], []
             for token in chunk["token_ids"]:
