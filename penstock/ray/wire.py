@@ -204,7 +204,7 @@ class FrameProtocol(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self._flush)
 
     def send_now(self, *frame: Any) -> None:
-        """Write ``frame`` at once (for a caller that gathers a turn's frame itself); an
+        """Write ``frame`` at once (for a caller that gathers its frames itself); an
         error encoding it is raised before anything is written."""
         buffer = bytearray(_LENGTH)
         _ENCODER.encode_into(frame, buffer, _LENGTH)
