@@ -356,6 +356,15 @@ def _slime_patches(folder: Path, metadata: dict[str, Any]) -> list[TensorPatch]:
 
 def pull_slime(local: Path, base: Path, source: Path, target: int) -> PullReport:
     """slime's ``/pull_weights``: bring ``local`` to version ``target`` of ``source``."""
+    if not base.is_dir():
+        # Version 0 is the served checkpoint: without its folder there is nothing to patch.
+        raise DeltaRefused(
+            f"the served model {base} is not a local checkpoint folder, which delta pulls "
+            "start from",
+            code="unsupported_operation",
+        )
+    if target > 0 and not source.is_dir():
+        raise DeltaRefused(f"'source_dir' is not a folder: {source}", param="source_dir")
     checkpoint = LocalCheckpoint(local)
     with checkpoint.locked():
         held = checkpoint.version()

@@ -269,11 +269,9 @@ async def pull_weights(request: Request) -> dict[str, Any]:
     local = local_folder(required_str(body, "local_checkpoint_dir"), "local_checkpoint_dir")
     source = local_folder(required_str(body, "source_dir"), "source_dir")
     target = version_number(body, "target_version")
-    base = _model_facts(request)["model_path"]
-    if target > 0 and not source.is_dir():
-        raise invalid("source_dir", f"is not a folder: {clip(str(source))}")
+    base = Path(str(_model_facts(request)["model_path"]))
     # The folder's file lock orders pulls of one folder, of this process and others.
-    report = await asyncio.to_thread(deltas.pull_slime, local, Path(str(base)), source, target)
+    report = await asyncio.to_thread(deltas.pull_slime, local, base, source, target)
     return {
         "success": True,
         "message": f"Local checkpoint at version {target}.",

@@ -40,6 +40,7 @@ LoRA (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) is in
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,7 +210,7 @@ async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
             local_folder(base, "init_info.base_model_path"),
             local_folder(local, "init_info.local_checkpoint_dir"),
         )
-        if not target.base.is_dir():
+        if not await asyncio.to_thread(target.base.is_dir):
             raise invalid("init_info.base_model_path", "must name a checkpoint folder")
         setattr(request.app.state, _DELTA_TARGET, target)
         return {"message": "Weight transfer initialized"}

@@ -97,8 +97,8 @@ def test_slime_post_process_hooks_and_delta_pull(admin: httpx.Client, tmp_path: 
         refused = admin.post("/post_process_weights", json={**hooks, field: True})
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == field
-    # A delta pull from a folder that was never published: a 400 naming it (the pulls
-    # themselves are in test_rl_weight_deltas.py).
+    # The sample engine serves no checkpoint folder for deltas to start from (the pulls
+    # themselves are in test_rl_weight_deltas.py); nothing is written.
     pull = {
         "local_checkpoint_dir": str(tmp_path / "ckpt"),
         "source_dir": str(tmp_path / "unpublished"),
@@ -106,7 +106,8 @@ def test_slime_post_process_hooks_and_delta_pull(admin: httpx.Client, tmp_path: 
     }
     refused = admin.post("/pull_weights", json=pull)
     assert refused.status_code == 400
-    assert refused.json()["error"]["param"] == "source_dir"
+    assert "checkpoint folder" in refused.json()["error"]["message"]
+    assert not (tmp_path / "ckpt").exists()
     remote = admin.post("/pull_weights", json={**pull, "source_dir": "s3://bucket/pub"})
     assert remote.status_code == 400 and remote.json()["error"]["param"] == "source_dir"
     assert len(generated(admin)) == 4

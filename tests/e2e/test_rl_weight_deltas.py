@@ -150,6 +150,15 @@ def test_slime_pulls_deltas_and_reloads_them(
         }
         return admin.post("/pull_weights", json=body)
 
+    missing = admin.post(
+        "/pull_weights",
+        json={
+            "local_checkpoint_dir": str(local),
+            "source_dir": str(tmp_path / "nowhere"),
+            "target_version": 1,
+        },
+    )
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "source_dir"
     # slime's baseline capture: version 0 is the served model's own checkpoint.
     first = pull(0)
     assert first.status_code == 200, first.text
@@ -299,6 +308,8 @@ def test_areal_reloads_a_lora_adapter_from_its_folder(
 ) -> None:
     prompt = [5, 17, 42, 9]
     base = admin.get("/v1/models").json()["data"][0]["id"]
+    # The syncs above replaced the base weights; peft runs the adapters on the originals.
+    slime_reload(admin, model_dir, "base")
     steps = [save_tiny_lora(model_dir, tmp_path / f"step_{n}", seed=40 + n) for n in range(2)]
     for version, step in enumerate(steps):
         # ``UpdateWeightsRequestLora``, one versioned adapter name per step as AReaL names them.
