@@ -170,7 +170,6 @@ VLLM_UNSUPPORTED: dict[str, Any] = {
     "truncate_prompt_tokens": None,
     "allowed_token_ids": None,
     "bad_words": [],
-    "prompt_logprobs": None,
     "guided_whitespace_pattern": None,
     "logits_processors": None,
     "request_id": None,
@@ -271,6 +270,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     unsupported: ClassVar[dict[str, Any]] = {
         **VLLM_UNSUPPORTED,
+        "prompt_logprobs": None,
         "add_special_tokens": False,
         "continue_final_message": False,
         "echo": False,
@@ -324,7 +324,7 @@ class CompletionRequest(SamplingFields):
     # Text prompts: the tokenizer's BOS token first, by default as in vLLM.
     add_special_tokens: bool = True
     unsupported: ClassVar[dict[str, Any]] = {
-        **{name: value for name, value in VLLM_UNSUPPORTED.items() if name != "prompt_logprobs"},
+        **VLLM_UNSUPPORTED,
         "response_format": None,
         "prompt_embeds": None,
     }
