@@ -20,7 +20,7 @@ SkyRL (``POST /fetch_weights {target_version, sync_dir?, uri?}``)
     its new bytes. The checkpoint is ``<local_checkpoint_dir>/weights``; version 0 is
     ``base_model_path``.
 
-Checksums: ``xxh3-128`` (the ``xxhash`` module, else the system's libxxhash),
+Checksums: ``xxh3-128`` (the ``xxhash`` module),
 ``sha256``, ``adler32`` and ``blake3`` (with the ``blake3`` module). Folders are local
 paths only: a remote URI is a 400 naming the field.
 
@@ -33,10 +33,7 @@ only the reload changes them, and it loads the whole checkpoint before swapping 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import fcntl
-import functools
 import hashlib
 import importlib
 import json
@@ -51,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 import zstandard
 
 from penstock.errors import InvalidRequestError
@@ -98,39 +96,8 @@ class PullReport:
         }
 
 
-class _Hash128(ctypes.Structure):
-    _fields_ = [("low64", ctypes.c_uint64), ("high64", ctypes.c_uint64)]
-
-
-@functools.cache
-def _libxxhash() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("xxhash")
-    if name is None:
-        return None
-    lib = ctypes.CDLL(name)
-    lib.XXH3_128bits.restype = _Hash128
-    lib.XXH3_128bits.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return lib
-
-
-@functools.cache
-def _xxhash_module() -> Any:
-    try:
-        return importlib.import_module("xxhash")
-    except ImportError:
-        return None
-
-
 def _xxh3_128(data: np.ndarray) -> str:
-    xxhash = _xxhash_module()
-    if xxhash is not None:
-        return str(xxhash.xxh3_128_hexdigest(data.data))
-    lib = _libxxhash()
-    if lib is None:
-        raise ImportError("xxh3-128 needs the xxhash module or libxxhash", name="xxhash")
-    digest = lib.XXH3_128bits(data.ctypes.data_as(ctypes.c_void_p), data.nbytes)
-    # The canonical form xxhash prints: the high half first, big-endian.
-    return f"{digest.high64:016x}{digest.low64:016x}"
+    return str(xxhash.xxh3_128_hexdigest(data.data))
 
 
 def _blake3(data: np.ndarray) -> str:
