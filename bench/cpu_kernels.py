@@ -38,8 +38,8 @@ VARIANTS = (
     "torch int8 channel",
     "torch int4 g32",
     "torch int4 g64",
-    "torch int8 channel, bf16 x",
-    "torch int4 g32, bf16 x",
+    "torch int8 channel (bf16 x)",
+    "torch int4 g32 (bf16 x)",
 )
 _KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -69,9 +69,9 @@ def int4_kernel(weight: torch.Tensor, group: int) -> Kernel:
 
 
 def kernel(variant: str, weight: torch.Tensor) -> Kernel:
-    if variant.endswith(", bf16 x"):
+    if variant.endswith(" (bf16 x)"):
         # torch's kernels are fast only for bfloat16 activations (rounded: not lossless).
-        inner = kernel(variant.removesuffix(", bf16 x"), weight)
+        inner = kernel(variant.removesuffix(" (bf16 x)"), weight)
         return lambda x: inner(x.bfloat16()).float()
     hand = cpu_weights._kernel
     if variant == "torch float32":
