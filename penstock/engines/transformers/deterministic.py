@@ -159,7 +159,15 @@ class DeterministicRunner(ModelRunner):
         # The chunks of choices with logprobs, until each choice ends (see OutgoingChunks).
         self.held: dict[Sequence, list[Chunk]] = {}
 
-    def decode(self, rows: list[Sequence]) -> list[TokenChoice]:
+    @property
+    def fuses_chunks(self) -> bool:
+        # A chunk in the decode rows' pass would batch the prompt with them.
+        return False
+
+    def decode(
+        self, rows: list[Sequence], chunk: tuple[PrefillRow, int] | None = None
+    ) -> tuple[list[TokenChoice], Prefilled | None]:
+        assert chunk is None, "chunks never ride in a deterministic decode pass"
         choices: list[TokenChoice] = []
         for seq in rows:
             output = self.model(
@@ -175,7 +183,7 @@ class DeterministicRunner(ModelRunner):
                 [seq.sampling(self.eos_token_ids)],
                 self._shared_generator,
             )
-        return choices
+        return choices, None
 
     def prefill(self, rows: list[PrefillRow]) -> list[Prefilled]:
         prefill_one = super().prefill

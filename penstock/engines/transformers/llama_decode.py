@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from penstock.engines.transformers.cpu_weights import row_linear
 from penstock.engines.transformers.kv_cache import BatchKv
+from penstock.engines.transformers.prompt_kv import PromptChunk
 
 # Rope types whose frequencies do not depend on the sequence length (transformers'
 # ``dynamic_rope_update`` rewrites ``inv_freq`` per call for "dynamic" and "longrope").
@@ -149,31 +150,92 @@ class LlamaDecoder:
         uses every column, else ``[rows, 1, 1, columns + 1]`` booleans, True where a row
         attends.
         """
+        logits, _ = self.step(token_ids, positions, cache, attention_mask, None)
+        assert logits is not None
+        return logits
+
+    def _attend_rows(
+        self,
+        index: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cache: BatchKv,
+        attention_mask: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """The batch rows' attention in layer ``index``, their keys (rotated here) and
+        values written into this step's column of ``cache``; ``[rows, heads * dim]``."""
+        rows = query.shape[0]
+        key_slot, value_slot, keys, values = cache.decode_column(index)
+        torch.add(key * cos, key.roll(self.head_dim // 2, -1) * sin, out=key_slot)
+        value_slot.copy_(value)
+        # transformers' ``pack_gqa``: the query heads sharing a KV head become that
+        # head's queries, so attention reads the cache without repeating it.
+        attended = F.scaled_dot_product_attention(
+            query.view(rows, self.kv_heads, self.heads // self.kv_heads, self.head_dim),
+            keys,
+            values,
+            attn_mask=attention_mask,
+            scale=self.scaling,
+        )
+        return attended.view(rows, self.heads * self.head_dim)
+
+    def step(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: BatchKv | None,
+        attention_mask: torch.Tensor | None,
+        chunk: PromptChunk | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A decode step of the batch (``token_ids`` may be empty, ``cache`` then None)
+        with, in the same pass, the next ``chunk`` of a prompt prefilled over several
+        steps: every linear layer reads its weights once for both. Returns the batch's
+        logits (None without rows) and, when ``chunk.last``, the logits of the chunk's
+        last token (``[1, vocab]``)."""
         rows = token_ids.shape[0]
-        hidden = self._embed(token_ids)
-        cos, sin = self._rotation(positions, hidden.dtype)
+        inputs, all_positions = token_ids, positions
+        if chunk is not None:
+            inputs = torch.cat((token_ids, chunk.token_ids))
+            all_positions = torch.cat((positions, chunk.positions))
+        hidden = self._embed(inputs)
+        cos, sin = self._rotation(all_positions, hidden.dtype)
         half = self.head_dim // 2
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         group = heads // kv_heads
+        tokens = hidden.shape[0]
+        chunk_mask = None if chunk is None else chunk.mask(group)
+        row_cos, row_sin = (cos, sin) if chunk is None else (cos[:rows], sin[:rows])
         for index, layer in enumerate(self._layers):
             normed = self._norm(hidden, layer.input_norm)
-            query = layer.q(normed).view(rows, heads, head_dim)
-            key = layer.k(normed).view(rows, kv_heads, head_dim)
-            value = layer.v(normed).view(rows, kv_heads, head_dim)
-            key_slot, value_slot, keys, values = cache.decode_column(index)
-            torch.add(key * cos, key.roll(half, -1) * sin, out=key_slot)
-            value_slot.copy_(value)
+            query = layer.q(normed).view(tokens, heads, head_dim)
+            key = layer.k(normed).view(tokens, kv_heads, head_dim)
+            value = layer.v(normed).view(tokens, kv_heads, head_dim)
             query = query * cos + query.roll(half, -1) * sin
-            # transformers' ``pack_gqa``: the query heads sharing a KV head become that
-            # head's queries, so attention reads the cache without repeating it.
-            attended = F.scaled_dot_product_attention(
-                query.view(rows, kv_heads, group, head_dim),
-                keys,
-                values,
-                attn_mask=attention_mask,
-                scale=self.scaling,
-            )
-            hidden = hidden + layer.o(attended.view(rows, heads * head_dim))
+            parts = []
+            if rows:
+                assert cache is not None
+                row_qkv = (query, key, value)
+                if chunk is not None:
+                    row_qkv = (query[:rows], key[:rows], value[:rows])
+                parts.append(
+                    self._attend_rows(index, *row_qkv, cache, attention_mask, row_cos, row_sin)
+                )
+            if chunk is not None:
+                rotated = key[rows:] * cos[rows:] + key[rows:].roll(half, -1) * sin[rows:]
+                attended = chunk.attend(
+                    index, query[rows:], rotated, value[rows:], chunk_mask, self.scaling
+                )
+                parts.append(attended)
+            attended_all = parts[0] if len(parts) == 1 else torch.cat(parts)
+            hidden = hidden + layer.o(attended_all)
             normed = self._norm(hidden, layer.post_attention_norm)
             hidden = hidden + layer.down(F.silu(layer.gate(normed)) * layer.up(normed))
-        return self._lm_head(self._norm(hidden, self._final_norm))
+        decoded = hidden if chunk is None else hidden[:rows]
+        logits = self._lm_head(self._norm(decoded, self._final_norm)) if rows else None
+        last = None
+        if chunk is not None and chunk.last:
+            last = self._lm_head(self._norm(hidden[-1:], self._final_norm))
+        return logits, last

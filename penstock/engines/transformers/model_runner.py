@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from penstock.engines.transformers.kv_cache import BatchKv, KvPair
 from penstock.engines.transformers.llama_decode import LlamaDecoder
 from penstock.engines.transformers.lora import BASE_ROW
+from penstock.engines.transformers.prompt_kv import PromptChunk, PromptKv
 from penstock.engines.transformers.sampling import TokenChoice, choose_tokens
 from penstock.engines.transformers.sequence import Sequence, Submission
 
@@ -49,7 +50,7 @@ class PrefillRow:
     sequences: list[Sequence]
     prefix_kv: torch.Tensor | None = None
     # Prefilled over several steps: the KV computed so far, and how many tokens it holds.
-    cache: DynamicCache | None = None
+    cache: PromptKv | None = None
     computed: int = 0
 
     def __post_init__(self) -> None:
@@ -89,6 +90,8 @@ class ModelRunner:
         self._shared_generator.manual_seed(seed)
         self._cache: BatchKv | None = None
         self._width = 0
+        text_config = model.config.get_text_config(decoder=True)
+        self._layer_count = int(text_config.num_hidden_layers)
 
     def new_sequences(self, submission: Submission) -> list[Sequence]:
         return [
@@ -96,9 +99,44 @@ class ModelRunner:
             for i in range(submission.params.n)
         ]
 
-    def decode(self, rows: list[Sequence]) -> list[TokenChoice]:
+    @property
+    def fuses_chunks(self) -> bool:
+        """Whether a decode step can carry a prompt chunk (:meth:`decode`'s ``chunk``)."""
+        return self.decoder is not None and not self.adapters_loaded
+
+    def decode(
+        self, rows: list[Sequence], chunk: tuple[PrefillRow, int] | None = None
+    ) -> tuple[list[TokenChoice], Prefilled | None]:
         """One decode step of the whole batch (``rows``, in batch order): each row's
-        next token."""
+        next token. With ``chunk`` (a row prefilled over several steps and the end of its
+        next chunk; only where :attr:`fuses_chunks`), the same pass computes that chunk
+        too: the row's :data:`Prefilled` once the chunk ends its prompt, else None."""
+        if chunk is not None:
+            return self._decode_with_chunk(rows, *chunk)
+        return self._decode_rows(rows), None
+
+    def _decode_with_chunk(
+        self, rows: list[Sequence], row: PrefillRow, end: int
+    ) -> tuple[list[TokenChoice], Prefilled | None]:
+        assert self.decoder is not None
+        cache = self._prompt_cache(row)
+        start = row.computed
+        token_ids = torch.tensor(row.tokens[start:end], device=self.device)
+        prompt_chunk = PromptChunk(token_ids, start, cache, end == len(row.tokens))
+        batch_kv, lengths, tokens, mask = self._decode_inputs(rows)
+        logits, last = self.decoder.step(tokens, lengths, batch_kv, mask, prompt_chunk)
+        choices = self._decoded(rows, logits)
+        row.computed = end
+        if last is None:
+            return choices, None
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        return choices, self._first_tokens(row, last, layers)
+
+    def _decode_inputs(
+        self, rows: list[Sequence]
+    ) -> tuple[BatchKv, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The batch's cache (room made for this step's column), each row's position and
+        token, and the mask when a row is shorter than the batch."""
         width = self._width
         kv_lengths = [seq.kv_length for seq in rows]
         lengths = torch.tensor(kv_lengths, device=self.device)
@@ -106,29 +144,37 @@ class ModelRunner:
         cache = self._cache
         assert cache is not None
         cache.reserve(1, limit=max(seq.remaining_steps for seq in rows))
-        if self.decoder is not None and not self.adapters_loaded:
-            attention_mask = None
-            if min(kv_lengths) < width:
-                columns = torch.arange(width + 1, device=self.device)
-                attention_mask = (columns >= (width - lengths).unsqueeze(1))[:, None, None, :]
-            logits = self.decoder.decode(token_ids, lengths, cache, attention_mask)
-        else:
-            columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
-            output = self.model(
-                input_ids=token_ids.unsqueeze(1),
-                attention_mask=(columns >= (width - lengths).unsqueeze(1)).long(),
-                position_ids=lengths.unsqueeze(1),
-                cache=cache,
-                use_cache=True,
-                **self._adapter_names(seq.submission for seq in rows),
-            )
-            logits = output.logits[:, -1, :]
-        self._width = width + 1
+        attention_mask = None
+        if min(kv_lengths) < width:
+            columns = torch.arange(width + 1, device=self.device)
+            attention_mask = (columns >= (width - lengths).unsqueeze(1))[:, None, None, :]
+        return cache, lengths, token_ids, attention_mask
+
+    def _decoded(self, rows: list[Sequence], logits: torch.Tensor | None) -> list[TokenChoice]:
+        assert logits is not None
+        self._width += 1
         for seq in rows:
             seq.kv_length += 1
         return choose_tokens(
             logits, [seq.sampling(self.eos_token_ids) for seq in rows], self._shared_generator
         )
+
+    def _decode_rows(self, rows: list[Sequence]) -> list[TokenChoice]:
+        width = self._width
+        cache, lengths, token_ids, mask = self._decode_inputs(rows)
+        if self.fuses_chunks:
+            assert self.decoder is not None
+            return self._decoded(rows, self.decoder.decode(token_ids, lengths, cache, mask))
+        columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
+        output = self.model(
+            input_ids=token_ids.unsqueeze(1),
+            attention_mask=(columns >= (width - lengths).unsqueeze(1)).long(),
+            position_ids=lengths.unsqueeze(1),
+            cache=cache,
+            use_cache=True,
+            **self._adapter_names(seq.submission for seq in rows),
+        )
+        return self._decoded(rows, output.logits[:, -1, :])
 
     def prefill(self, rows: list[PrefillRow]) -> list[Prefilled]:
         """Prefill ``rows`` in one forward pass: per row, its sequences' first tokens and
@@ -148,13 +194,12 @@ class ModelRunner:
         """Compute the KV of ``row.tokens[row.computed:end]`` over the KV before them (a
         text row prefilled over several steps); the row's :data:`Prefilled` once ``end``
         reaches its last token, else None."""
-        if row.cache is None:
-            row.cache = self._prefix_cache(row)
+        cache = self._prompt_cache(row)
         start = row.computed
         output = self.model(
             input_ids=torch.tensor([row.tokens[start:end]], device=self.device),
             position_ids=torch.arange(start, end, device=self.device).unsqueeze(0),
-            cache=row.cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,
             **self._adapter_names([row.submission]),
@@ -163,6 +208,16 @@ class ModelRunner:
         if end < len(row.tokens):
             return None
         return self._prefilled(output, 0, row)
+
+    def _prompt_cache(self, row: PrefillRow) -> PromptKv:
+        """The KV ``row``'s chunks are computed over, as long as its prompt; its cached
+        prefix written in first."""
+        if row.cache is None:
+            row.cache = PromptKv(self._layer_count, len(row.tokens))
+            if row.prefix_kv is not None:
+                for index, layer in enumerate(row.prefix_kv):
+                    row.cache.update(layer[0].unsqueeze(0), layer[1].unsqueeze(0), index)
+        return row.cache
 
     def _prefix_cache(self, row: PrefillRow) -> DynamicCache:
         cache = DynamicCache()
@@ -181,7 +236,14 @@ class ModelRunner:
             )
             for layer in output.cache.layers
         ]
-        logits = output.logits[index : index + 1, -1, :].expand(len(row.sequences), -1)
+        return self._first_tokens(row, output.logits[index : index + 1, -1, :], layers)
+
+    def _first_tokens(
+        self, row: PrefillRow, logits: torch.Tensor, layers: list[KvPair]
+    ) -> Prefilled:
+        """The first token of each of ``row``'s sequences from the logits ``[1, vocab]``
+        after its prompt, and their KV lengths set."""
+        logits = logits.expand(len(row.sequences), -1)
         choices = choose_tokens(
             logits,
             [seq.sampling(self.eos_token_ids) for seq in row.sequences],

@@ -1,6 +1,11 @@
 """The prefill half of a scheduler step: which rows are prefilled together, the pool
 blocks each row holds, and the rows prefilled over several steps (chunked prefill).
 
+A chunk's size is counted in token-equivalents: each token counts one, plus its
+attention over the prompt's tokens before it (:func:`context_per_token`), so a long
+prompt's later chunks, which attend over more, take fewer tokens and every step costs
+about the same.
+
 A row is a new prompt for all its choices, or one preempted choice recomputing its
 prompt and output (see :mod:`.scheduler`). Its blocks come from :mod:`.block_manager`:
 the cached blocks its tokens start with, then new ones (full blocks shared by the row's
@@ -29,10 +34,48 @@ from penstock.engines.transformers.sequence import Sequence, Submission
 PREFILL_BATCH_TOKENS = 2048
 
 Claimed = tuple[PrefillRow, Match]
+# A chunk to compute: the row and the end of its next chunk.
+NextChunk = tuple[Claimed, int]
 Claim = Callable[[Submission, list[int], list[Sequence]], Claimed]
 Outbox = dict[Submission, list[Any]]
 # A sequence that goes on decoding, with its row's KV per layer.
 Joined = tuple[Sequence, list[KvPair]]
+
+
+def context_per_token(config: Any) -> float:
+    """Tokens of context whose attention costs what one token's linear layers do (~3,000 on
+    SmolLM2-135M): a token's linear layers multiply ~2 x their weights, its attention over
+    ``L`` tokens before it ~4 x ``L`` x the query width per layer. Infinite when the
+    config does not say (attention not counted)."""
+    try:
+        hidden = int(config.hidden_size)
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+        inner = int(config.intermediate_size)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return float("inf")
+    weights = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inner
+    return weights / (2 * heads * head_dim)
+
+
+def chunk_cost(start: int, tokens: int, context: float) -> float:
+    """Token-equivalents of ``tokens`` prompt tokens from position ``start``."""
+    return tokens + tokens * (start + (tokens - 1) / 2) / context
+
+
+def chunk_end(start: int, length: int, budget: float, context: float) -> int:
+    """The end of the chunk of a ``length``-token prompt that starts at ``start`` and costs
+    at most ``budget`` token-equivalents (at least one token): ``n`` tokens from ``start``
+    cost ``n + n * (start + (n - 1) / 2) / context``."""
+    low, high = 1, length - start
+    while low < high:
+        middle = (low + high + 1) // 2
+        if chunk_cost(start, middle, context) <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return start + low
 
 
 def prefill_groups(
@@ -101,7 +144,10 @@ class Prefiller:
 
     A text row longer than the budget left is prefilled a chunk per step (``chunked``,
     oldest first, ahead of new rows), each chunk over the KV of the ones before it, so
-    the rows decoding beside it keep taking a token every step. The scheduler's
+    the rows decoding beside it keep taking a token every step. Where the runner
+    fuses chunks into decode steps, the scheduler computes them (:meth:`next_chunk`,
+    :meth:`computed`) and :meth:`run` only queues long rows. ``context``: see
+    :func:`context_per_token`. The scheduler's
     ``accept`` takes each first token, ``cancel`` ends a choice cancelled before its
     prefill, ``send`` delivers the chunks gathered so far.
     """
@@ -114,8 +160,10 @@ class Prefiller:
         accept: Callable[[Sequence, TokenChoice, Outbox], None],
         cancel: Callable[[Sequence, Outbox], None],
         send: Callable[[Outbox], None],
+        context: float,
     ) -> None:
         self.runner = runner
+        self.context = context
         self.pool = pool
         self._accept, self._cancel, self._send = accept, cancel, send
         self.chunked: list[Claimed] = []
@@ -127,10 +175,32 @@ class Prefiller:
     def drop_cancelled(self) -> None:
         self.chunked = [entry for entry in self.chunked if not entry[0].submission.should_stop()]
 
-    def run(self, admitted: list[Submission], budget: int, outbox: Outbox) -> list[Joined]:
-        """Prefill within ``budget`` tokens; the sequences that join the batch."""
+    def next_chunk(self, budget: float) -> NextChunk | None:
+        """The oldest row prefilled over several steps and the end of its next chunk
+        within ``budget`` token-equivalents; None when there is none."""
+        if not self.chunked:
+            return None
+        entry = self.chunked[0]
+        row = entry[0]
+        return entry, chunk_end(row.computed, len(row.tokens), budget, self.context)
+
+    def computed(
+        self, entry: Claimed, prefilled: Prefilled | None, joined: list[Joined], outbox: Outbox
+    ) -> None:
+        """A chunk of ``entry`` was computed; once its prompt is (``prefilled``) its
+        sequences join."""
+        if prefilled is not None:
+            self.chunked.remove(entry)
+            joined += self._join(*entry, prefilled, outbox)
+
+    def run(
+        self, admitted: list[Submission], budget: float, outbox: Outbox, *, chunks: bool = True
+    ) -> list[Joined]:
+        """Prefill within ``budget`` token-equivalents; the sequences that join the batch.
+        Without ``chunks``, rows prefilled over several steps are only queued."""
         joined: list[Joined] = []
-        budget = self._chunks(budget, joined, outbox)
+        if chunks:
+            budget = self._chunks(budget, joined, outbox)
         rows = (
             (submission, tokens, sequences)
             for submission in admitted
@@ -141,7 +211,8 @@ class Prefiller:
             if len(group) == 1 and row.submission.embed is None:
                 if len(row.tokens) - row.computed > budget:
                     self.chunked.append(group[0])
-                    budget = self._chunks(budget, joined, outbox)
+                    if chunks:
+                        budget = self._chunks(budget, joined, outbox)
                     continue
             budget -= sum(len(row.tokens) - row.computed for row, _ in group)
             prefilled = self.runner.prefill([row for row, _ in group])
@@ -175,15 +246,15 @@ class Prefiller:
     ) -> Claimed:
         return claim_blocks(self.pool, submission, tokens, sequences)
 
-    def _chunks(self, budget: int, joined: list[Joined], outbox: Outbox) -> int:
+    def _chunks(self, budget: float, joined: list[Joined], outbox: Outbox) -> float:
         """The next chunks of the rows prefilled over several steps, oldest first, within
-        ``budget`` tokens; returns the budget left."""
+        ``budget`` token-equivalents; returns the budget left."""
         for entry in list(self.chunked):
-            if budget <= 0:
+            if budget < 1:
                 break
             row, match = entry
-            end = min(len(row.tokens), row.computed + budget)
-            budget -= end - row.computed
+            end = chunk_end(row.computed, len(row.tokens), budget, self.context)
+            budget -= chunk_cost(row.computed, end - row.computed, self.context)
             done = self.runner.prefill_chunk(row, end)
             if done is not None:
                 self.chunked.remove(entry)

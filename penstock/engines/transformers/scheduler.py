@@ -1,10 +1,8 @@
 """Continuous batching over a Hugging Face causal LM, on one dedicated thread.
 
 Why a scheduler of our own: transformers' ``ContinuousBatchingManager`` fixes its sampling
-setup per manager (only temperature/top-k/top-p have per-request variants, and only when
-the manager's GenerationConfig enables them); it has no per-request seed, min-p,
-penalties, min_tokens, top logprobs or ``n``. This scheduler keeps the model's own forward
-and adds what a server needs around it.
+setup per manager and has no per-request seed, min-p, penalties, min_tokens, top logprobs
+or ``n``; this one keeps the model's own forward and adds what a server needs around it.
 
 The parts, one concept each: :mod:`.sequence` (a request and its choices),
 this module (admission, batch composition, the step loop, the chunks each token becomes),
@@ -36,15 +34,17 @@ from typing import Any
 
 import torch
 
-from penstock.engines.transformers.block_manager import (
-    BLOCK_SIZE,
-    BlockManager,
-    KvEventRelay,
-)
+from penstock.engines.transformers.block_manager import BLOCK_SIZE, BlockManager, KvEventRelay
 from penstock.engines.transformers.deterministic import DeterministicRunner, OutgoingChunks
 from penstock.engines.transformers.kv_cache import KvPair
 from penstock.engines.transformers.model_runner import ModelRunner
-from penstock.engines.transformers.prefill_plan import Prefiller
+from penstock.engines.transformers.prefill_plan import (
+    Joined,
+    NextChunk,
+    Prefiller,
+    chunk_cost,
+    context_per_token,
+)
 from penstock.engines.transformers.sampling import TokenChoice
 from penstock.engines.transformers.sequence import Sequence, Submission, completion_usage
 from penstock.engines.transformers.step_metrics import KvUsage, step_metrics
@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 KV_BLOCK_SIZE = BLOCK_SIZE
 DEFAULT_STEP_TOKENS = 2048
+# The prompt a CPU step computes while rows decode, in token-equivalents (see
+# :mod:`.prefill_plan`): more stretches their inter-token gap (bench/README.md).
+CPU_CHUNK_BESIDE_DECODE = 32
 # How often a thread with held or frozen requests re-checks them for cancellation.
 _HELD_POLL_S = 0.05
 
@@ -101,10 +104,13 @@ class BatchScheduler:
         worker_id: str = "",
         prefix_caching: bool = True,
         step_tokens: int = DEFAULT_STEP_TOKENS,
+        chunk_beside_decode: int | None = None,
         deterministic: bool = False,
     ) -> None:
         """``step_tokens``: the tokens one step computes at most, decode rows and prefill
         chunks together (a longer prompt is prefilled over several steps);
+        ``chunk_beside_decode``: the most a step computes of prompts while rows decode
+        (default :data:`CPU_CHUNK_BESIDE_DECODE` on the CPU, else ``step_tokens``);
         ``deterministic``: one sequence per forward pass (see :mod:`.deterministic`)."""
         runner = DeterministicRunner if deterministic else ModelRunner
         self.runner = runner(
@@ -137,8 +143,13 @@ class BatchScheduler:
             accept=self._accept,
             cancel=lambda seq, outbox: self._finish(seq, "cancelled", outbox, last_chunk=None),
             send=self._send,
+            context=context_per_token(model.config.get_text_config(decoder=True)),
         )
         self.step_tokens = step_tokens
+        on_cpu = device.type == "cpu"
+        self.chunk_beside_decode = chunk_beside_decode or (
+            CPU_CHUNK_BESIDE_DECODE if on_cpu else step_tokens
+        )
         self._arrivals = itertools.count()
         self._preemptions = 0
         self._paused = False
@@ -393,22 +404,43 @@ class BatchScheduler:
                 self._grow()
                 self._rebuild_batch([])
                 decode_rows = list(self._running)
-                if decode_rows:
-                    self._decode(decode_rows, outbox)
-                    self._send(outbox)
                 # At least a block's worth: a step full of decode rows still prefills.
-                budget = max(self.step_tokens - len(decode_rows), BLOCK_SIZE)
-                self._rebuild_batch(self.prefiller.run(admitted, budget, outbox))
+                budget: float = max(self.step_tokens - len(decode_rows), BLOCK_SIZE)
+                if decode_rows:
+                    budget = min(budget, self.chunk_beside_decode)
+                # Beside decoding rows a chunk rides in their decode pass (one read of the
+                # weights for both) where the runner can; alone it runs by itself.
+                fused = bool(decode_rows) and self.runner.fuses_chunks
+                chunk = self.prefiller.next_chunk(budget) if fused else None
+                joined: list[Joined] = []
+                if decode_rows:
+                    budget -= self._decode(decode_rows, chunk, joined, outbox)
+                    self._send(outbox)
+                joined += self.prefiller.run(admitted, budget, outbox, chunks=not fused)
+                self._rebuild_batch(joined)
         except Exception as exc:
             logger.exception("forward pass failed")
             self._fail_all(outbox, StepFailure(f"forward pass failed: {exc}"))
         self._send(outbox)
         self._publish(admitted, decode_rows, queued, time.perf_counter() - started)
 
-    def _decode(self, rows: list[Sequence], outbox: dict[Submission, list[Any]]) -> None:
-        choices = self.runner.decode(rows)
+    def _decode(
+        self,
+        rows: list[Sequence],
+        chunk: NextChunk | None,
+        joined: list[Joined],
+        outbox: dict[Submission, list[Any]],
+    ) -> float:
+        """Decode ``rows`` and ``chunk`` in one pass; the chunk's token-equivalents."""
+        target = None if chunk is None else (chunk[0][0], chunk[1])
+        start = 0 if target is None else target[0].computed
+        choices, prefilled = self.runner.decode(rows, target)
         for seq, choice in zip(rows, choices, strict=True):
             self._accept(seq, choice, outbox)
+        if chunk is None:
+            return 0.0
+        self.prefiller.computed(chunk[0], prefilled, joined, outbox)
+        return chunk_cost(start, chunk[1] - start, self.prefiller.context)
 
     def _grow(self) -> None:
         """Give every running row a block slot for the token it feeds this step; an empty
