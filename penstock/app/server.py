@@ -361,6 +361,24 @@ async def serve(settings: Settings) -> int:
         tracing.shutdown()
 
 
+async def _start_unless_stopped(settings: Settings) -> Gateway | None:
+    """:func:`build_gateway`, or None once a SIGTERM arrives first: a supervisor may stop a
+    server whose engine is still loading, and a default SIGTERM would end this process
+    before it could clean up what the start made (a Ray cluster in a group of its own)."""
+    loop = asyncio.get_running_loop()
+    start = asyncio.ensure_future(build_gateway(settings))
+    loop.add_signal_handler(signal.SIGTERM, start.cancel)
+    try:
+        return await start
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+        return None
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 async def _serve(settings: Settings) -> int:
     sock = bind_socket(settings.host, settings.port)
     try:
@@ -369,7 +387,10 @@ async def _serve(settings: Settings) -> int:
             # Imported before the freeze: the engine's modules are frozen with the rest.
             load_engine_class(settings.engine)
         freeze_imported_heap()
-        gateway = await build_gateway(settings)
+        gateway = await _start_unless_stopped(settings)
+        if gateway is None:
+            logger.info("told to stop while the engine was starting; bye")
+            return 0
         try:
             # The default store is named after the served model, known only now; a server
             # generating no media never writes there.

@@ -30,8 +30,9 @@ import contextlib
 import logging
 import secrets
 import sys
+import threading
 import weakref
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -338,6 +339,33 @@ def _deploy(
     return handle, description
 
 
+async def _in_daemon_thread(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` off the loop in a daemon thread: unlike ``asyncio.to_thread``'s
+    pool, an abandoned deploy still blocked in Ray does not hold the process's exit."""
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if outcome.done():
+            return
+        if error is None:
+            outcome.set_result(result)
+        else:
+            outcome.set_exception(error)
+
+    def run() -> None:
+        try:
+            result, error = function(*args), None
+        except BaseException as exc:
+            result, error = None, exc
+        # The loop is closed once the server has exited without waiting for this thread.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="penstock-ray-deploy", daemon=True).start()
+    return await outcome
+
+
 def _replica_failure(serve: Any, app_name: str) -> str | None:
     """The last line of the traceback a replica's constructor raised (Serve keeps it in the
     deployment's status; its own exception only says the deployment failed)."""
@@ -360,7 +388,14 @@ async def start_fleet(settings: Settings) -> FleetHost:
     if ray.is_initialized():
         cluster = None
     data_token = secrets.token_hex(16)
-    handle, description = await asyncio.to_thread(_deploy, settings, data_token, cluster)
+    try:
+        handle, description = await _in_daemon_thread(_deploy, settings, data_token, cluster)
+    except BaseException:
+        # A start abandoned (the server told to stop while it deploys): the cluster is
+        # this server's own and in a group of its own, so nothing else would end it.
+        if cluster is not None:
+            cluster.stop()
+        raise
     host = FleetHost(handle, description, settings, cluster=cluster, data_token=data_token)
     # The first view gives the routing its replicas' data plane addresses.
     await host.engine.refresh()

@@ -103,3 +103,46 @@ def test_a_process_group_sigterm_stops_server_and_cluster_within_the_grace(
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def test_a_sigterm_while_the_fleet_deploys_stops_the_server_and_its_cluster(
+    tmp_path: Path,
+) -> None:
+    log_path = tmp_path / "server.log"
+    argv = [sys.executable, "-m", "penstock", "serve", "--port", str(free_port()), "--ray"]
+    argv += ["--ray-replicas", "1", "--ray-replica-cpus", "0.5", "--engine", "sample"]
+    with log_path.open("w") as log:
+        server = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
+    try:
+        # The cluster is up (its raylet runs) and the replica not yet deployed.
+        deadline = time.monotonic() + 120
+        cluster: set[int] = set()
+        while time.monotonic() < deadline:
+            assert server.poll() is None, log_path.read_text()
+            cluster = descendants(server.pid)
+            if any(b"raylet" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in cluster):
+                break
+            time.sleep(0.05)
+        assert "engine fleet ready" not in log_path.read_text()
+
+        signalled = time.monotonic()
+        os.killpg(server.pid, signal.SIGTERM)
+        assert server.wait(timeout=GRACE_S + 10) == 0, log_path.read_text()
+        assert time.monotonic() - signalled < GRACE_S + 10
+        deadline = time.monotonic() + 5
+        cluster = descendants(server.pid) | cluster
+        while any(alive(pid) for pid in cluster) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in cluster if alive(pid)], log_path.read_text()
+        assert "told to stop while the engine was starting" in log_path.read_text()
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
