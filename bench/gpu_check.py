@@ -12,15 +12,17 @@ float32 on the tiny Llama (built here, nothing downloaded) and the checks are:
   broadcast (this process is rank 0; with one GPU the trainer's rank shares the engine's,
   which NCCL refuses: then the check is a SKIP once the engine answered 400 and kept its
   weights);
+* a JSON schema (SGLang's ``json_schema`` on ``/generate``), sampled on the random-weights
+  model: every answer valid, so the token bitmask is applied on the GPU's logits;
 * tokens/s at concurrency 1, 16 and 64: the engine, ``generate`` (one batch of that
   size), and the engine with prefix caching off (a SKIP when ``penstock serve -- --help``
   offers no option to turn it off);
 * ``--ray --ray-replica-gpus 1``: a one-replica fleet whose replica runs ``--device
   cuda``, which starts only on the GPU Ray reserved for it, and answers greedy as above.
 
-Without CUDA (or with ``--cpu-only``) the CPU-safe parts run: greedy equality and the disk
-update on the CPU, the refusals of what needs CUDA (an ``nccl`` group, a CUDA-IPC
-payload) as 400s naming the reason, and the caching option's detection; the rest is a
+Without CUDA (or with ``--cpu-only``) the CPU-safe parts run: greedy equality, the disk
+update and the JSON schema on the CPU, the refusals of what needs CUDA (an ``nccl`` group,
+a CUDA-IPC payload) as 400s naming the reason, and the caching option's detection; the rest is a
 SKIP. Every check has its own time limit inside one overall budget (``--budget-s``).
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import queue
 import re
@@ -167,6 +170,47 @@ def engine_greedy(server: ServerProcess) -> list[list[int]]:
         reply.raise_for_status()
         outs.append(reply.json()["output_ids"])
     return outs
+
+
+# A random-weights model writes valid JSON only if the grammar allows nothing else.
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "count": {"type": "integer"}},
+    "required": ["name", "count"],
+    "additionalProperties": False,
+}
+
+
+def constrained_json(server: ServerProcess) -> Outcome:
+    """SGLang's ``json_schema`` on ``/generate``, sampled: every answer is schema-valid."""
+    valid, samples = 0, 6
+    for seed in range(samples):
+        prompt = PROMPTS[seed % len(PROMPTS)]
+        reply = httpx.post(
+            f"{server.base_url}/generate",
+            json={
+                "input_ids": prompt,
+                "sampling_params": {
+                    "max_new_tokens": 200,
+                    "temperature": 1.0,
+                    "sampling_seed": seed,
+                    "json_schema": json.dumps(JSON_SCHEMA),
+                },
+            },
+            timeout=60,
+        )
+        reply.raise_for_status()
+        with contextlib.suppress(ValueError):
+            value = json.loads(reply.json()["text"])
+            valid += (
+                isinstance(value, dict)
+                and set(value) == {"name", "count"}
+                and isinstance(value["name"], str)
+                and len(value["name"]) <= 8
+                and type(value["count"]) is int
+            )
+    detail = f"{valid}/{samples} sampled answers valid against the schema"
+    return ("PASS" if valid == samples else "FAIL", detail)
 
 
 def compare_greedy(got: list[list[int]], want: list[list[int]], what: str) -> Outcome:
@@ -573,6 +617,9 @@ def all_checks(
         lambda: compare_greedy(engine_greedy(server), setup.greedy_a, "to generate"),
     )
     report.run("weight update from disk", 60, lambda: disk_update(server, pusher, setup))
+    report.run(
+        f"JSON schema constrained ({setup.device.type})", 60, lambda: constrained_json(server)
+    )
     if setup.device.type == "cuda":
         cuda_checks(report, server, pusher, setup, off)
     else:

@@ -1,6 +1,6 @@
 """``bench/gpu_check.sh --cpu-only``, the GPU check's CPU-safe parts, runs to its report:
-greedy equality and the disk update on the CPU, the CUDA refusals, the caching option's
-detection, and a SKIP naming CUDA for each check that needs it."""
+greedy equality, the disk update and a JSON schema on the CPU, the CUDA refusals, the
+caching option's detection, and a SKIP naming CUDA for each check that needs it."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from tests.support.server import REPO_ROOT
 CPU_CHECKS = (
     "greedy /generate == generate (cpu)",
     "weight update from disk",
+    "JSON schema constrained (cpu)",
     "nccl group refused",
     "CUDA-IPC push refused",
     "serving after the refusals",
