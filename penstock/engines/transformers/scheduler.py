@@ -4,15 +4,11 @@ Why a scheduler of our own: transformers' ``ContinuousBatchingManager`` fixes it
 setup per manager and has no per-request seed, min-p, penalties, min_tokens, top logprobs
 or ``n``; this one keeps the model's own forward and adds what a server needs around it.
 
-The parts, one concept each: :mod:`.sequence` (a request and its choices),
-this module (admission, batch composition, the step loop, the chunks each token becomes),
-:mod:`.block_manager` (the pool of KV blocks and the prefix cache over it),
-:mod:`.prefill_plan` (the prefill half of a step: rows grouped, blocks claimed, long
-prompts chunked), :mod:`.model_runner` (the forward passes and the KV cache they run
-over). Membership of the batch changes only at step boundaries: the requests admitted in
-a step are prefilled within the step's token budget (``step_tokens``, decode rows
-included) and join the running rows, which decode one token per step until they finish
-or are cancelled.
+This module holds admission, batch composition and the step loop; :mod:`.sequence`,
+:mod:`.block_manager`, :mod:`.prefill_plan` and :mod:`.model_runner` the rest (see
+DESIGN.md). The batch changes only at step boundaries: requests admitted in a step are
+prefilled within its token budget (``step_tokens``, decode rows included) and join the
+running rows, which decode one token per step until they finish or are cancelled.
 
 KV is counted in blocks of the pool (``kv_capacity_tokens``): a request is admitted when
 the pool has the blocks its prompt needs, and a running row takes a block each time its
