@@ -78,7 +78,9 @@ SUPPORTS_PRIORITY = "supports_priority"
 SUPPORTS_GUIDED_DECODING = "supports_guided_decoding"
 # An engine that reports vLLM's ``output_options.prompt_logprobs`` on its first chunk
 # (``chunk["prompt_logprobs"]``: None, then per prompt token a list of ``{"token_id",
-# "logprob", "rank"}``, the prompt token first); the gateway refuses the field elsewhere.
+# "logprob", "rank"}``, the prompt token first), of ``softmax(logits / T)`` with
+# ``output_options.prompt_logprobs_temperature`` T (1 unless given); the gateway refuses
+# the field elsewhere.
 SUPPORTS_PROMPT_LOGPROBS = "supports_prompt_logprobs"
 # An engine whose output for a request does not depend on the requests beside it, with
 # logprobs equal to a trainer's forward pass (``--deterministic``).

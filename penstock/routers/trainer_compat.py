@@ -10,6 +10,8 @@ Inference routes (the inference keys guard them like ``/v1/completions``; bodies
 * ``POST /chat/``: the same for conversations (``messages``: one list of messages per
   prompt, ``chat_template_kwargs``, ``tools``), each rendered by the chat template with
   the generation prompt
+* ``POST /get_sequence_logprobs/``: TRL's teacher logprobs of given sequences
+  (:mod:`penstock.serving.sequence_logprobs`; engines reporting prompt logprobs)
 * ``POST /skyrl/v1/generate`` (SkyRL, for a mixture-of-experts model's routed experts): a
   400 naming ``routed_experts``, which no engine here records
 
@@ -89,6 +91,7 @@ from penstock.schemas.openai import ChatMessage, NonNegativeInt
 from penstock.schemas.unicode import JSONValue, RequestModel
 from penstock.serving.guided import check_can_constrain
 from penstock.serving.prompts import off_loop, render_and_tokenize
+from penstock.serving.sequence_logprobs import SequenceLogprobsBody, sequence_logprobs
 from penstock.serving.tokens import run_tokens, sampling_request
 
 # The app-wide inference-key check guards these (see ``security.require_inference_key``).
@@ -288,6 +291,12 @@ async def _trl_run(
         prompt=prompts,
     )
     return await run_tokens(gateway, completion, request, "trl")
+
+
+@inference_router.post("/get_sequence_logprobs/", response_model=None)
+async def trl_sequence_logprobs(body: SequenceLogprobsBody, request: Request) -> Response:
+    gateway = request.app.state.gateway
+    return await sequence_logprobs(gateway, body, _default_model(request), request)
 
 
 @inference_router.get("/health/")

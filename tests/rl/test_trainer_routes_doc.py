@@ -28,8 +28,6 @@ SHARED = frozenset(
         "/classify",
     }
 )
-# Calls the doc says this server does not offer (a 404).
-NOT_OFFERED = frozenset({"/get_sequence_logprobs/"})
 
 
 def documented_calls() -> list[tuple[str | None, str]]:
@@ -55,8 +53,7 @@ def test_every_documented_call_is_served(gateway: Gateway) -> None:
     missing = [
         (method, path)
         for method, path in documented_calls()
-        if path not in NOT_OFFERED
-        and not any(path == route and method in (None, verb) for verb, route in served)
+        if not any(path == route and method in (None, verb) for verb, route in served)
     ]
     assert not missing
 
@@ -64,7 +61,7 @@ def test_every_documented_call_is_served(gateway: Gateway) -> None:
 async def test_capabilities_list_every_trainer_route(client: httpx.AsyncClient) -> None:
     dialects = (await client.get("/engine/capabilities")).json()["dialects"]
     listed = set(dialects["sglang"]) | set(dialects["vllm"])
-    missing = {path for _, path in documented_calls() if path not in SHARED | NOT_OFFERED} - listed
+    missing = {path for _, path in documented_calls() if path not in SHARED} - listed
     assert not missing
     # Served routes only: each listed path is one the app answers.
     assert "/engine/capabilities" not in listed

@@ -43,11 +43,15 @@ Chunk = dict[str, Any]
 
 
 def forward_logprobs(
-    runner: ModelRunner, submission: Submission, tokens: list[int], first: int = 0
+    runner: ModelRunner,
+    submission: Submission,
+    tokens: list[int],
+    first: int = 0,
+    temperature: float = 1.0,
 ) -> Any:
     """``[len(tokens) - first, vocab]`` float32 log-probabilities of the next token at
     each position from ``first`` on: the trainer's forward pass over ``tokens``
-    (``submission``'s prompt first)."""
+    (``submission``'s prompt first), its logits divided by ``temperature``."""
     ids = torch.tensor([tokens], device=runner.device)
     inputs: dict[str, Any] = {"input_ids": ids}
     if submission.embed is not None:
@@ -62,7 +66,10 @@ def forward_logprobs(
     logits = runner.model(**inputs, use_cache=False, **adapters).logits
     # Every position's logits, as the trainer's pass computes them (fewer would change the
     # output layer's product); only the rows asked for are normalised, each on its own.
-    return torch.log_softmax(logits[0, first:].float(), dim=-1)
+    rows = logits[0, first:].float()
+    if temperature != 1.0:
+        rows = rows / temperature
+    return torch.log_softmax(rows, dim=-1)
 
 
 def _entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
@@ -71,11 +78,13 @@ def _entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
 
 def prompt_logprobs(runner: ModelRunner, submission: Submission, top: int) -> list[Any]:
     """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token its
-    logprob and vocabulary rank, followed by the ``top`` most likely others."""
+    logprob and vocabulary rank, followed by the ``top`` most likely others (at the
+    request's ``prompt_temperature``)."""
     tokens = submission.prompt_ids
     if len(tokens) < 2:
         return [None]
-    rows = forward_logprobs(runner, submission, tokens)[:-1]
+    temperature = submission.params.prompt_temperature
+    rows = forward_logprobs(runner, submission, tokens, temperature=temperature)[:-1]
     ids = torch.tensor(tokens[1:], device=rows.device)
     actual = rows.gather(1, ids.unsqueeze(1))
     ranks = (rows > actual).sum(dim=1) + 1

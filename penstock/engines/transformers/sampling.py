@@ -54,6 +54,9 @@ class SamplingParams:
     logprobs: int | None = None
     # vLLM's ``prompt_logprobs``: each prompt token's logprob and this many others.
     prompt_logprobs: int | None = None
+    # The prompt logprobs' distribution is ``softmax(logits / prompt_temperature)``, as
+    # vLLM's ``processed_logprobs`` mode scores a teacher (TRL's sequence logprobs).
+    prompt_temperature: float = 1.0
     # The request's constraint (see :mod:`.constraints`); None decodes freely.
     guided: GuidedSpec | None = None
 
@@ -190,6 +193,9 @@ def parse_sampling_params(
         ignore_eos=bool(ignore_eos),
         logprobs=logprobs,
         prompt_logprobs=_top_count(output, "prompt_logprobs"),
+        prompt_temperature=_number(
+            output, "prompt_logprobs_temperature", "output_options", 1.0, 1e-6, 100.0
+        ),
         guided=parse_guided_decoding(sampling.get("guided_decoding")),
     )
 
