@@ -91,6 +91,7 @@ from penstock.rl.fields import (
 from penstock.rl.plane import AdminPlane
 from penstock.rl.state import WEIGHT_UPDATES_PREFIX
 from penstock.routers import (
+    areal_lora,
     generate,
     lora,
     profiling,
@@ -116,6 +117,7 @@ DIALECT_ROUTERS: dict[str, tuple[APIRouter, ...]] = {
         lora.router,
         trainer_compat.inference_router,
         trainer_compat.admin_router,
+        areal_lora.admin_router,
     ),
 }
 

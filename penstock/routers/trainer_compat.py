@@ -51,8 +51,7 @@ Admin routes (the admin key, as every admin dialect):
   ``/areal_update_weights {model_path}`` (from disk); both updates pause, aborting, when
   generation is not paused already. ``/areal_update_weights_lora {lora_model_path,
   lora_name, lora_int_id, base_model_name}`` reloads the adapter from its folder in place;
-  the LoRA broadcast (``/areal_set_update_weight_meta_lora``,
-  ``/areal_update_weights_lora_xccl``) is a 400 ``transport_unavailable``.
+  the LoRA broadcast is :mod:`penstock.routers.areal_lora`.
 """
 
 from __future__ import annotations
@@ -77,6 +76,7 @@ from penstock.rl.fields import (
     tags_field,
     version_number,
 )
+from penstock.routers import areal_lora
 from penstock.routers.deps import admin_plane
 from penstock.routers.security import ADMIN_TAG, require_admin_key
 from penstock.routers.sglang_compat import group_body
@@ -536,20 +536,6 @@ async def areal_update_weights_lora(request: Request) -> dict[str, Any]:
     return _areal(f"LoRA adapter {name!r} updated")
 
 
-@admin_router.post(
-    "/areal_set_update_weight_meta_lora", response_model=None, operation_id="areal_meta_lora"
-)
-@admin_router.post(
-    "/areal_update_weights_lora_xccl", response_model=None, operation_id="areal_lora_xccl"
-)
-async def areal_lora_broadcast(request: Request) -> NoReturn:
-    await json_object_body(request)
-    raise TransportUnavailableError(
-        "a broadcast LoRA adapter is received outside the model's parameters, which this "
-        "server's broadcast receive does not do; save the adapter and POST "
-        "/areal_update_weights_lora {lora_model_path, lora_name} (or /v1/load_lora_adapter)"
-    )
-
-
 router.include_router(inference_router)
 router.include_router(admin_router)
+router.include_router(areal_lora.admin_router)

@@ -387,8 +387,26 @@ def test_areal_vllm_routes_update_from_disk(admin: httpx.Client, tmp_path: Path)
     assert ok(admin.post("/areal_update_weights", json=update))["success"] is True
     assert ok(admin.post("/areal_continue_generation", json={}))["success"] is True
     assert len(generated(admin)) == 4
-    lora = admin.post("/areal_update_weights_lora_xccl", json={})
+    early = admin.post("/areal_update_weights_lora_xccl", json={})
+    assert early.status_code == 409
+    meta = {
+        "names": ["model.layers.0.self_attn.q_proj.lora_A.default.weight"],
+        "dtypes": ["float32"],
+        "shapes": [[4, 8]],
+        "group_name": "areal",
+        "lora_name": "policy-v1",
+        "lora_int_id": 1,
+        "lora_target_modules": ["q_proj"],
+        "lora_rank": 4,
+        "lora_alpha": 8,
+        "lora_bias": "none",
+        "base_model_name": MODEL,
+    }
+    assert ok(admin.post("/areal_set_update_weight_meta_lora", json=meta))["success"] is True
+    # The sample engine has no model to receive an adapter for.
+    lora = admin.post("/areal_update_weights_lora_xccl", json=meta)
     assert lora.status_code == 400
+    assert "receive_lora_adapter" in lora.json()["error"]["message"]
 
 
 # -- verl ----------------------------------------------------------------------------

@@ -6,7 +6,9 @@ SkyRL's broadcast (``/init_weight_transfer_engine``, then ``/collective_rpc`` wi
 ``update_weights_nccl`` buckets, packed) and AReaL's (``/areal_init_weights_update_group``
 with the port in digits, ``/areal_set_update_weight_meta``, ``/areal_update_weights_xccl``)
 each change the served weights: afterwards the greedy tokens of ``/inference/v1/generate``
-are the trainer's own, and its logprobs are the trainer's ``log_softmax``.
+are the trainer's own, and its logprobs are the trainer's ``log_softmax``. AReaL's LoRA
+broadcast (``/areal_set_update_weight_meta_lora``, ``/areal_update_weights_lora_xccl``)
+serves the trainer's adapter: its greedy tokens are peft's own.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
+from peft import PeftModel
 from transformers import LlamaForCausalLM
 
 from penstock.engines.weight_sync import (
@@ -28,6 +32,7 @@ from penstock.engines.weight_sync import (
     dtype_name,
     init_custom_process_group,
 )
+from tests.engines.transformers.conftest import peft_greedy, save_tiny_lora
 from tests.support.server import ServerProcess, free_port, transformers_server
 from tests.support.tiny_llm import build_tiny_llama
 
@@ -35,6 +40,7 @@ ADMIN_KEY = "weights-admin-key"
 PROMPT = [5, 17, 29, 41]
 TOKENS = 6
 VLLM_GROUP = "vllm_weight_transfer"
+XCCL_LORA = "/areal_update_weights_lora_xccl"
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +244,84 @@ def test_slime_profile_records_the_engines_forward_passes(
     names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
     # The engine's matmuls run on its own thread: they are in the trace.
     assert names & {"aten::linear", "aten::mm", "aten::matmul", "aten::addmm"}
+
+
+def areal_lora_meta(
+    model: Any, group_name: str, version: int, base: str, **fields: Any
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """``build_distributed_weight_update_requests`` with ``use_lora``: the trainable
+    parameters of the trainer's peft model, named as it names them."""
+    items = [(n, p.detach().contiguous()) for n, p in model.named_parameters() if p.requires_grad]
+    meta = {
+        "names": [name for name, _ in items],
+        "dtypes": [dtype_name(t.dtype) for _, t in items],
+        "shapes": [list(t.shape) for _, t in items],
+        "group_name": group_name,
+        "lora_name": f"policy-v{version}",
+        "lora_int_id": 1,
+        "lora_target_modules": ["q_proj", "v_proj"],
+        "lora_rank": 4,
+        "lora_alpha": 8,
+        "lora_bias": "none",
+        "base_model_name": base,
+        **fields,
+    }
+    return meta, [t for _, t in items]
+
+
+def lora_greedy(admin: httpx.Client, name: str) -> list[int]:
+    body = {"model": name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    answer = admin.post("/v1/completions", json={**body, "return_token_ids": True})
+    assert answer.status_code == 200, answer.text
+    return list(answer.json()["choices"][0]["token_ids"])
+
+
+def test_areal_lora_broadcast_serves_the_adapter(
+    admin: httpx.Client, model_dir: Path, tmp_path: Path
+) -> None:
+    base = admin.get("/v1/models").json()["data"][0]["id"]
+    # The adapters are trained on the checkpoint's weights, which earlier syncs replaced.
+    assert admin.post("/areal_pause_generation", json={}).status_code == 200
+    assert admin.post("/areal_update_weights", json={"model_path": str(model_dir)}).is_success
+    assert admin.post("/areal_continue_generation", json={}).status_code == 200
+    port, group_name = free_port(), "areal_lora_group"
+    init = {
+        "master_address": "127.0.0.1",
+        "master_port": str(port),
+        "rank_offset": 1,
+        "world_size": 2,
+        "backend": "gloo",
+        "group_name": group_name,
+    }
+    group, joined = with_rank_zero(
+        port, group_name, lambda: admin.post("/areal_init_weights_update_group", json=init)
+    )
+    assert joined.status_code == 200, joined.text
+    try:
+        for version in range(2):
+            folder = save_tiny_lora(model_dir, tmp_path / f"step-{version}", seed=60 + version)
+            trainer = PeftModel.from_pretrained(
+                LlamaForCausalLM.from_pretrained(model_dir), str(folder), is_trainable=True
+            )
+            meta, tensors = areal_lora_meta(trainer, group_name, version, base)
+            assert admin.post("/areal_set_update_weight_meta_lora", json=meta).status_code == 200
+            answer = broadcast_while(group, tensors, partial(admin.post, XCCL_LORA, json=meta))
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["success"] is True
+            assert lora_greedy(admin, f"policy-v{version}") == peft_greedy(
+                model_dir, folder, PROMPT, 4
+            )
+        served = {model["id"] for model in admin.get("/v1/models").json()["data"]}
+        assert "policy-v1" in served and "policy-v0" not in served
+        # Tensors that are no LoRA matrix: received (the collective completes), not loaded.
+        before = lora_greedy(admin, "policy-v1")
+        meta, tensors = areal_lora_meta(trainer, group_name, 1, base)
+        meta["names"] = [name.replace("lora_A", "lora_C") for name in meta["names"]]
+        assert admin.post("/areal_set_update_weight_meta_lora", json=meta).status_code == 200
+        refused = broadcast_while(group, tensors, partial(admin.post, XCCL_LORA, json=meta))
+        assert refused.status_code == 400 and "LoRA" in refused.text
+        assert lora_greedy(admin, "policy-v1") == before
+        bias = admin.post("/areal_set_update_weight_meta_lora", json={**meta, "lora_bias": "all"})
+        assert bias.status_code == 400 and bias.json()["error"]["param"] == "lora_bias"
+    finally:
+        destroy_process_group(group)

@@ -23,6 +23,7 @@ the last checkpoint read from disk, and the trainer pushes again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,6 +200,39 @@ class WeightSync:
             ) from exc
         written = _swap_in(staged, live, lock)
         return self._done(written, "distributed")
+
+    def receive_adapter(
+        self, body: Body, device: torch.device, check: Callable[[list[TensorSpec]], None]
+    ) -> dict[str, torch.Tensor]:
+        """A LoRA adapter's tensors broadcast as ``update_weights_from_distributed``'s
+        (one at a time, in ``names`` order), all staged on the CPU before any is returned;
+        nothing of the model is written. Specs that ``check`` refuses are still received
+        and dropped, so the trainer's collective completes."""
+        from penstock.engines.weight_sync import broadcast_specs
+
+        group = self._group(body)
+        specs = parse_specs(body)
+        try:
+            check(specs)
+        except ValueError:
+            broadcast_specs(
+                group.handle, specs, device=device, flattened=False, sink=lambda s, t: None
+            )
+            raise
+        staged: dict[str, torch.Tensor] = {}
+
+        def stage(spec: TensorSpec, tensor: torch.Tensor) -> None:
+            staged[spec.name] = tensor.cpu()
+
+        try:
+            broadcast_specs(group.handle, specs, device=device, flattened=False, sink=stage)
+        except Exception as exc:
+            raise WeightSyncError(
+                f"the broadcast broke after {len(staged)} of {len(specs)} tensors arrived "
+                f"({_first_line(exc)}); no adapter was loaded: re-create the weights update "
+                "group and push again"
+            ) from exc
+        return staged
 
     def load_tensors(self, model: torch.nn.Module, body: Body, *, trusted: bool, lock: Any) -> Body:
         """``update_weights_from_tensor``: decode every entry, validate, then copy.

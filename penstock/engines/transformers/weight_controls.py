@@ -3,7 +3,9 @@
 and the snapshot a Ray fleet rolls back to.
 
 Every update needs paused generation and awake weights; a refused one leaves the previous
-weights serving. ``reset_weights`` (SGLang's ``reset_tensors``) overwrites every tensor
+weights serving. ``receive_lora_adapter`` (AReaL's LoRA broadcast) writes no weights: it
+receives an adapter's tensors over an update group into a folder, which the gateway then
+loads as any adapter. ``reset_weights`` (SGLang's ``reset_tensors``) overwrites every tensor
 with random values, paused or not: a trainer checks afterwards that its push rewrote them
 all.
 """
@@ -20,6 +22,12 @@ import torch
 from penstock.engines import controls
 from penstock.engines.controls import Body, ControlRejected, Handler
 from penstock.engines.transformers.cpu_weights import requantize
+from penstock.engines.transformers.lora import (
+    LoraError,
+    adapter_file_key,
+    lora_config,
+    save_adapter,
+)
 from penstock.engines.transformers.sync import (
     checksum_control,
     randomize_weights,
@@ -31,7 +39,7 @@ from penstock.engines.transformers.weights import (
     plan_weight_update,
     read_safetensors,
 )
-from penstock.engines.weight_sync import WeightSyncError
+from penstock.engines.weight_sync import TensorSpec, WeightSyncError
 from penstock.nixl_agent import nixl_installed
 
 if TYPE_CHECKING:
@@ -79,6 +87,7 @@ class TransformersWeightControls:
             "destroy_weights_update_group": self._destroy_weights_update_group,
             "update_weight_version": self._update_weight_version,
             "set_weight_version": self._set_weight_version,
+            "receive_lora_adapter": self._receive_lora_adapter,
         }
         if nixl_installed():
             updates["update_weights_from_nixl"] = self._update_weights_from_nixl
@@ -195,6 +204,41 @@ class TransformersWeightControls:
             body,
             lambda model: self.weight_sync.pull_nixl(model, body, lock=lock),
         )
+
+    async def _receive_lora_adapter(self, body: Body) -> Body:
+        """``{group_name, names, dtypes, shapes, lora_config: {r, lora_alpha,
+        target_modules, bias}, adapter_dir}``: the broadcast adapter, written into
+        ``adapter_dir`` once every tensor has arrived (generation keeps running)."""
+        folder = body.get("adapter_dir")
+        if not isinstance(folder, str) or not folder:
+            raise ControlRejected("missing non-empty `adapter_dir` string", field="adapter_dir")
+        fields = body.get("lora_config")
+        if not isinstance(fields, dict):
+            raise ControlRejected("`lora_config` must be an object", field="lora_config")
+        device, _ = self._placement()
+        configs: list[Any] = []
+
+        def check(specs: list[TensorSpec]) -> None:
+            keys = [adapter_file_key(spec.name) for spec in specs]
+            if len(set(keys)) != len(keys):
+                raise LoraError("'names' name one LoRA matrix twice")
+            configs.append(lora_config(fields))
+
+        def receive() -> int:
+            tensors = self.weight_sync.receive_adapter(body, device, check)
+            save_adapter(Path(folder), configs[0], tensors)
+            return len(tensors)
+
+        try:
+            received = await asyncio.to_thread(receive)
+        except (WeightSyncError, LoraError) as exc:
+            raise ControlRejected(f"receive_lora_adapter refused: {exc}") from exc
+        return {
+            "status": "ok",
+            "success": True,
+            "message": f"received {received} LoRA tensors into {folder}",
+            "tensors": received,
+        }
 
     async def _read_weights(self, doing: str, field: str, read: Callable[[Any], Body]) -> Body:
         """``read(model)`` off the loop; a refusal names ``field``."""

@@ -40,6 +40,7 @@ def test_advertised_names(engine: TransformersEngine) -> None:
         "destroy_weights_update_group",
         "update_weight_version",
         "set_weight_version",
+        "receive_lora_adapter",
         "load_lora",
         "unload_lora",
     }
