@@ -82,6 +82,11 @@ SUPPORTS_GUIDED_DECODING = "supports_guided_decoding"
 # ``output_options.prompt_logprobs_temperature`` T (1 unless given); the gateway refuses
 # the field elsewhere.
 SUPPORTS_PROMPT_LOGPROBS = "supports_prompt_logprobs"
+# An engine that reports, on a choice's last chunk, the experts a mixture-of-experts model
+# routed each of its tokens to when ``output_options.return_routed_experts`` asks
+# (``chunk["routed_experts"]``: per token of the prompt and output that went through the
+# model, per MoE layer, the ``top_k`` expert indices); the gateway refuses it elsewhere.
+SUPPORTS_ROUTED_EXPERTS = "supports_routed_experts"
 # An engine whose output for a request does not depend on the requests beside it, with
 # logprobs equal to a trainer's forward pass (``--deterministic``).
 SUPPORTS_DETERMINISTIC = "deterministic"

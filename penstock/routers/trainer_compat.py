@@ -12,8 +12,9 @@ Inference routes (the inference keys guard them like ``/v1/completions``; bodies
   the generation prompt
 * ``POST /get_sequence_logprobs/``: TRL's teacher logprobs of given sequences
   (:mod:`penstock.serving.sequence_logprobs`; engines reporting prompt logprobs)
-* ``POST /skyrl/v1/generate`` (SkyRL, for a mixture-of-experts model's routed experts): a
-  400 naming ``routed_experts``, which no engine here records
+* ``POST /skyrl/v1/generate`` (SkyRL, for a mixture-of-experts model's routed experts):
+  ``/inference/v1/generate`` with each choice's ``routed_experts``, from engines that
+  record them (else a 400 naming ``routed_experts``)
 
 Health, as the inference keys allow: ``GET /health/`` (TRL; 200 ``{"status": "ok"}``
 when requests would be served now, else 503) and ``GET /liveness`` (prime-rl; 200 while
@@ -144,6 +145,17 @@ def _default_model(request: Request) -> str:
 
 @inference_router.post("/inference/v1/generate", response_model=None)
 async def tokens_generate(body: TokensGenerateBody, request: Request) -> Response:
+    return await _tokens(body, request, "vllm")
+
+
+@inference_router.post("/skyrl/v1/generate", response_model=None)
+async def skyrl_generate(body: TokensGenerateBody, request: Request) -> Response:
+    """SkyRL calls this route instead of /inference/v1/generate only to read each choice's
+    ``routed_experts``."""
+    return await _tokens(body, request, "skyrl")
+
+
+async def _tokens(body: TokensGenerateBody, request: Request, shape: str) -> Response:
     gateway = request.app.state.gateway
     refuse_unsupported(body, _TOKENS_UNSUPPORTED)
     refuse_unknown(body, gateway.settings.allow_unknown_fields)
@@ -159,7 +171,7 @@ async def tokens_generate(body: TokensGenerateBody, request: Request) -> Respons
         stream_options=body.stream_options,
         cache_salt=body.cache_salt,
     )
-    return await run_tokens(gateway, completion, request, "vllm")
+    return await run_tokens(gateway, completion, request, shape)
 
 
 class TrlSamplingBody(RequestModel):
@@ -210,18 +222,6 @@ class TrlChatBody(TrlSamplingBody):
     ]
     chat_template_kwargs: dict[str, JSONValue] = Field(default_factory=dict)
     tools: list[dict[str, JSONValue]] | None = None
-
-
-@inference_router.post("/skyrl/v1/generate", response_model=None)
-async def skyrl_generate(body: TokensGenerateBody) -> NoReturn:
-    # SkyRL calls this route instead of /inference/v1/generate only to read each choice's
-    # ``routed_experts`` (the experts a mixture-of-experts model routed every token to).
-    raise InvalidRequestError(
-        "routed_experts are not supported by this server: it records no expert routing; "
-        "turn off SkyRL's enable_return_routed_experts to generate at /inference/v1/generate",
-        param="routed_experts",
-        code="unsupported_parameter",
-    )
 
 
 @inference_router.post("/generate/", response_model=None)

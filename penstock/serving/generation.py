@@ -46,6 +46,7 @@ class Generation:
         "prompt_logprobs",
         "prompt_tokens",
         "request",
+        "routed_experts",
         "streaming",
         "weight_version",
     )
@@ -93,6 +94,9 @@ class Generation:
         # The engine's prompt logprobs, when the request asked for them (see the contract's
         # SUPPORTS_PROMPT_LOGPROBS).
         self.prompt_logprobs: list[Any] | None = None
+        # Per choice index, the experts its tokens were routed to, when the request asked
+        # (see the contract's SUPPORTS_ROUTED_EXPERTS).
+        self.routed_experts: dict[int, list[Any]] = {}
         self.weight_version: str | None = gateway.weight_version
 
     @property
@@ -127,8 +131,8 @@ class Generation:
                     self.weight_version = engine_data["weight_version"]
                 if chunk.get("finish_reason") == "error":
                     raise EngineError(chunk.get("error") or "the engine reported an error")
-                if "prompt_logprobs" in chunk:
-                    self.prompt_logprobs = chunk["prompt_logprobs"]
+                if "prompt_logprobs" in chunk or "routed_experts" in chunk:
+                    self._keep_reports(chunk)
                 delta = choice.consume(chunk, self.weight_version)
                 count = len(delta.token_ids)
                 if count:
@@ -167,6 +171,13 @@ class Generation:
             # The access line's usage keeps this object until the connection's cycle is
             # collected: decoded media must not wait for that to leave the media budget.
             self.request.pop("multi_modal_data", None)
+
+    def _keep_reports(self, chunk: dict[str, Any]) -> None:
+        """What the engine reports beside the tokens: prompt logprobs, routed experts."""
+        if "prompt_logprobs" in chunk:
+            self.prompt_logprobs = chunk["prompt_logprobs"]
+        if "routed_experts" in chunk:
+            self.routed_experts[chunk.get("index", 0)] = chunk["routed_experts"]
 
     async def upload_metadata(self, uploader: MetadataUploader | None) -> None:
         """Write each choice's rollout record where the request asked (``nvext``)."""

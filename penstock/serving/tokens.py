@@ -19,6 +19,11 @@ one ``data: {"request_id", "choices": [{"index", "token_ids", "finish_reason", "
 tokens only), ``{"request_id", "choices": [], "usage"}`` last with
 ``stream_options.include_usage``, then ``data: [DONE]``.
 
+SkyRL (``/skyrl/v1/generate``): vLLM's body and answer, each choice with its
+``routed_experts`` as SkyRL packs them (``{"data": base64, "shape": [tokens, layers,
+top_k], "dtype"}``, the smallest of ``uint8``, ``int16``, ``int32`` that holds every
+index), from engines declaring ``SUPPORTS_ROUTED_EXPERTS``; not streamed.
+
 TRL: ``{"prompts": [str] | [[int]], "n", "temperature", "top_p", "top_k", "min_p",
 "repetition_penalty", "max_tokens", "logprobs", "generation_kwargs"}`` ->
 ``{"prompt_ids", "completion_ids", "logprobs", "logprob_token_ids"}``: per completion,
@@ -29,14 +34,17 @@ is a 400, TRL's answer having no place for them.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import orjson
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from penstock.engines.contract import SUPPORTS_ROUTED_EXPERTS
 from penstock.errors import InvalidRequestError, clip
 from penstock.gateway import Gateway, ServedModel
 from penstock.schemas.fields import unknown_field_error
@@ -46,6 +54,7 @@ from penstock.serving.completions import completion_generations, vllm_prompt_log
 from penstock.serving.deadline import request_deadline
 from penstock.serving.framing import JSONObject
 from penstock.serving.generation import Generation
+from penstock.serving.limits import engine_capability
 from penstock.serving.sse import data_frame
 from penstock.serving.stream import ResponsePlan, respond
 
@@ -99,13 +108,15 @@ def sampling_request(
 async def run_tokens(
     gateway: Gateway, body: CompletionRequest, request: Request, shape: str
 ) -> Response:
-    """Generate ``body`` and answer in ``shape`` (``vllm`` or ``trl``)."""
+    """Generate ``body`` and answer in ``shape`` (``vllm``, ``skyrl`` or ``trl``)."""
     if shape == "trl" and body.prompt_logprobs is not None:
         raise InvalidRequestError(
             "generation_kwargs.prompt_logprobs: TRL's answer has no place for prompt logprobs",
             param="generation_kwargs.prompt_logprobs",
             code="unsupported_parameter",
         )
+    if shape == "skyrl":
+        _check_routed_experts(gateway, body)
     deadline = request_deadline(request, gateway.settings)
     try:
         model, generations = await completion_generations(
@@ -113,12 +124,18 @@ async def run_tokens(
         )
     except InvalidRequestError as exc:
         # The completions check names the field where completions has it.
-        if exc.param == "prompt_logprobs" and shape == "vllm":
+        if exc.param == "prompt_logprobs" and shape != "trl":
             exc.param = "sampling_params.prompt_logprobs"
         raise
-    fmt: VllmTokensFormat | TrlFormat = (
-        VllmTokensFormat(model) if shape == "vllm" else TrlFormat(generations, body.logprobs)
-    )
+    fmt: VllmTokensFormat | TrlFormat
+    if shape == "trl":
+        fmt = TrlFormat(generations, body.logprobs)
+    elif shape == "skyrl":
+        for generation in generations:
+            generation.request["output_options"]["return_routed_experts"] = True
+        fmt = SkyrlFormat(model)
+    else:
+        fmt = VllmTokensFormat(model)
     return await respond(request, ResponsePlan(fmt, generations, body, None, deadline))
 
 
@@ -189,6 +206,49 @@ class VllmTokensFormat:
             "kv_transfer_params": None,
             "weight_version": response["weight_version"],
         }
+
+
+def _check_routed_experts(gateway: Gateway, body: CompletionRequest) -> None:
+    model = gateway.resolve(body.model)
+    if not engine_capability(model, SUPPORTS_ROUTED_EXPERTS):
+        raise InvalidRequestError(
+            f"routed_experts are not supported by the model '{body.model}': its engine "
+            "records no expert routing (the transformers engine does, under --deterministic, "
+            "for a mixture-of-experts model); generate at /inference/v1/generate instead",
+            param="routed_experts",
+            code="unsupported_parameter",
+        )
+    if body.stream:
+        raise InvalidRequestError(
+            "routed_experts are not streamed: send the request without stream", param="stream"
+        )
+
+
+class SkyrlFormat(VllmTokensFormat):
+    """``/skyrl/v1/generate``: vLLM's answer, each choice with its packed routed experts."""
+
+    def response_choice(self, generation: Generation, choice: ChoiceState) -> dict[str, Any]:
+        routes = generation.routed_experts.get(generation.choices.index(choice))
+        return {
+            **super().response_choice(generation, choice),
+            "routed_experts": None if routes is None else pack_routed_experts(routes),
+        }
+
+
+def pack_routed_experts(routes: list[Any]) -> dict[str, Any]:
+    """SkyRL's packing: the indices as one C-order array of the smallest integer type
+    that holds them all, base64."""
+    array = np.asarray(routes, dtype=np.int64)
+    if array.ndim != 3:
+        array = array.reshape(0, 0, 0)
+    top = int(array.max(initial=0))
+    dtype = np.uint8 if top < 2**8 else np.int16 if top < 2**15 else np.int32
+    packed = np.ascontiguousarray(array, dtype=dtype)
+    return {
+        "data": base64.b64encode(packed.tobytes()).decode("ascii"),
+        "shape": list(packed.shape),
+        "dtype": packed.dtype.name,
+    }
 
 
 class VllmTokensEvents:

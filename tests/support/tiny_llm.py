@@ -60,3 +60,38 @@ def save_sharpened(model: PreTrainedModel, text_config: LlamaConfig, folder: Pat
         eos_token_id=text_config.eos_token_id, pad_token_id=text_config.pad_token_id
     )
     model.save_pretrained(folder)
+
+
+def build_tiny_moe(folder: Path, *, seed: int = 0) -> Path:
+    """A random-init Qwen2-MoE checkpoint (8 experts, 2 per token, both layers sparse)
+    with the tiny tokenizer: the text model of :func:`tiny_llama_config` made a mixture of
+    experts."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(folder)
+    dense = tiny_llama_config(Tokenizer.from_file(str(folder / "tokenizer.json")))
+    config = Qwen2MoeConfig(
+        **{
+            key: getattr(dense, key)
+            for key in (
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "max_position_embeddings",
+                "eos_token_id",
+                "pad_token_id",
+                "tie_word_embeddings",
+            )
+        },
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(seed)
+    save_sharpened(Qwen2MoeForCausalLM(config), config, folder)  # type: ignore[arg-type]
+    return folder

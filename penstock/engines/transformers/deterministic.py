@@ -23,6 +23,10 @@ live model (and the request's LoRA adapter). It gives prompt logprobs
   for the same weights and dtype. The choice's chunks are held until then, so a stream
   with logprobs arrives at the end.
 
+A mixture-of-experts model's routing is recorded there too (:mod:`.routing`), for a
+request asking ``output_options.return_routed_experts``: the experts of each token of its
+prompt and output, from the passes that computed them.
+
 A greedy or seeded request then gets the same tokens and logprobs alone or beside any
 others; an unseeded sampled one draws from the generator every such row shares. A row
 preempted for KV blocks recomputes its KV, which can change its later tokens.
@@ -30,12 +34,14 @@ preempted for KV blocks recomputes its KV, which can change its later tokens.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from penstock.engines.transformers.model_runner import ModelRunner, Prefilled, PrefillRow
+from penstock.engines.transformers.routing import ExpertRecorder
 from penstock.engines.transformers.sampling import TokenChoice, choose_tokens
 from penstock.engines.transformers.sequence import Sequence, Submission
 
@@ -120,6 +126,10 @@ class OutgoingChunks:
                 self.runner, seq.submission, params.prompt_logprobs
             )
         runner = self.runner
+        if last and isinstance(runner, DeterministicRunner):
+            routes = runner.routes.pop(seq, None)
+            if routes:
+                chunk["routed_experts"] = torch.cat(routes).tolist()
         if params.logprobs is None or not isinstance(runner, DeterministicRunner):
             return [chunk]
         held = runner.held.setdefault(seq, [])
@@ -167,6 +177,13 @@ class DeterministicRunner(ModelRunner):
         self._caches: dict[Sequence, DynamicCache] = {}
         # The chunks of choices with logprobs, until each choice ends (see OutgoingChunks).
         self.held: dict[Sequence, list[Chunk]] = {}
+        self.experts = ExpertRecorder.for_model(self.model)
+        # The experts of each pass over a sequence asking for them, until it ends.
+        self.routes: dict[Sequence, list[torch.Tensor]] = {}
+
+    @property
+    def records_experts(self) -> bool:
+        return self.experts is not None
 
     @property
     def fuses_chunks(self) -> bool:
@@ -179,13 +196,15 @@ class DeterministicRunner(ModelRunner):
         assert chunk is None, "chunks never ride in a deterministic decode pass"
         choices: list[TokenChoice] = []
         for seq in rows:
-            output = self.model(
-                input_ids=torch.tensor([[seq.next_token]], device=self.device),
-                position_ids=torch.tensor([[seq.kv_length]], device=self.device),
-                cache=self._caches[seq],
-                use_cache=True,
-                **self._adapter_names([seq.submission]),
-            )
+            with self._routing(seq.submission) as routes:
+                output = self.model(
+                    input_ids=torch.tensor([[seq.next_token]], device=self.device),
+                    position_ids=torch.tensor([[seq.kv_length]], device=self.device),
+                    cache=self._caches[seq],
+                    use_cache=True,
+                    **self._adapter_names([seq.submission]),
+                )
+            self.routes.get(seq, []).extend(routes)
             seq.kv_length += 1
             choices += choose_tokens(
                 output.logits[:, -1, :],
@@ -195,8 +214,21 @@ class DeterministicRunner(ModelRunner):
         return choices, None
 
     def prefill(self, rows: list[PrefillRow]) -> list[Prefilled]:
-        prefill_one = super().prefill
-        return [done for row in rows for done in prefill_one([row])]
+        prefilled: list[Prefilled] = []
+        for row in rows:
+            with self._routing(row.submission) as routes:
+                prefilled += super().prefill([row])
+            if row.submission.params.routed_experts:
+                # A preempted choice recomputes its prompt and output: its routes restart.
+                for seq in row.sequences:
+                    self.routes[seq] = list(routes)
+        return prefilled
+
+    def _routing(self, submission: Submission) -> Any:
+        """Record the passes run inside when ``submission`` asks for its experts."""
+        if self.experts is None or not submission.params.routed_experts:
+            return nullcontext([])
+        return self.experts.capture(self.model)
 
     def prefill_chunk(self, row: PrefillRow, end: int) -> Prefilled | None:
         """The chunks only count the step budget; the whole prompt is computed at once
@@ -226,6 +258,7 @@ class DeterministicRunner(ModelRunner):
     def reset(self) -> None:
         self._caches.clear()
         self.held.clear()
+        self.routes.clear()
         super().reset()
 
     def move_kv(self, device: torch.device) -> None:

@@ -41,6 +41,7 @@ from penstock.engines.contract import (
     SUPPORTS_IMAGE_INPUT,
     SUPPORTS_PRIORITY,
     SUPPORTS_PROMPT_LOGPROBS,
+    SUPPORTS_ROUTED_EXPERTS,
     EngineConfig,
     GenerateChunk,
     GenerateRequest,
@@ -284,6 +285,7 @@ class TransformersEngine(
                 SUPPORTS_GUIDED_DECODING: True,
                 SUPPORTS_PROMPT_LOGPROBS: True,
                 SUPPORTS_DETERMINISTIC: self.args.deterministic,
+                SUPPORTS_ROUTED_EXPERTS: scheduler.runner.records_experts,
             },
             llm=LlmRegistration(
                 context_length=self.context_length,

@@ -100,6 +100,11 @@ class ModelRunner:
         ]
 
     @property
+    def records_experts(self) -> bool:
+        """Whether a request's routed experts are recorded (see :mod:`.routing`)."""
+        return False
+
+    @property
     def fuses_chunks(self) -> bool:
         """Whether a decode step can carry a prompt chunk (:meth:`decode`'s ``chunk``)."""
         return self.decoder is not None and not self.adapters_loaded

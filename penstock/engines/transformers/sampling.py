@@ -57,6 +57,8 @@ class SamplingParams:
     # The prompt logprobs' distribution is ``softmax(logits / prompt_temperature)``, as
     # vLLM's ``processed_logprobs`` mode scores a teacher (TRL's sequence logprobs).
     prompt_temperature: float = 1.0
+    # The experts a mixture-of-experts model routed each token to (see :mod:`.routing`).
+    routed_experts: bool = False
     # The request's constraint (see :mod:`.constraints`); None decodes freely.
     guided: GuidedSpec | None = None
 
@@ -131,6 +133,13 @@ def _integer(group: dict[str, Any], key: str, where: str, default: int | None, l
     return value
 
 
+def _flag(output: dict[str, Any], key: str) -> bool:
+    value = output.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"output_options.{key} must be a boolean, got {value!r}")
+    return value
+
+
 def _group(request: dict[str, Any], key: str) -> dict[str, Any]:
     value = request.get(key)
     if value is None:
@@ -196,6 +205,7 @@ def parse_sampling_params(
         prompt_temperature=_number(
             output, "prompt_logprobs_temperature", "output_options", 1.0, 1e-6, 100.0
         ),
+        routed_experts=_flag(output, "return_routed_experts"),
         guided=parse_guided_decoding(sampling.get("guided_decoding")),
     )
 
