@@ -47,6 +47,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,10 @@ NIXL_MEM_TYPES = ("DRAM", "VRAM")
 TRUST_FLAG = "--trust-weight-payloads"
 # Pickle protocols 2..5 open with PROTO (0x80) and the protocol number.
 _PICKLE_PREFIXES = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+# How peft names a LoRA matrix in a saved adapter: under the wrapped model, without the
+# adapter's own name (a training model's parameter holds it: ``lora_A.default.weight``).
+PEFT_PREFIX = "base_model.model."
+_LORA_MATRIX = re.compile(r"^(?P<module>.+)\.(?P<part>lora_[AB])(?:\.[^.]+)?\.weight$")
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
 
 
@@ -154,6 +159,18 @@ def parse_specs(body: Mapping[str, Any]) -> list[TensorSpec]:
     if len({spec.name for spec in specs}) != len(specs):
         raise WeightSyncError(f"'{fields[0]}' names a tensor twice")
     return specs
+
+
+def lora_file_key(name: str) -> str:
+    """The key peft saves the broadcast LoRA matrix ``name`` under (a parameter name of a
+    training peft model, with or without the adapter's name and peft's prefix)."""
+    match = _LORA_MATRIX.match(name)
+    if match is None:
+        raise WeightSyncError(f"{name!r} is not a LoRA A or B matrix (<module>.lora_A.weight)")
+    module = match["module"]
+    if not module.startswith(PEFT_PREFIX):
+        module = PEFT_PREFIX + module
+    return f"{module}.{match['part']}.weight"
 
 
 def check_against(specs: Iterable[TensorSpec], live: Mapping[str, torch.Tensor]) -> None:

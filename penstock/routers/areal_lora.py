@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import ConfigDict, Field
 
+from penstock.engines.weight_sync import WeightSyncError, lora_file_key
 from penstock.errors import ConflictError, InvalidRequestError, PenstockError, clip
 from penstock.lora.adapters import LoadedAdapters
 from penstock.rl.fields import json_object_body
@@ -89,6 +90,11 @@ async def areal_set_update_weight_meta_lora(
             raise InvalidRequestError(
                 f"{field} must have one entry per name ({len(body.names)})", param=field
             )
+    for i, name in enumerate(body.names):
+        try:
+            lora_file_key(name)
+        except WeightSyncError as exc:
+            raise InvalidRequestError(str(exc), param=f"names[{i}]") from exc
     served = _served_model(request)
     if body.base_model_name != served:
         raise InvalidRequestError(

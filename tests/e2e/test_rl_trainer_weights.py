@@ -313,14 +313,27 @@ def test_areal_lora_broadcast_serves_the_adapter(
             )
         served = {model["id"] for model in admin.get("/v1/models").json()["data"]}
         assert "policy-v1" in served and "policy-v0" not in served
-        # Tensors that are no LoRA matrix: received (the collective completes), not loaded.
+        # Matrices that fit no module of the model: received whole, then refused at the
+        # load, and the adapter served before stays.
         before = lora_greedy(admin, "policy-v1")
         meta, tensors = areal_lora_meta(trainer, group_name, 1, base)
-        meta["names"] = [name.replace("lora_A", "lora_C") for name in meta["names"]]
+        tensors = [t.t().contiguous() for t in tensors]
+        meta["shapes"] = [list(t.shape) for t in tensors]
         assert admin.post("/areal_set_update_weight_meta_lora", json=meta).status_code == 200
         refused = broadcast_while(group, tensors, partial(admin.post, XCCL_LORA, json=meta))
-        assert refused.status_code == 400 and "LoRA" in refused.text
+        assert refused.status_code == 400 and "does not fit" in refused.text
         assert lora_greedy(admin, "policy-v1") == before
+        # One matrix under two spellings: the engine refuses it, still receiving the
+        # broadcast.
+        first = meta["names"][0]
+        twice = {**meta, "names": [first, first.replace(".default", ""), *meta["names"][2:]]}
+        assert admin.post("/areal_set_update_weight_meta_lora", json=twice).status_code == 200
+        refused = broadcast_while(group, tensors, partial(admin.post, XCCL_LORA, json=twice))
+        assert refused.status_code == 400 and "twice" in refused.text
+        assert lora_greedy(admin, "policy-v1") == before
+        other = {**meta, "names": ["model.layers.0.mlp.weight", *meta["names"][1:]]}
+        named = admin.post("/areal_set_update_weight_meta_lora", json=other)
+        assert named.status_code == 400 and named.json()["error"]["param"] == "names[0]"
         bias = admin.post("/areal_set_update_weight_meta_lora", json={**meta, "lora_bias": "all"})
         assert bias.status_code == 400 and bias.json()["error"]["param"] == "lora_bias"
     finally:

@@ -14,21 +14,18 @@ from __future__ import annotations
 
 import copy
 import itertools
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from penstock.engines.weight_sync import lora_file_key
+
 # peft's placeholder name for "no adapter" in ``adapter_names``.
 BASE_ROW = "__base__"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-# How peft names a LoRA matrix in a saved adapter: under the wrapped model, without the
-# adapter's own name (a training model's parameter holds it: ``lora_A.default.weight``).
-PEFT_PREFIX = "base_model.model."
-_LORA_MATRIX = re.compile(r"^(?P<module>.+)\.(?P<part>lora_[AB])(?:\.[^.]+)?\.weight$")
 
 
 class LoraError(ValueError):
@@ -85,18 +82,6 @@ def read_adapter(name: str, key: str, folder: Path) -> LoraAdapter:
     return LoraAdapter(name, key, folder, config, tensors)
 
 
-def adapter_file_key(name: str) -> str:
-    """The key peft saves the LoRA matrix ``name`` under (a parameter name of a training
-    peft model, with or without the adapter's name and peft's prefix)."""
-    match = _LORA_MATRIX.match(name)
-    if match is None:
-        raise LoraError(f"{name!r} is not a LoRA A or B matrix (<module>.lora_A.weight)")
-    module = match["module"]
-    if not module.startswith(PEFT_PREFIX):
-        module = PEFT_PREFIX + module
-    return f"{module}.{match['part']}.weight"
-
-
 def lora_config(fields: dict[str, Any]) -> Any:
     """peft's ``LoraConfig`` from a trainer's ``{r, lora_alpha, target_modules, bias}``."""
     from peft import LoraConfig
@@ -113,13 +98,14 @@ def lora_config(fields: dict[str, Any]) -> Any:
 
 
 def save_adapter(folder: Path, config: Any, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` (named as :func:`adapter_file_key` reads them) and ``config`` as
+    """Write ``tensors`` (named as :func:`~penstock.engines.weight_sync.lora_file_key`
+    reads them) and ``config`` as
     peft's ``save_pretrained`` does, so the folder loads as any other adapter."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(folder))
-    named = {adapter_file_key(name): tensor.contiguous() for name, tensor in tensors.items()}
+    named = {lora_file_key(name): tensor.contiguous() for name, tensor in tensors.items()}
     save_file(named, str(folder / ADAPTER_WEIGHT_FILES[0]))
 
 

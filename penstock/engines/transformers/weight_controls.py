@@ -22,12 +22,7 @@ import torch
 from penstock.engines import controls
 from penstock.engines.controls import Body, ControlRejected, Handler
 from penstock.engines.transformers.cpu_weights import requantize
-from penstock.engines.transformers.lora import (
-    LoraError,
-    adapter_file_key,
-    lora_config,
-    save_adapter,
-)
+from penstock.engines.transformers.lora import LoraError, lora_config, save_adapter
 from penstock.engines.transformers.sync import (
     checksum_control,
     randomize_weights,
@@ -39,7 +34,7 @@ from penstock.engines.transformers.weights import (
     plan_weight_update,
     read_safetensors,
 )
-from penstock.engines.weight_sync import TensorSpec, WeightSyncError
+from penstock.engines.weight_sync import TensorSpec, WeightSyncError, lora_file_key
 from penstock.nixl_agent import nixl_installed
 
 if TYPE_CHECKING:
@@ -219,7 +214,7 @@ class TransformersWeightControls:
         configs: list[Any] = []
 
         def check(specs: list[TensorSpec]) -> None:
-            keys = [adapter_file_key(spec.name) for spec in specs]
+            keys = [lora_file_key(spec.name) for spec in specs]
             if len(set(keys)) != len(keys):
                 raise LoraError("'names' name one LoRA matrix twice")
             configs.append(lora_config(fields))
