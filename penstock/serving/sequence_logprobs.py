@@ -61,12 +61,19 @@ class SequenceLogprobsBody(RequestModel):
         list[Annotated[list[NonNegativeInt], Field(min_length=1)]], Field(min_length=1)
     ]
     prompt_lengths: list[NonNegativeInt]
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 100
+    top_logprobs: NonNegativeInt = 100
     temperature: Annotated[float, Field(gt=0, le=100)] = 1.0
     response_format: Literal["json", "binary"] = "json"
 
 
-def _check_lengths(body: SequenceLogprobsBody) -> None:
+def _check_body(body: SequenceLogprobsBody) -> None:
+    if body.top_logprobs > MAX_TOP_LOGPROBS:
+        # TRL's client sends its default, 100, which vLLM refuses the same way.
+        raise InvalidRequestError(
+            f"top_logprobs must be at most {MAX_TOP_LOGPROBS} (vLLM's max_logprobs); "
+            f"got {body.top_logprobs}",
+            param="top_logprobs",
+        )
     if len(body.prompt_lengths) != len(body.sequences):
         raise InvalidRequestError(
             f"prompt_lengths has {len(body.prompt_lengths)} entries for "
@@ -87,7 +94,7 @@ async def sequence_logprobs(
 ) -> Response:
     """Score ``body``'s sequences on ``model`` and answer in TRL's shape."""
     refuse_unknown(body, gateway.settings.allow_unknown_fields)
-    _check_lengths(body)
+    _check_body(body)
     completion = CompletionRequest(
         model=model,
         prompt=body.sequences,

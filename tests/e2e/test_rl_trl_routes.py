@@ -228,7 +228,7 @@ def test_bad_sequence_logprobs_bodies_are_400_naming_the_field(client: httpx.Cli
     cases = {
         "prompt_lengths": {"prompt_lengths": [1]},
         "prompt_lengths[2]": {"prompt_lengths": [5, 0, 3]},
-        "top_logprobs": {"top_logprobs": 21},
+        "top_logprobs": {"top_logprobs": 100},
         "temperature": {"temperature": 0},
         "response_format": {"response_format": "numpy"},
         "sequences[1]": {"sequences": [[1], [], [2]]},
