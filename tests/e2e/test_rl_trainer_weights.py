@@ -123,6 +123,25 @@ def with_rank_zero(
         return group, joined.result()
 
 
+def join_areal_group(admin: httpx.Client, group_name: str) -> Any:
+    """AReaL's ``/areal_init_weights_update_group``: the engine joins the trainer's gloo
+    group as rank 1; the trainer's end of the group."""
+    port = free_port()
+    init = {
+        "master_address": "127.0.0.1",
+        "master_port": str(port),
+        "rank_offset": 1,
+        "world_size": 2,
+        "backend": "gloo",
+        "group_name": group_name,
+    }
+    group, joined = with_rank_zero(
+        port, group_name, lambda: admin.post("/areal_init_weights_update_group", json=init)
+    )
+    assert joined.status_code == 200, joined.text
+    return group
+
+
 def broadcast_while(
     group: Any, tensors: list[torch.Tensor], call: Callable[[], httpx.Response]
 ) -> httpx.Response:
@@ -189,20 +208,8 @@ def test_areal_broadcast_changes_the_served_weights(
     admin: httpx.Client, model_dir: Path, tmp_path: Path
 ) -> None:
     model = trained(tmp_path, model_dir, seed=4)
-    port = free_port()
     group_name = "areal_group"
-    init = {
-        "master_address": "127.0.0.1",
-        "master_port": str(port),
-        "rank_offset": 1,
-        "world_size": 2,
-        "backend": "gloo",
-        "group_name": group_name,
-    }
-    group, joined = with_rank_zero(
-        port, group_name, lambda: admin.post("/areal_init_weights_update_group", json=init)
-    )
-    assert joined.status_code == 200, joined.text
+    group = join_areal_group(admin, group_name)
     try:
         assert admin.post("/areal_pause_generation", json={}).json()["success"] is True
         items = [(name, t.detach().contiguous()) for name, t in model.state_dict().items()]
@@ -284,19 +291,8 @@ def test_areal_lora_broadcast_serves_the_adapter(
     assert admin.post("/areal_pause_generation", json={}).status_code == 200
     assert admin.post("/areal_update_weights", json={"model_path": str(model_dir)}).is_success
     assert admin.post("/areal_continue_generation", json={}).status_code == 200
-    port, group_name = free_port(), "areal_lora_group"
-    init = {
-        "master_address": "127.0.0.1",
-        "master_port": str(port),
-        "rank_offset": 1,
-        "world_size": 2,
-        "backend": "gloo",
-        "group_name": group_name,
-    }
-    group, joined = with_rank_zero(
-        port, group_name, lambda: admin.post("/areal_init_weights_update_group", json=init)
-    )
-    assert joined.status_code == 200, joined.text
+    group_name = "areal_lora_group"
+    group = join_areal_group(admin, group_name)
     try:
         for version in range(2):
             folder = save_tiny_lora(model_dir, tmp_path / f"step-{version}", seed=60 + version)
