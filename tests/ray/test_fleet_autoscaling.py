@@ -10,7 +10,6 @@ teardown ~15 s).
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -23,8 +22,8 @@ ray = pytest.importorskip(
 )
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from tests.support.ray_cluster import two_node_cluster  # noqa: E402
-from tests.support.server import ServerProcess, start_server  # noqa: E402
+from tests.support.ray_cluster import fleet_replicas, fleet_server  # noqa: E402
+from tests.support.server import ServerProcess  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -33,45 +32,16 @@ STREAMS = 4
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with two_node_cluster(cpus_per_node=1) as cluster:
-        yield from serve_scaling_fleet(cluster, tmp_path_factory)
-
-
-def serve_scaling_fleet(
-    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    args = [
-        "--ray",
-        "--ray-address",
-        cluster.address,
-        "--ray-replicas",
-        "1",
-        "--ray-min-replicas",
-        "1",
-        "--ray-max-replicas",
-        "2",
-        "--ray-target-ongoing-requests",
-        "1",
-        "--ray-replica-cpus",
-        "1",
-        "--engine",
-        "sample",
-        "--",
-        "--delay",
-        "0.1",
-    ]
-    process = start_server(args, tmp_path_factory.mktemp("ray-scaling"), ready_timeout=120)
-    try:
+def server(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    args = ["--ray-min-replicas", "1", "--ray-max-replicas", "2"]
+    args += ["--ray-target-ongoing-requests", "1", "--engine", "sample", "--", "--delay", "0.1"]
+    log_dir = tmp_path_factory.mktemp("ray-scaling")
+    with fleet_server(cluster, log_dir, args, replicas=1) as process:
         yield process
-    finally:
-        if process.stop(signal.SIGTERM, timeout=60) != 0:
-            print(process.log())
 
 
 def live(server: ServerProcess) -> dict[str, dict[str, object]]:
-    fleet = httpx.get(f"{server.base_url}/health", timeout=10).json()["fleet"]["replicas"]
-    return {name: replica for name, replica in fleet.items() if "state" in replica}
+    return {name: replica for name, replica in fleet_replicas(server).items() if "state" in replica}
 
 
 def stream_until(server: ServerProcess, stop: threading.Event, statuses: list[int]) -> None:

@@ -30,19 +30,13 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from penstock.engines.sample import write_sample_weights  # noqa: E402
 from penstock.ray.replica_header import REPLICA_HEADER  # noqa: E402
-from tests.support.ray_cluster import two_node_cluster  # noqa: E402
-from tests.support.server import ServerProcess, start_server  # noqa: E402
+from tests.support.ray_cluster import fleet_server  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
+CPUS_PER_NODE = 2
 MODEL = "sample-model"
 HELLO = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with two_node_cluster(cpus_per_node=2) as started:
-        yield started
 
 
 def serve_fleet(
@@ -52,27 +46,12 @@ def serve_fleet(
     app_name: str,
     engine: tuple[str, ...] | list[str] = ("--engine", "sample"),
 ) -> Iterator[httpx.Client]:
-    args = [
-        "--ray",
-        "--ray-address",
-        cluster.address,
-        "--ray-app-name",
-        app_name,
-        "--ray-replicas",
-        str(replicas),
-        "--ray-replica-cpus",
-        "1",
-        *engine,
-    ]
-    process: ServerProcess = start_server(
-        args, log_dir, env={"HF_HUB_OFFLINE": "1"}, ready_timeout=300
-    )
-    try:
-        with httpx.Client(base_url=process.base_url, timeout=60) as client:
-            yield client
-    finally:
-        if process.stop(signal.SIGTERM, timeout=60) != 0:
-            print(process.log())
+    args = ["--ray-app-name", app_name, *engine]
+    with (
+        fleet_server(cluster, log_dir, args, replicas=replicas, ready_timeout=300) as process,
+        httpx.Client(base_url=process.base_url, timeout=60) as client,
+    ):
+        yield client
 
 
 @pytest.fixture(scope="class")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,8 @@ from tests.e2e.test_metrics import (  # noqa: E402
     assert_documented_families_present,
     documented_families,
 )
-from tests.support.ray_cluster import two_node_cluster  # noqa: E402
-from tests.support.server import ServerProcess, start_server  # noqa: E402
+from tests.support.ray_cluster import fleet_server  # noqa: E402
+from tests.support.server import ServerProcess  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
@@ -43,25 +42,11 @@ MODEL = "sample-model"
 ADMIN_KEY = "k"
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with two_node_cluster(cpus_per_node=1) as started:
-        yield started
-
-
 def serve_fleet(cluster: Cluster, log_dir: Path, args: list[str]) -> Iterator[ServerProcess]:
-    ray_args = ["--ray", "--ray-address", cluster.address, "--ray-replicas", "2"]
-    process = start_server(
-        [*ray_args, "--admin-api-key", ADMIN_KEY, *args],
-        log_dir,
-        env={"HF_HUB_OFFLINE": "1"},
-        ready_timeout=180,
-    )
-    try:
+    with fleet_server(
+        cluster, log_dir, ["--admin-api-key", ADMIN_KEY, *args], ready_timeout=180
+    ) as process:
         yield process
-    finally:
-        if process.stop(signal.SIGTERM, timeout=60) != 0:
-            print(process.log())
 
 
 def served(server: ServerProcess) -> dict[str, int]:
