@@ -1,5 +1,7 @@
-"""The local two-node Ray cluster of a module in ``tests/ray`` (``cluster``): one logical
-CPU per node unless the module's ``CPUS_PER_NODE`` says more."""
+"""The local two-node Ray cluster the modules of ``tests/ray`` share (``cluster``), started
+by the first test that asks for it and stopped after the package's last test: each module
+stops its own servers, and their Serve applications with them. Two logical CPUs per node:
+two fleets of two one-CPU replicas fit at once."""
 
 from __future__ import annotations
 
@@ -9,12 +11,12 @@ from typing import Any
 import pytest
 
 
-@pytest.fixture(scope="module")
-def cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
+@pytest.fixture(scope="package")
+def cluster() -> Iterator[Any]:
     pytest.importorskip(
         "ray", reason="Ray Serve is not installed: pip install 'penstock[ray]' to run tests/ray"
     )
     from tests.support.ray_cluster import two_node_cluster
 
-    with two_node_cluster(cpus_per_node=getattr(request.module, "CPUS_PER_NODE", 1)) as started:
+    with two_node_cluster(cpus_per_node=2) as started:
         yield started

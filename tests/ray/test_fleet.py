@@ -1,9 +1,9 @@
 """``penstock serve --ray`` on a local two-node Ray cluster: two replicas of the sample
 engine behind one gateway.
 
-The module starts the cluster (one CPU per node, one replica per node) and one server;
-the whole module takes about 60-90 s on two cores (cluster ~7 s, deployment ~10 s,
-replacing a killed replica ~10 s, teardown ~15 s).
+The module starts one server on the package's cluster (``tests/ray/conftest.py``, ~7 s
+to start for the first module that asks for it); the whole module takes about 40-60 s on
+two cores (deployment ~10 s, replacing a killed replica ~10 s, teardown ~5 s).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Fleet-wide RL admin under ``penstock serve --ray``: one admin call pauses, updates,
 verifies and resumes every replica, or rolls every replica back.
 
-A local two-node Ray cluster (two logical CPUs per node) runs two servers on it: two
+The package's two-node Ray cluster (``tests/ray/conftest.py``) runs two servers: two
 replicas of the sample engine (``FleetUpdateFailingEngine``: it refuses updates on the
 replica a file names), and two replicas of the transformers engine on the tiny
 checkpoint. Updates go by disk, tensors, a trainer's gloo broadcast and NIXL pulls from
-this process. The module takes about 50-135 s on two cores (cluster and the sample
-deployment ~25-40 s, its tests ~9 s, a killed replica replaced and caught up ~10-20 s,
-the transformers deployment ~35 s and its tests ~6 s, teardown ~15 s).
+this process. The module takes about 45-120 s on two cores (the sample deployment
+~7-30 s, its tests ~9 s, a killed replica replaced and caught up ~10-20 s, the
+transformers deployment ~15-35 s and its tests ~6 s, teardown ~10 s).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from tests.support.tiny_llm import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
-CPUS_PER_NODE = 2
 MODEL = "sample-model"
 STREAMS = 16
 PROMPT = [5, 17, 29, 41]

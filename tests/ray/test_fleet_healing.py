@@ -1,14 +1,14 @@
 """Which replica served an answer (``x-penstock-replica``), and a fleet that heals: a
 replica started after a weight update takes the fleet's weights before it serves.
 
-A local two-node Ray cluster (two logical CPUs per node) runs a two-replica fleet of the
-sample engine, then a one-replica fleet. Weights change by a tensor push; a replica is
+The package's two-node Ray cluster (``tests/ray/conftest.py``) runs a two-replica fleet
+of the sample engine, then a one-replica fleet. Weights change by a tensor push; a replica is
 then killed with SIGKILL and Ray's replacement must come back on the pushed weights
 without the trainer pushing again: from its peer's weights in the object store (two
 replicas) or from the push the ingress kept (one replica); a two-replica fleet of the
 transformers engine on the tiny checkpoint heals from its peer too. The module takes
-about 200-300 s on two cores (cluster ~7 s, each sample fleet ~25-65 s to deploy and the
-transformers one longer, each replacement ~10-20 s, teardown ~5-15 s each).
+about 90-300 s on two cores (each sample fleet ~5-65 s to deploy and the transformers
+one longer, each replacement ~10-20 s, teardown ~5-15 s each).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from tests.support.ray_cluster import fleet_server  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
-CPUS_PER_NODE = 2
 MODEL = "sample-model"
 HELLO = [{"role": "user", "content": "hi"}]
 

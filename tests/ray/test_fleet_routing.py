@@ -1,10 +1,9 @@
 """Routing, LoRA adapters and metrics of ``penstock serve --ray``, and the transformers
-engine under Ray, on a local two-node Ray cluster (one CPU per node, one replica each).
+engine under Ray, on the package's local two-node Ray cluster (``tests/ray/conftest.py``).
 
-One cluster for the module; the sample-engine server lives for its class, then the
-transformers server for its own. The module takes about 60-90 s on two cores (cluster
-~7 s; the sample fleet ~13 s and the transformers fleet ~20-70 s to deploy, ~5-8 s each
-to stop; the requests take a few seconds).
+The sample-engine server lives for its class, then the transformers server for its own.
+The module takes about 50-90 s on two cores (the sample fleet ~13 s and the transformers
+fleet ~20-70 s to deploy, ~5-8 s each to stop; the requests take a few seconds).
 """
 
 from __future__ import annotations
