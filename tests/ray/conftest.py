@@ -6,6 +6,7 @@ two fleets of two one-CPU replicas fit at once."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,3 +21,20 @@ def cluster() -> Iterator[Any]:
 
     with two_node_cluster(cpus_per_node=2) as started:
         yield started
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules of ``tests/ray`` that use no ``cluster`` run first, each module whole and
+    in its own order: the cluster then starts with the first module that asks for it and
+    stops with the package's last test, so it never runs beside the others' own clusters
+    and servers."""
+    here = Path(__file__).parent
+    ours = [index for index, item in enumerate(items) if here in item.path.parents]
+    if not ours:
+        return
+    first, last = ours[0], ours[-1] + 1
+    package = items[first:last]
+    if len(ours) != len(package):
+        return  # not one run of this package's tests: leave the order as it is
+    clustered = {item.path for item in package if "cluster" in getattr(item, "fixturenames", ())}
+    items[first:last] = sorted(package, key=lambda item: item.path in clustered)
