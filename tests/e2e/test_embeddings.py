@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 from tests.support.openai_spec import spec_errors
-from tests.support.server import ServerProcess, running_server
+from tests.support.server import ServerProcess, running_servers
 from tests.support.tiny_llm import build_tiny_llama
 from tests.support.tiny_pooling import (
     BERT_CONTEXT,
@@ -30,10 +30,9 @@ TEXTS = ["def main():", "import sys", "return the quick brown fox", "class Widge
 TOLERANCE = 1e-5
 
 
-def _serve(folder: Path, name: str, logs: Path) -> Iterator[ServerProcess]:
+def _pooling_args(folder: Path, name: str) -> list[str]:
     args = ["--engine", "transformers-pooling", "--model", str(folder), "--served-model-name", name]
-    with running_server([*args, "--", "--cpu-threads", "1"], logs, ready_timeout=120) as server:
-        yield server
+    return [*args, "--", "--cpu-threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -52,26 +51,42 @@ def reward_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def bert(bert_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from _serve(bert_folder, "tiny-bert", tmp_path_factory.mktemp("bert-logs"))
+def servers(
+    bert_folder: Path,
+    llama_folder: Path,
+    reward_folder: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, ServerProcess]]:
+    """The module's four servers, started together: their start-ups overlap."""
+    starts = {
+        "bert": _pooling_args(bert_folder, "tiny-bert"),
+        "llama": _pooling_args(llama_folder, "tiny-llama-embed"),
+        "reward": _pooling_args(reward_folder, "tiny-reward"),
+        "sample": ["--engine", "sample"],
+    }
+    logs = [(args, tmp_path_factory.mktemp(f"{name}-logs")) for name, args in starts.items()]
+    with running_servers(logs, ready_timeout=120) as started:
+        yield dict(zip(starts, started, strict=True))
 
 
 @pytest.fixture(scope="module")
-def llama(llama_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from _serve(llama_folder, "tiny-llama-embed", tmp_path_factory.mktemp("llama-logs"))
+def bert(servers: dict[str, ServerProcess]) -> ServerProcess:
+    return servers["bert"]
 
 
 @pytest.fixture(scope="module")
-def reward(
-    reward_folder: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    yield from _serve(reward_folder, "tiny-reward", tmp_path_factory.mktemp("reward-logs"))
+def llama(servers: dict[str, ServerProcess]) -> ServerProcess:
+    return servers["llama"]
 
 
 @pytest.fixture(scope="module")
-def sample(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(["--engine", "sample"], tmp_path_factory.mktemp("sample")) as server:
-        yield server
+def reward(servers: dict[str, ServerProcess]) -> ServerProcess:
+    return servers["reward"]
+
+
+@pytest.fixture(scope="module")
+def sample(servers: dict[str, ServerProcess]) -> ServerProcess:
+    return servers["sample"]
 
 
 def _client(server: ServerProcess) -> openai.OpenAI:

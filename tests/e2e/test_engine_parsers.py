@@ -9,18 +9,9 @@ from typing import Any
 import openai
 import pytest
 
+from tests.e2e.test_reasoning import MESSAGES, TOOLS
 from tests.support.server import running_server
 
-TOOLS: list[Any] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
-MESSAGES: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
 THOUGHT = "Paris is rainy."
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 REPLY = f"{THOUGHT}</think>On it. {CALL}"

@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.support.server import running_server
+from tests.support.server import ServerProcess, running_servers, transformers_args
 from tests.support.tiny_llm import build_tiny_llama
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Plan my day."}]
@@ -76,35 +76,51 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="module")
+def servers(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, ServerProcess]]:
+    """A server per parser, all started together: their start-ups overlap."""
+    engine = ("--served-model-name", "tiny", "--max-num-seqs", "8")
+    starts = [
+        (
+            transformers_args(model_dir, "--tool-call-parser", parser, engine_args=engine),
+            tmp_path_factory.mktemp(parser),
+        )
+        for parser in PARSERS
+    ]
+    with running_servers(starts, env={"HF_HUB_OFFLINE": "1"}, ready_timeout=240) as started:
+        yield dict(zip(PARSERS, started, strict=True))
+
+
 @pytest.fixture(scope="module", params=PARSERS)
-def client(
-    request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[openai.OpenAI]:
-    args = ["--engine", "transformers", "--model", str(model_dir)]
-    args += ["--tool-call-parser", request.param]
-    args += ["--", "--served-model-name", "tiny", "--cpu-threads", "1", "--max-num-seqs", "8"]
-    log_dir = tmp_path_factory.mktemp(request.param)
-    with running_server(args, log_dir, env={"HF_HUB_OFFLINE": "1"}, ready_timeout=240) as server:
-        yield openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+def client(request: pytest.FixtureRequest, servers: dict[str, ServerProcess]) -> openai.OpenAI:
+    base_url = servers[request.param].base_url
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
 
 
 def _valid(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
-def test_required_without_parallel_calls_once_with_valid_arguments(
-    client: openai.OpenAI,
-) -> None:
-    completion = client.chat.completions.create(
+def forced(client: openai.OpenAI, tool_choice: Any, *, n: int, seed: int, **extra: Any) -> Any:
+    """``n`` samples of at most 200 tokens on ``TOOLS``, held to ``tool_choice``."""
+    return client.chat.completions.create(
         model="tiny",
         messages=MESSAGES,
         tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice="required",
-        parallel_tool_calls=False,
-        n=6,
+        tool_choice=tool_choice,
+        n=n,
         max_tokens=200,
-        seed=11,
+        seed=seed,
+        **extra,
     )
+
+
+def test_required_without_parallel_calls_once_with_valid_arguments(
+    client: openai.OpenAI,
+) -> None:
+    completion = forced(client, "required", n=6, seed=11, parallel_tool_calls=False)
     for choice in completion.choices:
         assert choice.finish_reason == "tool_calls", choice.message.content
         assert not choice.message.content
@@ -113,17 +129,7 @@ def test_required_without_parallel_calls_once_with_valid_arguments(
 
 
 def test_a_streamed_required_call_validates_once_reassembled(client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(
-        model="tiny",
-        messages=MESSAGES,
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice="required",
-        parallel_tool_calls=False,
-        n=3,
-        max_tokens=200,
-        seed=12,
-        stream=True,
-    )
+    stream = forced(client, "required", n=3, seed=12, parallel_tool_calls=False, stream=True)
     calls: dict[tuple[int, int], dict[str, str]] = {}
     finished: dict[int, str | None] = {}
     for chunk in stream:
@@ -143,15 +149,8 @@ def test_a_streamed_required_call_validates_once_reassembled(client: openai.Open
 
 
 def test_a_named_choice_calls_that_tool(client: openai.OpenAI) -> None:
-    completion = client.chat.completions.create(
-        model="tiny",
-        messages=MESSAGES,
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice={"type": "function", "function": {"name": "set_alarm"}},
-        n=4,
-        max_tokens=200,
-        seed=13,
-    )
+    named = {"type": "function", "function": {"name": "set_alarm"}}
+    completion = forced(client, named, n=4, seed=13)
     for choice in completion.choices:
         assert choice.finish_reason == "tool_calls", choice.message.content
         (call,) = choice.message.tool_calls or []

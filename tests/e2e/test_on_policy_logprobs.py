@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.support.server import ServerProcess, transformers_server
+from tests.support.server import ServerProcess, running_servers, transformers_args
 from tests.support.tiny_llm import build_tiny_llama
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 40, 41]
@@ -47,16 +47,26 @@ def trainer_logprobs(trainer: Any, token_ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def deterministic(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log_dir = tmp_path_factory.mktemp("deterministic")
-    with transformers_server(model_dir, log_dir, "--deterministic") as server:
-        yield server.base_url
+def servers(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[ServerProcess]]:
+    """The ``--deterministic`` server and the default one, started together."""
+    starts = [
+        (transformers_args(model_dir, "--deterministic"), tmp_path_factory.mktemp("deterministic")),
+        (transformers_args(model_dir), tmp_path_factory.mktemp("default")),
+    ]
+    with running_servers(starts, env={"HF_HUB_OFFLINE": "1"}, ready_timeout=120) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with transformers_server(model_dir, tmp_path_factory.mktemp("default")) as running:
-        yield running
+def deterministic(servers: list[ServerProcess]) -> str:
+    return servers[0].base_url
+
+
+@pytest.fixture(scope="module")
+def server(servers: list[ServerProcess]) -> ServerProcess:
+    return servers[1]
 
 
 def served_model(server: ServerProcess) -> str:

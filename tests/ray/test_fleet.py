@@ -1,15 +1,14 @@
 """``penstock serve --ray`` on a local two-node Ray cluster: two replicas of the sample
 engine behind one gateway.
 
-The module starts the cluster (one CPU per node, one replica per node) and one server;
-the whole module takes about 60-90 s on two cores (cluster ~7 s, deployment ~10 s,
-replacing a killed replica ~10 s, teardown ~15 s).
+The module starts one server on the package's cluster (``tests/ray/conftest.py``, ~7 s
+to start for the first module that asks for it); the whole module takes about 40-60 s on
+two cores (deployment ~10 s, replacing a killed replica ~10 s, teardown ~5 s).
 """
 
 from __future__ import annotations
 
 import json
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -25,19 +24,13 @@ from openai import OpenAI  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from tests.support.ray_cluster import two_node_cluster  # noqa: E402
+from tests.support.ray_cluster import fleet_replicas, fleet_server  # noqa: E402
 from tests.support.server import ServerProcess, start_server  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 MODEL = "sample-model"
 HELLO = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with two_node_cluster(cpus_per_node=1) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")
@@ -49,32 +42,10 @@ def marker(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(
     cluster: Cluster, marker: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    args = [
-        "--ray",
-        "--ray-address",
-        cluster.address,
-        "--ray-replicas",
-        "2",
-        "--ray-replica-cpus",
-        "1",
-        "--engine",
-        "tests.support.doubles:AbortRecordingEngine",
-        "--",
-        "--marker",
-        str(marker),
-        "--delay",
-        "0.02",
-    ]
-    process = start_server(args, tmp_path_factory.mktemp("ray-server"), ready_timeout=120)
-    try:
+    engine = ["--engine", "tests.support.doubles:AbortRecordingEngine"]
+    engine += ["--", "--marker", str(marker), "--delay", "0.02"]
+    with fleet_server(cluster, tmp_path_factory.mktemp("ray-server"), engine) as process:
         yield process
-    finally:
-        if process.stop(signal.SIGTERM, timeout=60) != 0:
-            print(process.log())
-
-
-def fleet(server: ServerProcess) -> dict[str, dict[str, int]]:
-    return httpx.get(f"{server.base_url}/health", timeout=10).json()["fleet"]["replicas"]
 
 
 def stream_lines(
@@ -126,13 +97,13 @@ def test_chat_and_completions_stream_and_not_through_the_openai_client(
 
 
 def test_concurrent_requests_spread_over_both_replicas(server: ServerProcess) -> None:
-    before = fleet(server)
+    before = fleet_replicas(server)
     threads = run_streams(server, 6, 25)
     for thread in threads:
         thread.join()
     results = threads[0].results  # type: ignore[attr-defined]
     assert len(results) == 6 and all(lines[-1] == "data: [DONE]" for lines in results)
-    after = fleet(server)
+    after = fleet_replicas(server)
     served = {
         name: load["served"] - before.get(name, {}).get("served", 0) for name, load in after.items()
     }
@@ -168,7 +139,7 @@ def test_a_killed_replica_fails_only_its_own_requests_and_is_replaced(
     assert all(streaming.acquire(timeout=30) for _ in threads)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        running = {name: load["running"] for name, load in fleet(server).items()}
+        running = {name: load["running"] for name, load in fleet_replicas(server).items()}
         if sum(running.values()) == 4:
             break
         time.sleep(0.05)
@@ -193,10 +164,12 @@ def test_a_killed_replica_fails_only_its_own_requests_and_is_replaced(
         outcome = done[0].results  # type: ignore[attr-defined]
         assert all(lines[-1] == "data: [DONE]" for lines in outcome)
         replaced = {
-            name for name, load in fleet(server).items() if name not in running and load["served"]
+            name
+            for name, load in fleet_replicas(server).items()
+            if name not in running and load["served"]
         }
         time.sleep(0.5)
-    assert replaced, fleet(server)
+    assert replaced, fleet_replicas(server)
     # The dead replica has left the fleet's view, /health and the metrics.
     health = httpx.get(f"{server.base_url}/health", timeout=10).json()["fleet"]
     assert victim not in health["replicas"] and len(health["replicas"]) == health["size"] == 2

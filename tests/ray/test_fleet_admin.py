@@ -1,19 +1,18 @@
 """Fleet-wide RL admin under ``penstock serve --ray``: one admin call pauses, updates,
 verifies and resumes every replica, or rolls every replica back.
 
-A local two-node Ray cluster (two logical CPUs per node) runs two servers on it: two
+The package's two-node Ray cluster (``tests/ray/conftest.py``) runs two servers: two
 replicas of the sample engine (``FleetUpdateFailingEngine``: it refuses updates on the
 replica a file names), and two replicas of the transformers engine on the tiny
 checkpoint. Updates go by disk, tensors, a trainer's gloo broadcast and NIXL pulls from
-this process. The module takes about 50-135 s on two cores (cluster and the sample
-deployment ~25-40 s, its tests ~9 s, a killed replica replaced and caught up ~10-20 s,
-the transformers deployment ~35 s and its tests ~6 s, teardown ~15 s).
+this process. The module takes about 45-120 s on two cores (the sample deployment
+~7-30 s, its tests ~9 s, a killed replica replaced and caught up ~10-20 s, the
+transformers deployment ~15-35 s and its tests ~6 s, teardown ~10 s).
 """
 
 from __future__ import annotations
 
 import json
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -29,8 +28,8 @@ ray = pytest.importorskip(
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from penstock.engines.sample import write_sample_weights  # noqa: E402
-from tests.support.ray_cluster import two_node_cluster  # noqa: E402
-from tests.support.server import ServerProcess, free_port, start_server  # noqa: E402
+from tests.support.ray_cluster import fleet_server  # noqa: E402
+from tests.support.server import ServerProcess, free_port  # noqa: E402
 from tests.support.tiny_llm import build_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
@@ -38,12 +37,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 MODEL = "sample-model"
 STREAMS = 16
 PROMPT = [5, 17, 29, 41]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with two_node_cluster(cpus_per_node=2) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")
@@ -55,28 +48,10 @@ def fail_on(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(
     cluster: Cluster, fail_on: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    args = [
-        "--ray",
-        "--ray-address",
-        cluster.address,
-        "--ray-replicas",
-        "2",
-        "--ray-replica-cpus",
-        "1",
-        "--engine",
-        "tests.support.doubles:FleetUpdateFailingEngine",
-        "--",
-        "--fail-on",
-        str(fail_on),
-        "--delay",
-        "0.02",
-    ]
-    process = start_server(args, tmp_path_factory.mktemp("ray-server"), ready_timeout=120)
-    try:
+    engine = ["--engine", "tests.support.doubles:FleetUpdateFailingEngine"]
+    engine += ["--", "--fail-on", str(fail_on), "--delay", "0.02"]
+    with fleet_server(cluster, tmp_path_factory.mktemp("ray-server"), engine) as process:
         yield process
-    finally:
-        if process.stop(signal.SIGTERM, timeout=60) != 0:
-            print(process.log())
 
 
 @pytest.fixture(scope="module")
@@ -105,36 +80,14 @@ def tiny_client(
     tiny_models: tuple[Path, Path, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[httpx.Client]:
-    args = [
-        "--ray",
-        "--ray-address",
-        cluster.address,
-        "--ray-app-name",
-        "penstock-tiny",
-        "--ray-replicas",
-        "2",
-        "--ray-replica-cpus",
-        "1",
-        "--engine",
-        "transformers",
-        "--model",
-        str(tiny_models[0]),
-        "--",
-        "--cpu-threads",
-        "1",
-    ]
-    process = start_server(
-        args,
-        tmp_path_factory.mktemp("ray-tiny"),
-        env={"HF_HUB_OFFLINE": "1"},
-        ready_timeout=180,
-    )
-    try:
-        with httpx.Client(base_url=process.base_url, timeout=60) as opened:
-            yield opened
-    finally:
-        if process.stop(signal.SIGTERM, timeout=60) != 0:
-            print(process.log())
+    args = ["--ray-app-name", "penstock-tiny", "--engine", "transformers"]
+    args += ["--model", str(tiny_models[0]), "--", "--cpu-threads", "1"]
+    log_dir = tmp_path_factory.mktemp("ray-tiny")
+    with (
+        fleet_server(cluster, log_dir, args, ready_timeout=180) as process,
+        httpx.Client(base_url=process.base_url, timeout=60) as opened,
+    ):
+        yield opened
 
 
 def checksums(client: httpx.Client) -> set[str]:

@@ -3,14 +3,13 @@
 Streams travel the data plane, not Serve's handle calls, so Serve's own count sees none;
 the replicas report theirs (:mod:`penstock.ray.replica_load`). A fleet of one replica of
 the sample engine (at most two, one stream per replica as the target) gets four long
-streams and must grow to two replicas. The module takes about 60-100 s on two cores
-(cluster ~7 s, deployment ~15 s, Serve's upscale delay 30 s, the new replica ~10 s,
-teardown ~15 s).
+streams and must grow to two replicas. The module takes about 50-90 s on two cores
+(deployment ~10 s, Serve's upscale delay 30 s, the new replica ~10 s, teardown ~5 s; the
+package's cluster, ``tests/ray/conftest.py``, ~7 s more for the first module that asks).
 """
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -23,8 +22,8 @@ ray = pytest.importorskip(
 )
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from tests.support.ray_cluster import two_node_cluster  # noqa: E402
-from tests.support.server import ServerProcess, start_server  # noqa: E402
+from tests.support.ray_cluster import fleet_replicas, fleet_server  # noqa: E402
+from tests.support.server import ServerProcess  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -33,45 +32,16 @@ STREAMS = 4
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with two_node_cluster(cpus_per_node=1) as cluster:
-        yield from serve_scaling_fleet(cluster, tmp_path_factory)
-
-
-def serve_scaling_fleet(
-    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    args = [
-        "--ray",
-        "--ray-address",
-        cluster.address,
-        "--ray-replicas",
-        "1",
-        "--ray-min-replicas",
-        "1",
-        "--ray-max-replicas",
-        "2",
-        "--ray-target-ongoing-requests",
-        "1",
-        "--ray-replica-cpus",
-        "1",
-        "--engine",
-        "sample",
-        "--",
-        "--delay",
-        "0.1",
-    ]
-    process = start_server(args, tmp_path_factory.mktemp("ray-scaling"), ready_timeout=120)
-    try:
+def server(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    args = ["--ray-min-replicas", "1", "--ray-max-replicas", "2"]
+    args += ["--ray-target-ongoing-requests", "1", "--engine", "sample", "--", "--delay", "0.1"]
+    log_dir = tmp_path_factory.mktemp("ray-scaling")
+    with fleet_server(cluster, log_dir, args, replicas=1) as process:
         yield process
-    finally:
-        if process.stop(signal.SIGTERM, timeout=60) != 0:
-            print(process.log())
 
 
 def live(server: ServerProcess) -> dict[str, dict[str, object]]:
-    fleet = httpx.get(f"{server.base_url}/health", timeout=10).json()["fleet"]["replicas"]
-    return {name: replica for name, replica in fleet.items() if "state" in replica}
+    return {name: replica for name, replica in fleet_replicas(server).items() if "state" in replica}
 
 
 def stream_until(server: ServerProcess, stop: threading.Event, statuses: list[int]) -> None:
@@ -103,7 +73,7 @@ def test_streams_on_the_data_plane_scale_the_fleet_out(server: ServerProcess) ->
         while len(replicas := live(server)) < 2:
             assert time.monotonic() < deadline, replicas
             assert all(thread.is_alive() for thread in threads), statuses
-            time.sleep(1)
+            time.sleep(0.2)
     finally:
         stop.set()
         for thread in threads:

@@ -1,14 +1,14 @@
 """Which replica served an answer (``x-penstock-replica``), and a fleet that heals: a
 replica started after a weight update takes the fleet's weights before it serves.
 
-A local two-node Ray cluster (two logical CPUs per node) runs a two-replica fleet of the
-sample engine, then a one-replica fleet. Weights change by a tensor push; a replica is
+The package's two-node Ray cluster (``tests/ray/conftest.py``) runs a two-replica fleet
+of the sample engine, then a one-replica fleet. Weights change by a tensor push; a replica is
 then killed with SIGKILL and Ray's replacement must come back on the pushed weights
 without the trainer pushing again: from its peer's weights in the object store (two
 replicas) or from the push the ingress kept (one replica); a two-replica fleet of the
 transformers engine on the tiny checkpoint heals from its peer too. The module takes
-about 200-300 s on two cores (cluster ~7 s, each sample fleet ~25-65 s to deploy and the
-transformers one longer, each replacement ~10-20 s, teardown ~5-15 s each).
+about 90-300 s on two cores (each sample fleet ~5-65 s to deploy and the transformers
+one longer, each replacement ~10-20 s, teardown ~5-15 s each).
 """
 
 from __future__ import annotations
@@ -30,19 +30,12 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from penstock.engines.sample import write_sample_weights  # noqa: E402
 from penstock.ray.replica_header import REPLICA_HEADER  # noqa: E402
-from tests.support.ray_cluster import two_node_cluster  # noqa: E402
-from tests.support.server import ServerProcess, start_server  # noqa: E402
+from tests.support.ray_cluster import fleet_server  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 MODEL = "sample-model"
 HELLO = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with two_node_cluster(cpus_per_node=2) as started:
-        yield started
 
 
 def serve_fleet(
@@ -52,27 +45,12 @@ def serve_fleet(
     app_name: str,
     engine: tuple[str, ...] | list[str] = ("--engine", "sample"),
 ) -> Iterator[httpx.Client]:
-    args = [
-        "--ray",
-        "--ray-address",
-        cluster.address,
-        "--ray-app-name",
-        app_name,
-        "--ray-replicas",
-        str(replicas),
-        "--ray-replica-cpus",
-        "1",
-        *engine,
-    ]
-    process: ServerProcess = start_server(
-        args, log_dir, env={"HF_HUB_OFFLINE": "1"}, ready_timeout=300
-    )
-    try:
-        with httpx.Client(base_url=process.base_url, timeout=60) as client:
-            yield client
-    finally:
-        if process.stop(signal.SIGTERM, timeout=60) != 0:
-            print(process.log())
+    args = ["--ray-app-name", app_name, *engine]
+    with (
+        fleet_server(cluster, log_dir, args, replicas=replicas, ready_timeout=300) as process,
+        httpx.Client(base_url=process.base_url, timeout=60) as client,
+    ):
+        yield client
 
 
 @pytest.fixture(scope="class")

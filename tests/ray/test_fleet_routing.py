@@ -1,17 +1,15 @@
 """Routing, LoRA adapters and metrics of ``penstock serve --ray``, and the transformers
-engine under Ray, on a local two-node Ray cluster (one CPU per node, one replica each).
+engine under Ray, on the package's local two-node Ray cluster (``tests/ray/conftest.py``).
 
-One cluster for the module; the sample-engine server lives for its class, then the
-transformers server for its own. The module takes about 60-90 s on two cores (cluster
-~7 s; the sample fleet ~13 s and the transformers fleet ~20-70 s to deploy, ~5-8 s each
-to stop; the requests take a few seconds).
+The sample-engine server lives for its class, then the transformers server for its own.
+The module takes about 50-90 s on two cores (the sample fleet ~13 s and the transformers
+fleet ~20-70 s to deploy, ~5-8 s each to stop; the requests take a few seconds).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,8 +32,8 @@ from tests.e2e.test_metrics import (  # noqa: E402
     assert_documented_families_present,
     documented_families,
 )
-from tests.support.ray_cluster import two_node_cluster  # noqa: E402
-from tests.support.server import ServerProcess, start_server  # noqa: E402
+from tests.support.ray_cluster import fleet_server  # noqa: E402
+from tests.support.server import ServerProcess  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(420)]
 
@@ -43,25 +41,11 @@ MODEL = "sample-model"
 ADMIN_KEY = "k"
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    with two_node_cluster(cpus_per_node=1) as started:
-        yield started
-
-
 def serve_fleet(cluster: Cluster, log_dir: Path, args: list[str]) -> Iterator[ServerProcess]:
-    ray_args = ["--ray", "--ray-address", cluster.address, "--ray-replicas", "2"]
-    process = start_server(
-        [*ray_args, "--admin-api-key", ADMIN_KEY, *args],
-        log_dir,
-        env={"HF_HUB_OFFLINE": "1"},
-        ready_timeout=180,
-    )
-    try:
+    with fleet_server(
+        cluster, log_dir, ["--admin-api-key", ADMIN_KEY, *args], ready_timeout=180
+    ) as process:
         yield process
-    finally:
-        if process.stop(signal.SIGTERM, timeout=60) != 0:
-            print(process.log())
 
 
 def served(server: ServerProcess) -> dict[str, int]:

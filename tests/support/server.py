@@ -65,15 +65,23 @@ def start_server(
             text=True,
         )
     server = ServerProcess(process, port, log_path)
-    if not wait_ready:
-        return server
-    deadline = time.monotonic() + ready_timeout
+    if wait_ready:
+        wait_until_ready(server, ready_timeout)
+    return server
+
+
+def wait_until_ready(
+    server: ServerProcess, ready_timeout: float, since: float | None = None
+) -> None:
+    """Wait until ``server``'s ``/live`` answers, ``ready_timeout`` seconds at most from
+    ``since`` (``time.monotonic()``; now unless given)."""
+    deadline = (time.monotonic() if since is None else since) + ready_timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{server.base_url}/live", timeout=1.0).status_code == 200:
-                return server
+                return
         time.sleep(0.05)
     server.stop(signal.SIGKILL)
     raise RuntimeError(f"server not ready in {ready_timeout}s:\n{server.log()}")
@@ -90,11 +98,42 @@ def running_server(args: list[str], log_dir: Path, **kwargs: object) -> Iterator
 
 
 @contextlib.contextmanager
+def running_servers(
+    starts: list[tuple[list[str], Path]],
+    *,
+    env: dict[str, str] | None = None,
+    ready_timeout: float = 60.0,
+) -> Iterator[list[ServerProcess]]:
+    """``running_server`` for each ``(args, log_dir)`` of ``starts``, all started before any
+    is waited for: their start-ups (mostly imports) overlap on the machine's cores."""
+    servers: list[ServerProcess] = []
+    try:
+        for args, log_dir in starts:
+            servers.append(start_server(args, log_dir, env=env, wait_ready=False))
+        started = time.monotonic()
+        for server in servers:
+            wait_until_ready(server, ready_timeout, started)
+        yield servers
+    finally:
+        for server in servers:
+            if server.process.poll() is None:
+                server.stop(signal.SIGKILL)
+
+
+def transformers_args(
+    model_dir: Path, *gateway_args: str, engine_args: tuple[str, ...] = ()
+) -> list[str]:
+    """``penstock serve`` arguments of the transformers engine on a local checkpoint, one CPU
+    thread."""
+    args = ["--engine", "transformers", "--model", str(model_dir), *gateway_args]
+    return [*args, "--", "--cpu-threads", "1", *engine_args]
+
+
+@contextlib.contextmanager
 def transformers_server(
     model_dir: Path, log_dir: Path, *gateway_args: str, engine_args: tuple[str, ...] = ()
 ) -> Iterator[ServerProcess]:
     """``penstock serve --engine transformers`` on a local checkpoint: one CPU thread, no hub."""
-    args = ["--engine", "transformers", "--model", str(model_dir), *gateway_args]
-    args += ["--", "--cpu-threads", "1", *engine_args]
+    args = transformers_args(model_dir, *gateway_args, engine_args=engine_args)
     with running_server(args, log_dir, env={"HF_HUB_OFFLINE": "1"}, ready_timeout=120) as process:
         yield process
