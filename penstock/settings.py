@@ -82,7 +82,8 @@ class Settings(BaseSettings):
             "The transformers engine then runs one sequence per forward pass and recomputes "
             "every returned logprob with one forward pass over prompt and completion, equal "
             "to a trainer's `log_softmax(model(input_ids).logits.float())` for the same "
-            "weights and dtype; its cost is in `bench/README.md` (On-policy logprobs)",
+            "weights, dtype and kernels (on the CPU: as many threads as `--cpu-threads`); "
+            "its cost is in `bench/README.md` (On-policy logprobs)",
         ),
     ] = False
     # The arguments after ``--``, handed to the engine unchanged.

@@ -40,9 +40,16 @@ def trainer(model_dir: Path) -> Any:
 
 
 def trainer_logprobs(trainer: Any, token_ids: list[int]) -> torch.Tensor:
-    """The trainer's recomputation: one forward pass over the whole sequence."""
-    with torch.inference_mode():
-        logits = trainer(torch.tensor([token_ids])).logits
+    """The trainer's recomputation: one forward pass over the whole sequence, on one CPU
+    thread as the server runs (``transformers_server``): a matrix product split over more
+    threads sums in another order, and on some CPUs that moves the last bits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            logits = trainer(torch.tensor([token_ids])).logits
+    finally:
+        torch.set_num_threads(threads)
     return torch.log_softmax(logits.float(), -1)[0]
 
 

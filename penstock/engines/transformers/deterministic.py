@@ -20,8 +20,8 @@ live model (and the request's LoRA adapter). It gives prompt logprobs
   is off (a cached prefix's KV was computed inside another prompt);
 - every returned logprob (and top logprob) is recomputed when the choice ends, by
   :func:`forward_logprobs` over its prompt and completion: equal to the trainer's pass
-  for the same weights and dtype. The choice's chunks are held until then, so a stream
-  with logprobs arrives at the end.
+  for the same weights, dtype and kernels (on the CPU, the same thread count). The
+  choice's chunks are held until then, so a stream with logprobs arrives at the end.
 
 A mixture-of-experts model's routing is recorded there too (:mod:`.routing`), for a
 request asking ``output_options.return_routed_experts``: the experts of each token of its
