@@ -534,6 +534,10 @@ class Settings(BaseSettings):
     ray_target_ongoing_requests: Annotated[
         float, Option("ongoing requests per replica the autoscaler aims for")
     ] = Field(default=2.0, gt=0)
+    ray_upscale_delay_s: Annotated[
+        float,
+        Option("seconds the fleet stays above its target before autoscaling adds a replica"),
+    ] = Field(default=30.0, ge=0)
     # Routing (penstock.ray.routing): a request without a session key is keyed by this many
     # leading prompt tokens (0: not keyed); the replica its key prefers is taken unless it
     # has more than ray_affinity_max_imbalance ongoing requests beyond the least loaded.

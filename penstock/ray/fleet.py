@@ -297,6 +297,7 @@ def deployment_options(settings: Settings) -> dict[str, Any]:
         "max_replicas": high,
         "initial_replicas": min(max(settings.ray_replicas, low), high),
         "target_ongoing_requests": settings.ray_target_ongoing_requests,
+        "upscale_delay_s": settings.ray_upscale_delay_s,
         # Serve sees no stream: the replicas report theirs (penstock.ray.replica_load).
         "policy": {"policy_function": AUTOSCALING_POLICY_PATH},
     }

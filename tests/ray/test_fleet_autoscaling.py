@@ -3,8 +3,9 @@
 Streams travel the data plane, not Serve's handle calls, so Serve's own count sees none;
 the replicas report theirs (:mod:`penstock.ray.replica_load`). A fleet of one replica of
 the sample engine (at most two, one stream per replica as the target) gets four long
-streams and must grow to two replicas. The module takes about 50-90 s on two cores
-(deployment ~10 s, Serve's upscale delay 30 s, the new replica ~10 s, teardown ~5 s; the
+streams and must grow to two replicas, a second after it is over its target
+(``--ray-upscale-delay-s 1``). The module takes about 20-60 s on two cores (deployment
+~10 s, the new replica ~10 s, teardown ~5 s; the
 package's cluster, ``tests/ray/conftest.py``, ~7 s more for the first module that asks).
 """
 
@@ -34,7 +35,8 @@ STREAMS = 4
 @pytest.fixture(scope="module")
 def server(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     args = ["--ray-min-replicas", "1", "--ray-max-replicas", "2"]
-    args += ["--ray-target-ongoing-requests", "1", "--engine", "sample", "--", "--delay", "0.1"]
+    args += ["--ray-target-ongoing-requests", "1", "--ray-upscale-delay-s", "1"]
+    args += ["--engine", "sample", "--", "--delay", "0.1"]
     log_dir = tmp_path_factory.mktemp("ray-scaling")
     with fleet_server(cluster, log_dir, args, replicas=1) as process:
         yield process
