@@ -79,4 +79,12 @@ class RequestModel(BaseModel):
     @field_validator("*")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
+        # Every field a client sends passes here: an ASCII string, and a value that holds
+        # no string (a number, a flag, a model), are answered without another call.
+        kind = type(value)
+        if kind is str:
+            if value.isascii():
+                return value
+        elif kind is not dict and kind is not list:
+            return value
         return valid_unicode(value)
