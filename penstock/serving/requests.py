@@ -16,13 +16,13 @@ from penstock.errors import InvalidRequestError
 from penstock.gateway import ServedModel
 from penstock.metadata_upload import MetadataUploader, under_root
 from penstock.schemas.openai import SamplingFields
-from penstock.serving.deadline import header
 from penstock.settings import Settings
 
 # The header naming a client's session (its key in the engine context's metadata too).
 SESSION_HEADER = "x-session-id"
 
-_SESSION_KEY = SESSION_HEADER.encode()
+# The headers an engine context reads, each with its place in ``_context_headers``'s list.
+_CONTEXT_HEADERS = {SESSION_HEADER.encode(): 0, b"traceparent": 1, b"tracestate": 2}
 
 
 class PassthroughRequest(GenerateRequest, total=False):
@@ -48,15 +48,28 @@ def engine_context(
     """
     request_id = request.state.request_id
     metadata = {"x-request-id": request_id}
-    session = header(request, _SESSION_KEY) or user
+    session, traceparent, tracestate = _context_headers(request)
+    session = session or user
     if session:
         metadata[SESSION_HEADER] = session
     return Context(
         request_id if prompt_index is None else f"{request_id}-{prompt_index}",
         metadata,
-        traceparent=header(request, b"traceparent"),
-        tracestate=header(request, b"tracestate"),
+        traceparent=traceparent,
+        tracestate=tracestate,
     )
+
+
+def _context_headers(request: Request) -> list[str | None]:
+    """The session, ``traceparent`` and ``tracestate`` headers (each the first of its
+    name, as :func:`~penstock.serving.deadline.header` reads one), in one pass over the
+    raw pairs rather than one a name: every request reads them."""
+    found: list[str | None] = [None, None, None]
+    for key, value in request.scope["headers"]:
+        slot = _CONTEXT_HEADERS.get(key)
+        if slot is not None and found[slot] is None:
+            found[slot] = value.decode("latin-1")
+    return found
 
 
 def metadata_uploader(body: SamplingFields, settings: Settings) -> MetadataUploader | None:
@@ -122,7 +135,10 @@ def _output_options(body: SamplingFields, logprobs: int | None) -> dict[str, Any
     options: dict[str, Any] = {}
     if logprobs is not None:
         options["logprobs"] = logprobs
-    prompt_logprobs = getattr(body, "prompt_logprobs", None)
+    # A declared field of completions only; chat's spelling of it is refused before this
+    # (its ``unsupported`` table). Read from the fields: a missing attribute would cost a
+    # request pydantic's lookup of private attributes and extras, and an exception.
+    prompt_logprobs = body.__dict__.get("prompt_logprobs")
     if prompt_logprobs is not None:
         options["prompt_logprobs"] = prompt_logprobs
     if not body.skip_special_tokens:
