@@ -79,7 +79,13 @@ def _rendered(message: ChatMessage) -> dict[str, Any]:
         and not isinstance(message.content, list)
     ):
         values = message.__dict__
-        return {name: values[name] for name in _MESSAGE_FIELDS if values[name] is not None}
+        # A loop rather than a comprehension: no function call of its own.
+        rendered = {}
+        for name in _MESSAGE_FIELDS:
+            value = values[name]
+            if value is not None:
+                rendered[name] = value
+        return rendered
     return message.model_dump(exclude_none=True)
 
 

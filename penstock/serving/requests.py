@@ -98,19 +98,25 @@ def metadata_uploader(body: SamplingFields, settings: Settings) -> MetadataUploa
         ) from exc
 
 
+# The sampling fields passed on to the engine when the client set them.
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
 def _sampling_options(body: SamplingFields) -> dict[str, Any]:
     options: dict[str, Any] = {"n": body.n}
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-    ):
-        value = getattr(body, name)
+    # Read from the model's field values: a dict lookup each, not an attribute lookup.
+    values = body.__dict__
+    for name in _SAMPLING_FIELDS:
+        value = values[name]
         if value is not None:
             options[name] = value
     return options
