@@ -8,6 +8,7 @@ request models refuse it where the string arrives, naming the field.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, field_validator
@@ -85,6 +86,10 @@ class RequestModel(BaseModel):
         if kind is str:
             if value.isascii():
                 return value
-        elif kind is not dict and kind is not list:
+        elif kind is list:
+            # A list of validated models (a conversation): each checked its own fields.
+            if all(map(isinstance, value, repeat(BaseModel))):
+                return value
+        elif kind is not dict:
             return value
         return valid_unicode(value)
