@@ -358,7 +358,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         self._read_body_bytes += len(body)
-        super().on_body(body)
+        # The base class named, not ``super()``: no proxy object for each piece of a body.
+        HttpToolsProtocol.on_body(self, body)
 
     def _refuse_head(self) -> None:
         """Answer a head still growing past the bound, without reading the rest."""
@@ -375,7 +376,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._in_body = True
         self._body_started = self.loop.time()
         limit = self.limits.max_connections
-        if self._head_over_bound():
+        # Begun and ended within a read no larger than the bound: most heads stop at this
+        # test, without the call.
+        if (self._head_in_reads or self._read_bytes > MAX_HEAD_BYTES) and self._head_over_bound():
             self._run_instead(_head_error())
         elif limit and len(self.connections) > limit:
             self._warn_limit(limit)
@@ -392,9 +395,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def _head_over_bound(self) -> bool:
         """Whether the head whose end was just parsed is over MAX_HEAD_BYTES."""
-        # Begun and ended within a read no larger than the bound: most requests stop here.
-        if not self._head_in_reads and self._read_bytes <= MAX_HEAD_BYTES:
-            return False
         # With each header's ": " and line end.
         size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
         return size > MAX_HEAD_BYTES
@@ -411,7 +411,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._in_body = False
-        self._cancel_body_timers()
+        # A body that arrived with its head armed no timer.
+        if self._body_timer is not None or self._body_deadline is not None:
+            self._cancel_body_timers()
         super().on_message_complete()
 
     def _warn_limit(self, limit: int) -> None:

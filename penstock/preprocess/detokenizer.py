@@ -95,8 +95,10 @@ class IncrementalDetokenizer:
         self._pending_ids: list[int] = []
 
     def step(self, token_id: int) -> str:
-        if self._plain is not None and not self._pending_ids:
-            text = self._plain.get(token_id)
+        plain = self._plain
+        if plain is not None and not self._pending_ids:
+            # The table's dict first: a token seen before costs no call of its own.
+            text = plain._texts.get(token_id) or plain.get(token_id)
             if text:
                 return text
         stream = self._stream

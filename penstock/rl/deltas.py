@@ -45,12 +45,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import xxhash
 
 from penstock.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 STATE_DIR = ".penstock-weight-sync"
 SLIME_INDEX = "model.safetensors.index.json"
@@ -119,6 +121,8 @@ def checksum(algorithm: str, data: np.ndarray) -> str:
         raise DeltaRefused(
             f"checksum algorithm {algorithm!r} is not supported; supported: {', '.join(_CHECKSUMS)}"
         )
+    import numpy as np
+
     try:
         return compute(np.ascontiguousarray(data))
     except ImportError as exc:
@@ -161,6 +165,7 @@ def _read_tensor_bytes(path: Path, key: str) -> bytes:
 def _patched(region: np.ndarray, patch: TensorPatch) -> None:
     """Apply ``patch`` to ``region`` (the tensor's bytes in the checkpoint, writable)."""
     # Imported with the first delta: most servers never apply one.
+    import numpy as np
     import zstandard
 
     size = region.nbytes
@@ -242,6 +247,9 @@ class LocalCheckpoint:
             raise DeltaRefused(
                 f"version {version} patches tensors not in the checkpoint: {absent[:5]}"
             )
+        # Imported with the first delta, as zstandard: most servers never apply one.
+        import numpy as np
+
         self._record(version, complete=False)
         mismatched: list[str] = []
         maps: dict[Path, tuple[Any, mmap.mmap]] = {}

@@ -34,24 +34,36 @@ def unknown_fields(model: BaseModel, prefix: str = "") -> list[str]:
     return paths
 
 
-def _collect(value: Any, path: str, paths: list[str]) -> None:
-    # A list of appends, not a generator: it runs for every request's model and its parts.
-    if isinstance(value, BaseModel):
-        extra = value.__pydantic_extra__
-        if extra:
-            paths.extend(f"{path}.{name}" if path else name for name in extra)
-        sent = value.__pydantic_fields_set__
-        # Only what the client sent can hold what it sent (defaults have no extras), and
-        # only a field whose type can hold a model.
-        for name in _nested_fields(type(value)):
-            if name in sent:
-                child = value.__dict__.get(name)
-                if child is not None:
-                    _collect(child, f"{path}.{name}" if path else name, paths)
-    elif isinstance(value, list) and value and isinstance(value[0], BaseModel | list):
-        # A list holds one kind of item: a list of token ids is not walked id by id.
-        for index, item in enumerate(value):
+# What a list is walked for when its first item is one: a list holds one kind of item, so
+# a list of token ids is not walked id by id.
+_WALKED_ITEMS = (BaseModel, list)
+
+
+def _collect(model: BaseModel, path: str, paths: list[str]) -> None:
+    # A list of appends, not a generator, and only models and lists of them are called on:
+    # it runs for every request's model and its parts.
+    extra = model.__pydantic_extra__
+    if extra:
+        paths.extend(f"{path}.{name}" if path else name for name in extra)
+    sent = model.__pydantic_fields_set__
+    values = model.__dict__
+    # Only what the client sent can hold what it sent (defaults have no extras), and only
+    # a field whose type can hold a model.
+    for name in _nested_fields(type(model)):
+        if name in sent:
+            child = values.get(name)
+            if isinstance(child, BaseModel):
+                _collect(child, f"{path}.{name}" if path else name, paths)
+            elif isinstance(child, list) and child and isinstance(child[0], _WALKED_ITEMS):
+                _collect_items(child, f"{path}.{name}" if path else name, paths)
+
+
+def _collect_items(items: list[Any], path: str, paths: list[str]) -> None:
+    for index, item in enumerate(items):
+        if isinstance(item, BaseModel):
             _collect(item, f"{path}[{index}]", paths)
+        elif isinstance(item, list) and item and isinstance(item[0], _WALKED_ITEMS):
+            _collect_items(item, f"{path}[{index}]", paths)
 
 
 @functools.cache

@@ -8,6 +8,7 @@ request models refuse it where the string arrives, naming the field.
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, field_validator
@@ -79,4 +80,16 @@ class RequestModel(BaseModel):
     @field_validator("*")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
+        # Every field a client sends passes here: an ASCII string, and a value that holds
+        # no string (a number, a flag, a model), are answered without another call.
+        kind = type(value)
+        if kind is str:
+            if value.isascii():
+                return value
+        elif kind is list:
+            # A list of validated models (a conversation): each checked its own fields.
+            if all(map(isinstance, value, repeat(BaseModel))):
+                return value
+        elif kind is not dict:
+            return value
         return valid_unicode(value)

@@ -91,6 +91,11 @@ def output_parsing(
     prompt_token_ids: list[int],
 ) -> OutputParsing | None:
     """The request's parsers; None when its answer is all content."""
+    if tool_call_parser is None and reasoning_parser is None:
+        # No parser to read the answer with: what remains is the named tool's check.
+        if isinstance(body.tool_choice, dict):
+            check_named_tool(body, body.tool_choice)
+        return None
     tool_format = _tool_format(body, tool_call_parser)
     opened = None
     thinking = (body.chat_template_kwargs or {}).get("enable_thinking", True)

@@ -16,13 +16,13 @@ from penstock.errors import InvalidRequestError
 from penstock.gateway import ServedModel
 from penstock.metadata_upload import MetadataUploader, under_root
 from penstock.schemas.openai import SamplingFields
-from penstock.serving.deadline import header
 from penstock.settings import Settings
 
 # The header naming a client's session (its key in the engine context's metadata too).
 SESSION_HEADER = "x-session-id"
 
-_SESSION_KEY = SESSION_HEADER.encode()
+# The headers an engine context reads, each with its place in ``_context_headers``'s list.
+_CONTEXT_HEADERS = {SESSION_HEADER.encode(): 0, b"traceparent": 1, b"tracestate": 2}
 
 
 class PassthroughRequest(GenerateRequest, total=False):
@@ -48,15 +48,28 @@ def engine_context(
     """
     request_id = request.state.request_id
     metadata = {"x-request-id": request_id}
-    session = header(request, _SESSION_KEY) or user
+    session, traceparent, tracestate = _context_headers(request)
+    session = session or user
     if session:
         metadata[SESSION_HEADER] = session
     return Context(
         request_id if prompt_index is None else f"{request_id}-{prompt_index}",
         metadata,
-        traceparent=header(request, b"traceparent"),
-        tracestate=header(request, b"tracestate"),
+        traceparent=traceparent,
+        tracestate=tracestate,
     )
+
+
+def _context_headers(request: Request) -> list[str | None]:
+    """The session, ``traceparent`` and ``tracestate`` headers (each the first of its
+    name, as :func:`~penstock.serving.deadline.header` reads one), in one pass over the
+    raw pairs rather than one a name: every request reads them."""
+    found: list[str | None] = [None, None, None]
+    for key, value in request.scope["headers"]:
+        slot = _CONTEXT_HEADERS.get(key)
+        if slot is not None and found[slot] is None:
+            found[slot] = value.decode("latin-1")
+    return found
 
 
 def metadata_uploader(body: SamplingFields, settings: Settings) -> MetadataUploader | None:
@@ -85,19 +98,25 @@ def metadata_uploader(body: SamplingFields, settings: Settings) -> MetadataUploa
         ) from exc
 
 
+# The sampling fields passed on to the engine when the client set them.
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
 def _sampling_options(body: SamplingFields) -> dict[str, Any]:
     options: dict[str, Any] = {"n": body.n}
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-    ):
-        value = getattr(body, name)
+    # Read from the model's field values: a dict lookup each, not an attribute lookup.
+    values = body.__dict__
+    for name in _SAMPLING_FIELDS:
+        value = values[name]
         if value is not None:
             options[name] = value
     return options
@@ -122,7 +141,10 @@ def _output_options(body: SamplingFields, logprobs: int | None) -> dict[str, Any
     options: dict[str, Any] = {}
     if logprobs is not None:
         options["logprobs"] = logprobs
-    prompt_logprobs = getattr(body, "prompt_logprobs", None)
+    # A declared field of completions only; chat's spelling of it is refused before this
+    # (its ``unsupported`` table). Read from the fields: a missing attribute would cost a
+    # request pydantic's lookup of private attributes and extras, and an exception.
+    prompt_logprobs = body.__dict__.get("prompt_logprobs")
     if prompt_logprobs is not None:
         options["prompt_logprobs"] = prompt_logprobs
     if not body.skip_special_tokens:

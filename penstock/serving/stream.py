@@ -202,6 +202,9 @@ async def _frames(
     try:
         try:
             encode = framing.encode
+            # ``encode``'s text-only case taken here: a call less for most chunks.
+            text_only, text_choice = framing.text_only, framing.text_choice
+            text_frame: Any = framing.encoder.text_frame if text_only is not None else None
             # ``__anext__`` rather than ``anext(deltas, None)``: no wrapper per chunk.
             next_delta = deltas.__anext__
             while more:
@@ -212,7 +215,12 @@ async def _frames(
                         delta = await deadline.within(next_delta())
                 except StopAsyncIteration:
                     break
-                frame = encode(delta)
+                if text_only is not None and text_only(delta):
+                    frame = text_frame(
+                        text_choice, delta.choice.index, delta.text, delta.weight_version
+                    )
+                else:
+                    frame = encode(delta)
                 if frame:
                     yield frame
         finally:
