@@ -21,6 +21,7 @@ Every method runs on the scheduler's thread with its step lock held.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from penstock.engines.transformers.kv_cache import BatchKv, KvPair
+from penstock.engines.transformers.kv_cache import BatchKv, KvPair, growth, row_growth
 from penstock.engines.transformers.llama_decode import LlamaDecoder
 from penstock.engines.transformers.lora import BASE_ROW
 from penstock.engines.transformers.prompt_kv import PromptChunk, PromptKv
@@ -52,6 +53,8 @@ class PrefillRow:
     # Prefilled over several steps: the KV computed so far, and how many tokens it holds.
     cache: PromptKv | None = None
     computed: int = 0
+    # Leading blocks whose KV the prefix cache holds (matched, or stored chunk by chunk).
+    stored_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.computed = self.prefix_length
@@ -126,11 +129,28 @@ class ModelRunner:
         batch_kv, lengths, tokens, mask = self._decode_inputs(rows)
         logits, last = self.decoder.step(tokens, lengths, batch_kv, mask, prompt_chunk)
         choices = self._decoded(rows, logits)
+        self._prepare_join(rows, row, (end - start) / (len(row.tokens) - start))
         row.computed = end
         if last is None:
             return choices, None
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         return choices, self._first_tokens(row, last, layers)
+
+    def _prepare_join(self, rows: list[Sequence], row: PrefillRow, share: float) -> None:
+        """Have the batch's buffers for ``row`` to join ready before its prompt ends, where
+        its joining would reallocate them: prepared at its first chunk beside ``rows``,
+        zeroed ``share`` x 2 of them per chunk (``share``: the part of the prompt left that
+        this chunk computes)."""
+        cache = self._cache
+        assert cache is not None
+        wanted, length = cache.rows + len(row.sequences), len(row.tokens)
+        if not cache.reallocates(wanted, length):
+            return
+        rows_wanted = row_growth(wanted, cache.row_capacity, self.max_num_seqs)
+        headroom = max(seq.remaining_steps for seq in rows + row.sequences)
+        width = max(self._width, length)
+        prepared = cache.prepare(rows_wanted, width + growth(width, headroom), width + 1)
+        prepared.zero(math.ceil(prepared.elements * min(2 * share, 1.0)))
 
     def _decode_inputs(
         self, rows: list[Sequence]
