@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from penstock.engines.transformers.kv_cache import BatchKv, KvPair, growth, row_growth
-from penstock.engines.transformers.llama_decode import LlamaDecoder
+from penstock.engines.transformers.llama_decode import LlamaDecoder, Spans, row_spans
 from penstock.engines.transformers.lora import BASE_ROW
 from penstock.engines.transformers.prompt_kv import PromptChunk, PromptKv
 from penstock.engines.transformers.sampling import TokenChoice, choose_tokens
@@ -127,7 +127,8 @@ class ModelRunner:
         token_ids = torch.tensor(row.tokens[start:end], device=self.device)
         prompt_chunk = PromptChunk(token_ids, start, cache, end == len(row.tokens))
         batch_kv, lengths, tokens, mask = self._decode_inputs(rows)
-        logits, last = self.decoder.step(tokens, lengths, batch_kv, mask, prompt_chunk)
+        spans = self._spans(rows, mask)
+        logits, last = self.decoder.step(tokens, lengths, batch_kv, mask, prompt_chunk, spans)
         choices = self._decoded(rows, logits)
         self._prepare_join(rows, row, (end - start) / (len(row.tokens) - start))
         row.computed = end
@@ -170,6 +171,13 @@ class ModelRunner:
             attention_mask = (columns >= (width - lengths).unsqueeze(1))[:, None, None, :]
         return cache, lengths, token_ids, attention_mask
 
+    def _spans(self, rows: list[Sequence], mask: torch.Tensor | None) -> Spans | None:
+        """Where rows of different lengths attend over their own columns (see
+        :func:`.llama_decode.row_spans`); None without a mask (every row is as long)."""
+        if mask is None:
+            return None
+        return row_spans([seq.kv_length + 1 for seq in rows], self._width + 1)
+
     def _decoded(self, rows: list[Sequence], logits: torch.Tensor | None) -> list[TokenChoice]:
         assert logits is not None
         self._width += 1
@@ -184,7 +192,9 @@ class ModelRunner:
         cache, lengths, token_ids, mask = self._decode_inputs(rows)
         if self.fuses_chunks:
             assert self.decoder is not None
-            return self._decoded(rows, self.decoder.decode(token_ids, lengths, cache, mask))
+            spans = self._spans(rows, mask)
+            logits = self.decoder.decode(token_ids, lengths, cache, mask, spans)
+            return self._decoded(rows, logits)
         columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
         output = self.model(
             input_ids=token_ids.unsqueeze(1),
