@@ -201,7 +201,7 @@ async def gaps_beside_a_long_prompt(
 
     async def beside() -> None:
         # Long enough to outlast the long prompt's prefill, its last chunks included.
-        request = greedy(chat_ids(tokenizer, [{"role": "user", "content": QUESTIONS[0]}]), 4096)
+        request = greedy(chat_ids(tokenizer, [{"role": "user", "content": QUESTIONS[0]}]), 8192)
         request["stop_conditions"]["ignore_eos"] = True
         async for _ in engine.generate(request, Context()):
             arrivals.append(time.perf_counter())
@@ -239,6 +239,8 @@ def gaps(times: list[float]) -> list[float]:
 
 
 def describe(gaps: list[float], median: float) -> str:
+    if not gaps:
+        return "no gap (the stream had ended)"
     middle, longest = sorted(gaps)[len(gaps) // 2], max(gaps)
     return (
         f"median {middle * 1000:.0f} ms ({middle / median:.1f}x), longest "
