@@ -9,6 +9,12 @@ already is. Its size is in token-equivalents (:func:`.prefill_plan.chunk_cost`),
 already count a token's attention over the prompt before it, so one measured price per
 token-equivalent holds along the whole prompt.
 
+A decode-only step gets dearer as the rows grow (a row's attention reads its whole KV),
+and a prompt paced beside them for minutes lets a row grow by thousands of tokens: every
+:data:`_REFRESH` steps one step decodes without a chunk, so the price of a decode step
+follows the rows; else their growth would be billed to the prompt, shrinking its chunks,
+which lengthens the prefill and lets the rows grow further.
+
 Both prices are the lower quartile of the last steps' times: another process taking the
 CPU only ever slows a step, and divided by a chunk of a token or two such a delay would
 make a token look many times dearer and shrink every later chunk to a token. Since it
@@ -21,8 +27,11 @@ from __future__ import annotations
 
 from collections import deque
 
-# Steps whose times make each price.
+# Steps whose times make the price of a token-equivalent, and of a decode step.
 _WINDOW = 16
+_DECODE_WINDOW = 5
+# While chunks ride beside the rows, one step in this many decodes alone.
+_REFRESH = 16
 # The first chunk beside decoding rows, before any chunk was timed, in token-equivalents.
 _FIRST_CHUNK = 4.0
 
@@ -36,17 +45,18 @@ class ChunkPacer:
 
     def __init__(self, ratio: float | None) -> None:
         self.ratio = ratio
-        self._decode_s: deque[float] = deque(maxlen=_WINDOW)
+        self._decode_s: deque[float] = deque(maxlen=_DECODE_WINDOW)
         self._per_equivalent_s: deque[float] = deque(maxlen=_WINDOW)
         self._last = 0.0
+        self._fused_since_decode = 0
 
     def budget(self, ceiling: float) -> float:
         """Token-equivalents of prompt for the next step beside decoding rows, at most
-        ``ceiling``; 0 while no decode-only step was timed (the step then decodes alone
-        and times it)."""
+        ``ceiling``; 0 when a decode-only step is due (the step then decodes alone and
+        times it)."""
         if self.ratio is None:
             return ceiling
-        if not self._decode_s:
+        if not self._decode_s or self._fused_since_decode >= _REFRESH - 1:
             return 0.0
         if not self._per_equivalent_s:
             return min(_FIRST_CHUNK, ceiling)
@@ -59,12 +69,13 @@ class ChunkPacer:
     def decoded(self, seconds: float) -> None:
         """A decode step without a chunk took ``seconds``."""
         self._decode_s.append(seconds)
-        self._last = 0.0
+        self._fused_since_decode = 0
 
     def fused(self, seconds: float, equivalents: float) -> None:
         """A decode step that carried ``equivalents`` token-equivalents of prompt took
         ``seconds``."""
         self._last = equivalents
+        self._fused_since_decode += 1
         if not self._decode_s or equivalents <= 0:
             return
         extra = max(seconds - _low(self._decode_s), 0.0)

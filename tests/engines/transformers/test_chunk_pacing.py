@@ -44,7 +44,21 @@ def test_one_slow_step_does_not_shrink_the_next_chunk() -> None:
     # Still a token a step when a token costs more than the whole target.
     for _ in range(16):
         pacer.fused(1.0, 1.0)
+    pacer.decoded(0.010)
     assert pacer.budget(2000.0) == 1.0
+
+
+def test_the_rows_decode_alone_now_and_then_so_their_growth_is_not_billed_to_the_prompt() -> None:
+    pacer = ChunkPacer(2.0)
+    pacer.decoded(0.010)
+    for _ in range(15):
+        assert pacer.budget(2000.0) > 0
+        pacer.fused(0.020, 10.0)
+    assert pacer.budget(2000.0) == 0.0
+    # The rows grew: a decode step now costs twice as much, and so may the step beside.
+    for _ in range(5):
+        pacer.decoded(0.020)
+    assert pacer.budget(2000.0) == pytest.approx(20.0)
 
 
 def test_the_ratio_is_an_engine_option_above_one() -> None:
