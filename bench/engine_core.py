@@ -44,6 +44,8 @@ from penstock.engines.transformers.default_model import prepare_default_model
 POOL_TOKENS = 16384
 # Tokens the long prompt of part 4 decodes beside the stream once prefilled.
 LONG_DECODES = 32
+# The stream's prompt and answer in part 4: the model's context length.
+STREAM_CONTEXT = 8192
 SYSTEM_SENTENCE = (
     "You are a careful assistant for a hardware store; answer briefly, name the aisle, "
     "and never invent a product the store does not carry. "
@@ -201,7 +203,8 @@ async def gaps_beside_a_long_prompt(
 
     async def beside() -> None:
         # Long enough to outlast the long prompt's prefill, its last chunks included.
-        request = greedy(chat_ids(tokenizer, [{"role": "user", "content": QUESTIONS[0]}]), 8192)
+        ids = chat_ids(tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
+        request = greedy(ids, STREAM_CONTEXT - len(ids))
         request["stop_conditions"]["ignore_eos"] = True
         async for _ in engine.generate(request, Context()):
             arrivals.append(time.perf_counter())
@@ -212,7 +215,11 @@ async def gaps_beside_a_long_prompt(
 
     try:
         stream = asyncio.create_task(beside())
-        await warmed.wait()
+        # A stream that fails before it is warm raises here rather than leaving us waiting.
+        warm = asyncio.create_task(warmed.wait())
+        await asyncio.wait([stream, warm], return_when=asyncio.FIRST_COMPLETED)
+        if stream.done():
+            stream.result()
         started = len(arrivals)
         sent = time.perf_counter()
         first = 0.0
