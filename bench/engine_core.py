@@ -9,17 +9,20 @@ process: prefix caching, shared prefills, and how many requests decode at once.
 3. Requests of ``max_tokens`` 512 with short answers (each stream closed after
    ``--short`` tokens): the most requests decoding at once, beside what a reservation of
    ``prompt + max_tokens`` per request would let run in the same pool.
-4. A stream decoding while a ``--long``-token prompt is prefilled beside it: its median
-   and longest inter-token gap, per ``--max-num-batched-tokens`` in ``--budgets``.
+4. A stream decoding while a ``--long``-token prompt is prefilled beside it, then while
+   that prompt decodes 32 tokens beside it: the stream's median and longest inter-token
+   gap in each part, per ``--max-num-batched-tokens`` in ``--budgets`` (and the engine's
+   ``--decode-gap-ratio`` when given).
 
     .venv/bin/python bench/engine_core.py [--threads 1] [--requests 48] [--short 48]
-        [--long 8000] [--budgets 2048,256] [--only 1,2,3,4]
+        [--long 8000] [--budgets 2048,256] [--decode-gap-ratio R] [--only 1,2,3,4]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import itertools
 import os
 import sys
@@ -39,6 +42,10 @@ from penstock.engines.transformers.args import default_model_cache_dir
 from penstock.engines.transformers.default_model import prepare_default_model
 
 POOL_TOKENS = 16384
+# Tokens the long prompt of part 4 decodes beside the stream once prefilled.
+LONG_DECODES = 32
+# The stream's prompt and answer in part 4: the model's context length.
+STREAM_CONTEXT = 8192
 SYSTEM_SENTENCE = (
     "You are a careful assistant for a hardware store; answer briefly, name the aisle, "
     "and never invent a product the store does not carry. "
@@ -184,11 +191,11 @@ async def decoding_at_once(
 
 
 async def gaps_beside_a_long_prompt(
-    model_dir: Path, tokenizer: Any, threads: int, long: int, budget: int
+    model_dir: Path, tokenizer: Any, threads: int, long: int, budget: int, *extra: str
 ) -> None:
     text = " ".join(f"Item {i}: a box of screws, aisle {i % 12}." for i in range(long))
     prompt = tokenizer(text)["input_ids"][:long]
-    engine = await start(model_dir, threads, "--max-num-batched-tokens", str(budget))
+    engine = await start(model_dir, threads, "--max-num-batched-tokens", str(budget), *extra)
     arrivals: list[float] = []
     long_done = asyncio.Event()
     # The stream's first gaps, alone, give its median.
@@ -196,7 +203,8 @@ async def gaps_beside_a_long_prompt(
 
     async def beside() -> None:
         # Long enough to outlast the long prompt's prefill, its last chunks included.
-        request = greedy(chat_ids(tokenizer, [{"role": "user", "content": QUESTIONS[0]}]), 4096)
+        ids = chat_ids(tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
+        request = greedy(ids, STREAM_CONTEXT - len(ids))
         request["stop_conditions"]["ignore_eos"] = True
         async for _ in engine.generate(request, Context()):
             arrivals.append(time.perf_counter())
@@ -207,21 +215,43 @@ async def gaps_beside_a_long_prompt(
 
     try:
         stream = asyncio.create_task(beside())
-        await warmed.wait()
+        # A stream that fails before it is warm raises here rather than leaving us waiting.
+        warm = asyncio.create_task(warmed.wait())
+        await asyncio.wait([stream, warm], return_when=asyncio.FIRST_COMPLETED)
+        if stream.done():
+            stream.result()
         started = len(arrivals)
-        ttft, _, _ = await timed(engine, greedy(prompt, 1))
+        sent = time.perf_counter()
+        first = 0.0
+        # Then it decodes beside the stream: the stream's gaps with the long row in the batch.
+        async for _ in engine.generate(greedy(prompt, LONG_DECODES), Context()):
+            first = first or time.perf_counter()
+        joined = bisect.bisect_right(arrivals, first)
         long_done.set()
         await stream
     finally:
         await engine.cleanup()
-    during = [b - a for a, b in itertools.pairwise(arrivals[started - 1 :])]
-    before = [b - a for a, b in itertools.pairwise(arrivals[:started])]
+    before = gaps(arrivals[:started])
     median = sorted(before)[len(before) // 2]
     print(
         f"--max-num-batched-tokens {budget}, {len(prompt)}-token prompt beside a stream: "
-        f"its TTFT {ttft:.2f} s; the stream's median gap alone {median * 1000:.0f} ms, "
-        f"meanwhile median {sorted(during)[len(during) // 2] * 1000:.0f} ms, longest "
-        f"{max(during) * 1000:.0f} ms ({max(during) / median:.1f}x)"
+        f"its TTFT {first - sent:.2f} s; the stream's median gap alone {median * 1000:.0f} ms, "
+        f"{describe(gaps(arrivals[started - 1 : joined]), median)} while it is prefilled, "
+        f"{describe(gaps(arrivals[joined:]), median)} while it decodes beside"
+    )
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def describe(gaps: list[float], median: float) -> str:
+    if not gaps:
+        return "no gap (the stream had ended)"
+    middle, longest = sorted(gaps)[len(gaps) // 2], max(gaps)
+    return (
+        f"median {middle * 1000:.0f} ms ({middle / median:.1f}x), longest "
+        f"{longest * 1000:.0f} ms ({longest / median:.1f}x)"
     )
 
 
@@ -232,6 +262,7 @@ async def main() -> None:
     parser.add_argument("--short", type=int, default=48)
     parser.add_argument("--long", type=int, default=8000)
     parser.add_argument("--budgets", default="2048,256")
+    parser.add_argument("--decode-gap-ratio")
     parser.add_argument("--only", default="1,2,3,4")
     args = parser.parse_args()
     parts = {int(part) for part in args.only.split(",")}
@@ -245,8 +276,9 @@ async def main() -> None:
         await decoding_at_once(model_dir, tokenizer, args.threads, args.requests, args.short)
     if 4 in parts:
         for budget in args.budgets.split(","):
+            ratio = ("--decode-gap-ratio", args.decode_gap_ratio) if args.decode_gap_ratio else ()
             await gaps_beside_a_long_prompt(
-                model_dir, tokenizer, args.threads, args.long, int(budget)
+                model_dir, tokenizer, args.threads, args.long, int(budget), *ratio
             )
 
 

@@ -42,6 +42,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
     deterministic: bool = False
+    decode_gap_ratio: float = 2.0
 
     def kv_pool_tokens(self, *, bytes_per_token: int, default: int) -> int:
         """The KV pool's size in tokens: ``--kv-cache-tokens``, or ``--kv-cache-bytes`` at
@@ -51,6 +52,16 @@ class EngineArgs:
         if self.kv_cache_bytes is not None:
             return max(self.kv_cache_bytes // max(bytes_per_token, 1), 1)
         return default
+
+
+def _ratio_above_one(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number above 1, got {text!r}") from None
+    if not value > 1:
+        raise argparse.ArgumentTypeError(f"expected a number above 1, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -109,6 +120,15 @@ def _add_kv_options(parser: argparse.ArgumentParser) -> None:
         default=2048,
         help="tokens one step computes at most, decode rows and prefill chunks together; "
         "a longer prompt is prefilled over several steps (default: 2048)",
+    )
+    parser.add_argument(
+        "--decode-gap-ratio",
+        type=_ratio_above_one,
+        default=2.0,
+        help="on cpu, while rows decode, a step that also prefills part of a longer prompt "
+        "aims at this many times the time of a step of the rows alone (measured as it "
+        "runs): higher prefills the prompt sooner and spaces the decoding streams' tokens "
+        "further apart (default: 2.0)",
     )
 
 
@@ -209,4 +229,5 @@ def parse_args(argv: list[str]) -> EngineArgs:
         enable_prefix_caching=namespace.enable_prefix_caching,
         max_num_batched_tokens=namespace.max_num_batched_tokens,
         deterministic=namespace.deterministic,
+        decode_gap_ratio=namespace.decode_gap_ratio,
     )

@@ -336,6 +336,7 @@ class TransformersEngine(
             # A cached prefix's KV was computed inside another prompt.
             prefix_caching=self.args.enable_prefix_caching and not self.args.deterministic,
             step_tokens=self.args.max_num_batched_tokens,
+            decode_gap_ratio=self.args.decode_gap_ratio,
             deterministic=self.args.deterministic,
         )
         scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)

@@ -77,12 +77,18 @@ class GrowingLayer(DynamicLayer):
     def column_capacity(self) -> int:
         return self.key_buffer.shape[-2]
 
-    def reallocate(self, row_capacity: int, left: int, columns: int) -> None:
-        """Copy the live region into new zeroed buffers, starting at column ``left``."""
+    def reallocate(
+        self, row_capacity: int, left: int, columns: int, zeroed: KvPair | None = None
+    ) -> None:
+        """Copy the live region into new zeroed buffers, starting at column ``left``;
+        ``zeroed``: such buffers, allocated before (their shape wins)."""
         width = self.end - self.start
         shape = (row_capacity, self.key_buffer.shape[1], columns, self.key_buffer.shape[-1])
-        keys = self.key_buffer.new_zeros(shape)
-        values = self.value_buffer.new_zeros(shape)
+        if zeroed is None:
+            keys = self.key_buffer.new_zeros(shape)
+            values = self.value_buffer.new_zeros(shape)
+        else:
+            keys, values = zeroed
         keys[: self.rows, :, left : left + width] = self.keys
         values[: self.rows, :, left : left + width] = self.values
         self.key_buffer, self.value_buffer = keys, values
@@ -109,6 +115,34 @@ class BatchKv(DynamicCache):
             for keys, values in prefilled
         ]
         Cache.__init__(self, layers=layers)  # type: ignore[arg-type]
+        self.prepared: PreparedBuffers | None = None
+
+    def reallocates(self, rows: int, width: int) -> bool:
+        """Whether holding ``rows`` rows as wide as ``width`` reallocates the buffers."""
+        first = self._growing[0]
+        return rows > first.row_capacity or width > first.end
+
+    @property
+    def row_capacity(self) -> int:
+        return self._growing[0].row_capacity
+
+    def prepare(self, rows: int, columns: int, least: int) -> PreparedBuffers:
+        """Buffers of ``rows`` x ``columns`` that the next widening or join of at most that
+        size takes instead of allocating its own (see :class:`PreparedBuffers`); those
+        prepared before are kept while they hold ``rows`` x ``least``."""
+        prepared = self.prepared
+        if prepared is None or prepared.rows < rows or prepared.columns < least:
+            first = self._growing[0]
+            shape = (rows, first.key_buffer.shape[1], columns, first.key_buffer.shape[-1])
+            self.prepared = prepared = PreparedBuffers(first.key_buffer, shape, len(self.layers))
+        return prepared
+
+    def _zeroed(self, rows: int, columns: int) -> list[KvPair] | None:
+        """The prepared buffers, wholly zeroed, when they hold ``rows`` x ``columns``."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is None or prepared.rows < rows or prepared.columns < columns:
+            return None
+        return prepared.take()
 
     @property
     def _growing(self) -> list[GrowingLayer]:
@@ -128,7 +162,7 @@ class BatchKv(DynamicCache):
         if first.end + columns <= first.column_capacity:
             return
         width = self.width
-        extra = max(columns, _growth(width, limit))
+        extra = max(columns, growth(width, limit))
         for layer in self._growing:
             layer.reallocate(layer.row_capacity, 0, width + extra)
 
@@ -190,8 +224,11 @@ class BatchKv(DynamicCache):
             return
         if first.end - width < 0:
             left = width - self.width
-            for layer in self._growing:
-                layer.reallocate(layer.row_capacity, left, width + _growth(width, headroom))
+            columns = width + growth(width, headroom)
+            zeroed = self._zeroed(first.rows, width + 1)
+            for index, layer in enumerate(self._growing):
+                buffers = None if zeroed is None else zeroed[index]
+                layer.reallocate(layer.row_capacity, left, columns, buffers)
         for layer in self._growing:
             uncovered = slice(layer.end - width, layer.start)
             layer.key_buffer[: layer.rows, :, uncovered].zero_()
@@ -201,7 +238,7 @@ class BatchKv(DynamicCache):
 
     def _shrink_if_wasteful(self, headroom: int) -> None:
         first = self._growing[0]
-        columns = self.width + _growth(self.width, headroom)
+        columns = self.width + growth(self.width, headroom)
         if first.row_capacity * first.column_capacity <= _SHRINK_FACTOR * first.rows * columns:
             return
         for layer in self._growing:
@@ -215,9 +252,11 @@ class BatchKv(DynamicCache):
         first = self._growing[0]
         wanted = first.rows + len(prefilled)
         if wanted > first.row_capacity:
-            capacity = min(max(wanted, 2 * first.row_capacity), max(max_rows, wanted))
-            for layer in self._growing:
-                layer.reallocate(capacity, layer.start, layer.column_capacity)
+            capacity = row_growth(wanted, first.row_capacity, max_rows)
+            zeroed = self._zeroed(wanted, first.column_capacity)
+            for index, layer in enumerate(self._growing):
+                buffers = None if zeroed is None else zeroed[index]
+                layer.reallocate(capacity, layer.start, layer.column_capacity, buffers)
         for index, layer in enumerate(self._growing):
             for offset, row_layers in enumerate(prefilled):
                 row = layer.rows + offset
@@ -232,10 +271,54 @@ class BatchKv(DynamicCache):
             layer._refresh()
 
     def to(self, device: torch.device) -> None:
+        self.prepared = None
         for layer in self._growing:
             layer.to(device)
 
 
-def _growth(width: int, limit: int) -> int:
+class PreparedBuffers:
+    """Zeroed key and value buffers of every layer, made ahead of a join that needs them.
+
+    Why: a fresh buffer's pages are mapped on first write, and on the machines measured
+    that costs ~0.5 s a GB, several times a copy into mapped memory. A long prompt joining
+    the batch widens every row to its length; zeroing the widened buffers in that one step
+    stalled every stream. Prepared while the prompt is still prefilled, they are zeroed
+    a part per step (:meth:`zero`), and the join finds them mapped.
+    """
+
+    def __init__(self, like: torch.Tensor, shape: tuple[int, int, int, int], layers: int) -> None:
+        self.rows, self.columns = shape[0], shape[2]
+        self.buffers = [like.new_empty(shape) for _ in range(2 * layers)]
+        self._flat = [buffer.view(-1) for buffer in self.buffers]
+        self._done = 0
+
+    @property
+    def elements(self) -> int:
+        return sum(flat.numel() for flat in self._flat)
+
+    def zero(self, elements: int) -> None:
+        """Zero the next ``elements`` elements not zeroed yet."""
+        size = self._flat[0].numel()
+        end = min(self._done + elements, size * len(self._flat))
+        while self._done < end:
+            index, offset = divmod(self._done, size)
+            stop = min(size, offset + end - self._done)
+            self._flat[index][offset:stop].zero_()
+            self._done += stop - offset
+
+    def take(self) -> list[KvPair]:
+        """Every layer's (keys, values), all zero."""
+        self.zero(self.elements)
+        pairs = zip(self.buffers[::2], self.buffers[1::2], strict=True)
+        return list(pairs)
+
+
+def row_growth(wanted: int, capacity: int, max_rows: int) -> int:
+    """The row capacity that holds ``wanted`` rows: twice ``capacity`` at least, at most
+    ``max_rows`` unless more are wanted."""
+    return min(max(wanted, 2 * capacity), max(max_rows, wanted))
+
+
+def growth(width: int, limit: int) -> int:
     """Free columns to add: the width again (at least ``MIN_GROWTH``), at most ``limit``."""
     return max(1, min(max(width, MIN_GROWTH), limit))

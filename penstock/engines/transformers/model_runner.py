@@ -21,6 +21,7 @@ Every method runs on the scheduler's thread with its step lock held.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +29,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from penstock.engines.transformers.kv_cache import BatchKv, KvPair
-from penstock.engines.transformers.llama_decode import LlamaDecoder
+from penstock.engines.transformers.kv_cache import BatchKv, KvPair, growth, row_growth
+from penstock.engines.transformers.llama_decode import LlamaDecoder, Spans, row_spans
 from penstock.engines.transformers.lora import BASE_ROW
 from penstock.engines.transformers.prompt_kv import PromptChunk, PromptKv
 from penstock.engines.transformers.sampling import TokenChoice, choose_tokens
@@ -52,6 +53,8 @@ class PrefillRow:
     # Prefilled over several steps: the KV computed so far, and how many tokens it holds.
     cache: PromptKv | None = None
     computed: int = 0
+    # Leading blocks whose KV the prefix cache holds (matched, or stored chunk by chunk).
+    stored_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.computed = self.prefix_length
@@ -129,13 +132,31 @@ class ModelRunner:
         token_ids = torch.tensor(row.tokens[start:end], device=self.device)
         prompt_chunk = PromptChunk(token_ids, start, cache, end == len(row.tokens))
         batch_kv, lengths, tokens, mask = self._decode_inputs(rows)
-        logits, last = self.decoder.step(tokens, lengths, batch_kv, mask, prompt_chunk)
+        spans = self._spans(rows, mask)
+        logits, last = self.decoder.step(tokens, lengths, batch_kv, mask, prompt_chunk, spans)
         choices = self._decoded(rows, logits)
+        self._prepare_join(rows, row, (end - start) / (len(row.tokens) - start))
         row.computed = end
         if last is None:
             return choices, None
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         return choices, self._first_tokens(row, last, layers)
+
+    def _prepare_join(self, rows: list[Sequence], row: PrefillRow, share: float) -> None:
+        """Have the batch's buffers for ``row`` to join ready before its prompt ends, where
+        its joining would reallocate them: prepared at its first chunk beside ``rows``,
+        zeroed ``share`` x 2 of them per chunk (``share``: the part of the prompt left that
+        this chunk computes)."""
+        cache = self._cache
+        assert cache is not None
+        wanted, length = cache.rows + len(row.sequences), len(row.tokens)
+        if not cache.reallocates(wanted, length):
+            return
+        rows_wanted = row_growth(wanted, cache.row_capacity, self.max_num_seqs)
+        headroom = max(seq.remaining_steps for seq in rows + row.sequences)
+        width = max(self._width, length)
+        prepared = cache.prepare(rows_wanted, width + growth(width, headroom), width + 1)
+        prepared.zero(math.ceil(prepared.elements * min(2 * share, 1.0)))
 
     def _decode_inputs(
         self, rows: list[Sequence]
@@ -155,6 +176,13 @@ class ModelRunner:
             attention_mask = (columns >= (width - lengths).unsqueeze(1))[:, None, None, :]
         return cache, lengths, token_ids, attention_mask
 
+    def _spans(self, rows: list[Sequence], mask: torch.Tensor | None) -> Spans | None:
+        """Where rows of different lengths attend over their own columns (see
+        :func:`.llama_decode.row_spans`); None without a mask (every row is as long)."""
+        if mask is None:
+            return None
+        return row_spans([seq.kv_length + 1 for seq in rows], self._width + 1)
+
     def _decoded(self, rows: list[Sequence], logits: torch.Tensor | None) -> list[TokenChoice]:
         assert logits is not None
         self._width += 1
@@ -169,7 +197,9 @@ class ModelRunner:
         cache, lengths, token_ids, mask = self._decode_inputs(rows)
         if self.fuses_chunks:
             assert self.decoder is not None
-            return self._decoded(rows, self.decoder.decode(token_ids, lengths, cache, mask))
+            spans = self._spans(rows, mask)
+            logits = self.decoder.decode(token_ids, lengths, cache, mask, spans)
+            return self._decoded(rows, logits)
         columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
         output = self.model(
             input_ids=token_ids.unsqueeze(1),

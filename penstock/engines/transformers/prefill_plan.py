@@ -189,6 +189,7 @@ class Prefiller:
     ) -> None:
         """A chunk of ``entry`` was computed; once its prompt is (``prefilled``) its
         sequences join."""
+        self._store_computed(*entry)
         if prefilled is not None:
             self.chunked.remove(entry)
             joined += self._join(*entry, prefilled, outbox)
@@ -256,22 +257,41 @@ class Prefiller:
             end = chunk_end(row.computed, len(row.tokens), budget, self.context)
             budget -= chunk_cost(row.computed, end - row.computed, self.context)
             done = self.runner.prefill_chunk(row, end)
+            self._store_computed(row, match)
             if done is not None:
                 self.chunked.remove(entry)
                 joined += self._join(row, match, done, outbox)
                 self._send(outbox)
         return budget
 
+    def _store_computed(self, row: PrefillRow, match: Match) -> None:
+        """Cache the full blocks of a row prefilled over several steps as its chunks fill
+        them: each step copies the blocks of its own chunk, where storing the whole
+        prompt when it ends made that step copy all of its KV at once."""
+        if row.cache is not None:
+            layers = [(layer.keys, layer.values) for layer in row.cache.layers]
+            self._store(row, match, layers, row.computed)
+
+    def _store(self, row: PrefillRow, match: Match, layers: list[KvPair], end: int) -> None:
+        """Make the row's full blocks among its first ``end`` tokens matchable, those not
+        cached yet (``layers``: the KV of the row's tokens from its first)."""
+        first = max(row.stored_blocks, len(match.blocks))
+        last = min(end // BLOCK_SIZE, len(match.hashes))
+        if last <= first:
+            return
+        start, stop = first * BLOCK_SIZE, last * BLOCK_SIZE
+        kv = torch.stack(
+            [torch.stack((k[0, :, start:stop], v[0, :, start:stop])) for k, v in layers]
+        )
+        self.pool.store(row.sequences[0].blocks, match.hashes[:last], row.tokens, kv, first)
+        row.stored_blocks = last
+
     def _join(
         self, row: PrefillRow, match: Match, prefilled: Prefilled, outbox: Outbox
     ) -> list[Joined]:
         """Cache a prefilled row's new full blocks and take its sequences' first tokens."""
         choices, layers = prefilled
-        if len(match.hashes) > len(match.blocks):
-            start = match.tokens
-            kv = torch.stack([torch.stack((k[0, :, start:], v[0, :, start:])) for k, v in layers])
-            first = row.sequences[0]
-            self.pool.store(first.blocks, match.hashes, row.tokens, kv, len(match.blocks))
+        self._store(row, match, layers, len(row.tokens))
         joined = []
         for seq, choice in zip(row.sequences, choices, strict=True):
             self._accept(seq, choice, outbox)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from penstock.engines.transformers.block_manager import BLOCK_SIZE, BlockManager, KvEventRelay
+from penstock.engines.transformers.chunk_pacing import ChunkPacer
 from penstock.engines.transformers.deterministic import DeterministicRunner, OutgoingChunks
 from penstock.engines.transformers.kv_cache import KvPair
 from penstock.engines.transformers.model_runner import ModelRunner
@@ -50,9 +51,6 @@ logger = logging.getLogger(__name__)
 
 KV_BLOCK_SIZE = BLOCK_SIZE
 DEFAULT_STEP_TOKENS = 2048
-# The prompt a CPU step computes while rows decode, in token-equivalents (see
-# :mod:`.prefill_plan`): more stretches their inter-token gap (bench/README.md).
-CPU_CHUNK_BESIDE_DECODE = 32
 # How often a thread with held or frozen requests re-checks them for cancellation.
 _HELD_POLL_S = 0.05
 
@@ -100,13 +98,13 @@ class BatchScheduler:
         worker_id: str = "",
         prefix_caching: bool = True,
         step_tokens: int = DEFAULT_STEP_TOKENS,
-        chunk_beside_decode: int | None = None,
+        decode_gap_ratio: float | None = None,
         deterministic: bool = False,
     ) -> None:
         """``step_tokens``: the tokens one step computes at most, decode rows and prefill
         chunks together (a longer prompt is prefilled over several steps);
-        ``chunk_beside_decode``: the most a step computes of prompts while rows decode
-        (default :data:`CPU_CHUNK_BESIDE_DECODE` on the CPU, else ``step_tokens``);
+        ``decode_gap_ratio``: on the CPU, a step computing prompts while rows decode
+        aims at this many times a decode-only step (see :mod:`.chunk_pacing`);
         ``deterministic``: one sequence per forward pass (see :mod:`.deterministic`)."""
         runner = DeterministicRunner if deterministic else ModelRunner
         self.runner = runner(
@@ -142,10 +140,7 @@ class BatchScheduler:
             context=context_per_token(model.config.get_text_config(decoder=True)),
         )
         self.step_tokens = step_tokens
-        on_cpu = device.type == "cpu"
-        self.chunk_beside_decode = chunk_beside_decode or (
-            CPU_CHUNK_BESIDE_DECODE if on_cpu else step_tokens
-        )
+        self.pacer = ChunkPacer(decode_gap_ratio if device.type == "cpu" else None)
         self._arrivals = itertools.count()
         self._preemptions = 0
         self._paused = False
@@ -403,11 +398,11 @@ class BatchScheduler:
                 # At least a block's worth: a step full of decode rows still prefills.
                 budget: float = max(self.step_tokens - len(decode_rows), BLOCK_SIZE)
                 if decode_rows:
-                    budget = min(budget, self.chunk_beside_decode)
+                    budget = self.pacer.budget(budget)
                 # Beside decoding rows a chunk rides in their decode pass (one read of the
                 # weights for both) where the runner can; alone it runs by itself.
                 fused = bool(decode_rows) and self.runner.fuses_chunks
-                chunk = self.prefiller.next_chunk(budget) if fused else None
+                chunk = self.prefiller.next_chunk(budget) if fused and budget >= 1 else None
                 joined: list[Joined] = []
                 if decode_rows:
                     budget -= self._decode(decode_rows, chunk, joined, outbox)
@@ -430,13 +425,18 @@ class BatchScheduler:
         """Decode ``rows`` and ``chunk`` in one pass; the chunk's token-equivalents."""
         target = None if chunk is None else (chunk[0][0], chunk[1])
         start = 0 if target is None else target[0].computed
+        started = time.perf_counter()
         choices, prefilled = self.runner.decode(rows, target)
+        elapsed = time.perf_counter() - started
         for seq, choice in zip(rows, choices, strict=True):
             self._accept(seq, choice, outbox)
         if chunk is None:
+            self.pacer.decoded(elapsed)
             return 0.0
+        cost = chunk_cost(start, chunk[1] - start, self.prefiller.context)
+        self.pacer.fused(elapsed, cost)
         self.prefiller.computed(chunk[0], prefilled, joined, outbox)
-        return chunk_cost(start, chunk[1] - start, self.prefiller.context)
+        return cost
 
     def _grow(self) -> None:
         """Give every running row a block slot for the token it feeds this step; an empty

@@ -90,3 +90,29 @@ def test_a_cache_mostly_unused_after_rows_leave_is_reallocated_smaller() -> None
         keys, values = dense(rows[7:], layer, 2)
         assert torch.equal(cache.layers[layer].keys, keys)
         assert torch.equal(cache.layers[layer].values, values)
+
+
+def test_a_long_row_joins_into_buffers_prepared_before_it() -> None:
+    torch.manual_seed(2)
+    rows = [prefilled(5), prefilled(40)]
+    cache = BatchKv(rows[0], row_capacity=1)
+    cache.set_width(5, headroom=10)
+    cache.add_rows(rows[:1], max_rows=4)
+    assert cache.reallocates(2, 40) and not cache.reallocates(1, 5)
+    prepared = cache.prepare(2, 60, 41)
+    assert cache.prepare(2, 80, 45) is prepared
+    for buffer in prepared.buffers:
+        buffer.fill_(7.0)
+    # Zeroed in part before the join; the join zeroes the rest.
+    prepared.zero(prepared.elements // 3)
+    cache.set_width(40, headroom=10)
+    cache.add_rows(rows[1:], max_rows=4)
+    assert cache.prepared is None
+    for layer in range(LAYERS):
+        keys, values = dense(rows, layer, 40)
+        assert torch.equal(cache.layers[layer].keys, keys)
+        assert torch.equal(cache.layers[layer].values, values)
+        joined = cache.layers[layer]
+        assert joined.key_buffer is prepared.buffers[2 * layer]
+        assert not joined.key_buffer[:, :, : joined.start].any()
+        assert not joined.key_buffer[:, :, joined.end :].any()

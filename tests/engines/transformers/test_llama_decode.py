@@ -19,7 +19,11 @@ from penstock.engines.transformers import cpu_weights
 from penstock.engines.transformers.args import default_model_cache_dir
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME
 from penstock.engines.transformers.kv_cache import BatchKv
-from penstock.engines.transformers.llama_decode import LlamaDecoder, unsupported_reason
+from penstock.engines.transformers.llama_decode import (
+    LlamaDecoder,
+    row_spans,
+    unsupported_reason,
+)
 from tests.engines.transformers.conftest import start_engine
 from tests.engines.transformers.helpers import greedy, hf_greedy, run, tokens
 
@@ -153,3 +157,27 @@ async def test_an_unsupported_architecture_decodes_with_its_own_forward(tmp_path
     finally:
         await engine.cleanup()
     assert [choices[0].token_ids for choices in together] == expected
+
+
+def test_a_short_row_beside_a_long_one_attends_over_its_own_columns_only(
+    tiny_model_dir: Path,
+) -> None:
+    model = _tiny(tiny_model_dir)
+    prompts = [[5, 6, 7], [(7 * i) % 60 + 3 for i in range(400)], [8, 9, 10, 11]]
+    lengths = torch.tensor([len(p) for p in prompts])
+    width = int(lengths.max())
+    spans = row_spans([len(p) + 1 for p in prompts], width + 1)
+    assert spans == [(0, 1, 397), (1, 2, 0), (2, 3, 396)]
+    assert row_spans([8, 4, 12], 12) is None
+    decoder = LlamaDecoder.for_model(model, max_rows=len(prompts))
+    assert decoder is not None
+    with torch.inference_mode():
+        caches = [_prefilled_cache(model, prompts) for _ in range(2)]
+        for cache in caches:
+            cache.reserve(1, limit=DECODE_STEPS)
+        attends = torch.arange(width + 1) >= (width - lengths).unsqueeze(1)
+        token_ids = torch.tensor([p[-1] for p in prompts])
+        mask = attends[:, None, None, :]
+        whole = decoder.decode(token_ids, lengths, caches[0], mask)
+        split = decoder.decode(token_ids, lengths, caches[1], mask, spans)
+    torch.testing.assert_close(split, whole, atol=ATOL, rtol=RTOL)
