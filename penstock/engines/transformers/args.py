@@ -54,6 +54,19 @@ class EngineArgs:
         return default
 
 
+def context_length(asked: int | None, limit: int | None) -> int:
+    """The longest input: ``--max-model-len`` (``asked``) within the model's positions
+    (``limit``, its ``max_position_embeddings``), else those."""
+    longest = asked if asked is not None else limit
+    if longest is None:
+        raise ValueError("the model config has no max_position_embeddings; pass --max-model-len")
+    if limit is not None and longest > limit:
+        raise ValueError(
+            f"--max-model-len {longest} exceeds the model's max_position_embeddings of {limit}"
+        )
+    return int(longest)
+
+
 def _ratio_above_one(text: str) -> float:
     try:
         value = float(text)

@@ -34,6 +34,10 @@ _DECODE_WINDOW = 5
 _REFRESH = 16
 # The first chunk beside decoding rows, before any chunk was timed, in token-equivalents.
 _FIRST_CHUNK = 4.0
+# What a CPU step computes of a prompt beside decoding rows when the chunk cannot ride in
+# their pass (a LoRA adapter loaded, a model without the fused decoder): such steps are
+# never timed as a chunk beside rows, so they keep a fixed size.
+UNPACED_CPU_CHUNK = 32
 
 
 class ChunkPacer:

@@ -56,7 +56,7 @@ from penstock.engines.health import (
     is_probe,
     parse_health_check_payload_cli,
 )
-from penstock.engines.transformers.args import EngineArgs, parse_args
+from penstock.engines.transformers.args import EngineArgs, context_length, parse_args
 from penstock.engines.transformers.block_manager import kv_bytes_per_token
 from penstock.engines.transformers.constraints import GrammarCompiler
 from penstock.engines.transformers.controls import TransformersControls
@@ -251,7 +251,9 @@ class TransformersEngine(
         )
         await asyncio.to_thread(self._choose_cpu_weights, config)
         text_config = self.model.config.get_text_config(decoder=True)
-        self.context_length = self._context_length(text_config)
+        self.context_length = context_length(
+            self.args.max_model_len, getattr(text_config, "max_position_embeddings", None)
+        )
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         eos = _eos_ids(self.model.generation_config, text_config)
         bos = getattr(self.model.generation_config, "bos_token_id", None)
@@ -295,20 +297,6 @@ class TransformersEngine(
                 max_num_batched_tokens=self.context_length,
             ),
         )
-
-    def _context_length(self, text_config: Any) -> int:
-        """``--max-model-len`` (at most the model's own limit), else the model's limit."""
-        model_limit = getattr(text_config, "max_position_embeddings", None)
-        if self.args.max_model_len is not None:
-            if model_limit is not None and self.args.max_model_len > model_limit:
-                raise ValueError(
-                    f"--max-model-len {self.args.max_model_len} exceeds the model's "
-                    f"max_position_embeddings of {model_limit}"
-                )
-            return self.args.max_model_len
-        if model_limit is not None:
-            return int(model_limit)
-        raise ValueError("the model config has no max_position_embeddings; pass --max-model-len")
 
     def _kv_pool_tokens(self, text_config: Any) -> int:
         assert self.dtype is not None

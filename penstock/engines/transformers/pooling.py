@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassificati
 from penstock.engines.context import Context
 from penstock.engines.contract import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
 from penstock.engines.pooling import POOLING_RUNTIME_KEY, PoolingCapabilities, PoolingChunk
-from penstock.engines.transformers.args import _positive_int
+from penstock.engines.transformers.args import _positive_int, context_length
 from penstock.engines.transformers.pooling_config import POOLINGS, Pooling, choose_pooling
 from penstock.engines.transformers.weights import CheckpointError, check_checkpoint_folder
 from penstock.errors import InvalidRequestError
@@ -120,18 +120,6 @@ def _dtype(asked: str, device: torch.device, config: Any) -> torch.dtype:
         return torch.float32
     stored = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
     return stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
-def _context_length(asked: int | None, limit: int | None) -> int:
-    """The longest input: ``--max-model-len`` within the model's positions, else those."""
-    longest = asked if asked is not None else limit
-    if longest is None:
-        raise ValueError("the model config has no max_position_embeddings; pass --max-model-len")
-    if limit is not None and longest > limit:
-        raise ValueError(
-            f"--max-model-len {longest} exceeds the model's max_position_embeddings of {limit}"
-        )
-    return int(longest)
 
 
 def _task_of(asked: str, config: Any) -> str:
@@ -226,7 +214,7 @@ class TransformersPoolingEngine(LLMEngine):
         self.model = await asyncio.to_thread(
             self._load, _dtype(self.args.dtype, self.device, config)
         )
-        self.context_length = _context_length(
+        self.context_length = context_length(
             self.args.max_model_len, getattr(self.model.config, "max_position_embeddings", None)
         )
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from penstock.engines.transformers.block_manager import BLOCK_SIZE, BlockManager, KvEventRelay
-from penstock.engines.transformers.chunk_pacing import ChunkPacer
+from penstock.engines.transformers.chunk_pacing import UNPACED_CPU_CHUNK, ChunkPacer
 from penstock.engines.transformers.deterministic import DeterministicRunner, OutgoingChunks
 from penstock.engines.transformers.kv_cache import KvPair
 from penstock.engines.transformers.model_runner import ModelRunner
@@ -397,11 +397,13 @@ class BatchScheduler:
                 decode_rows = list(self._running)
                 # At least a block's worth: a step full of decode rows still prefills.
                 budget: float = max(self.step_tokens - len(decode_rows), BLOCK_SIZE)
-                if decode_rows:
-                    budget = self.pacer.budget(budget)
                 # Beside decoding rows a chunk rides in their decode pass (one read of the
                 # weights for both) where the runner can; alone it runs by itself.
                 fused = bool(decode_rows) and self.runner.fuses_chunks
+                if fused:
+                    budget = self.pacer.budget(budget)
+                elif decode_rows and self.pacer.ratio is not None:
+                    budget = min(budget, UNPACED_CPU_CHUNK)
                 chunk = self.prefiller.next_chunk(budget) if fused and budget >= 1 else None
                 joined: list[Joined] = []
                 if decode_rows:
