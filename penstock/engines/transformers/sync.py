@@ -185,19 +185,9 @@ class WeightSync:
                 sink=lambda spec, tensor: None,
             )
             raise
-        staged: dict[str, torch.Tensor] = {}
-
-        def stage(spec: TensorSpec, tensor: torch.Tensor) -> None:
-            staged[spec.name] = tensor
-
-        try:
-            broadcast_specs(group.handle, specs, device=device, flattened=flattened, sink=stage)
-        except Exception as exc:
-            raise WeightSyncError(
-                f"the broadcast broke after {len(staged)} of {len(specs)} tensors arrived "
-                f"({_first_line(exc)}); none was applied: re-create the weights update "
-                "group and push again"
-            ) from exc
+        staged = _stage_broadcast(
+            group.handle, specs, device, flattened=flattened, on_cpu=False, lost="none was applied"
+        )
         written = _swap_in(staged, live, lock)
         return self._done(written, "distributed")
 
@@ -219,20 +209,9 @@ class WeightSync:
                 group.handle, specs, device=device, flattened=False, sink=lambda s, t: None
             )
             raise
-        staged: dict[str, torch.Tensor] = {}
-
-        def stage(spec: TensorSpec, tensor: torch.Tensor) -> None:
-            staged[spec.name] = tensor.cpu()
-
-        try:
-            broadcast_specs(group.handle, specs, device=device, flattened=False, sink=stage)
-        except Exception as exc:
-            raise WeightSyncError(
-                f"the broadcast broke after {len(staged)} of {len(specs)} tensors arrived "
-                f"({_first_line(exc)}); no adapter was loaded: re-create the weights update "
-                "group and push again"
-            ) from exc
-        return staged
+        return _stage_broadcast(
+            group.handle, specs, device, flattened=False, on_cpu=True, lost="no adapter was loaded"
+        )
 
     def load_tensors(self, model: torch.nn.Module, body: Body, *, trusted: bool, lock: Any) -> Body:
         """``update_weights_from_tensor``: decode every entry, validate, then copy.
@@ -311,6 +290,35 @@ def _swap_in(
         for name, tensor in staged.items():
             live[name].copy_(tensor)
     return {name: live[name] for name in staged}
+
+
+def _stage_broadcast(
+    handle: Any,
+    specs: list[TensorSpec],
+    device: torch.device,
+    *,
+    flattened: bool,
+    on_cpu: bool,
+    lost: str,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of ``specs`` received over the group, held aside (on the CPU when
+    ``on_cpu``) until the last arrives; a broadcast that breaks part-way raises, saying
+    what arrived and (``lost``) that nothing of it was used."""
+    from penstock.engines.weight_sync import broadcast_specs
+
+    staged: dict[str, torch.Tensor] = {}
+
+    def stage(spec: TensorSpec, tensor: torch.Tensor) -> None:
+        staged[spec.name] = tensor.cpu() if on_cpu else tensor
+
+    try:
+        broadcast_specs(handle, specs, device=device, flattened=flattened, sink=stage)
+    except Exception as exc:
+        raise WeightSyncError(
+            f"the broadcast broke after {len(staged)} of {len(specs)} tensors arrived "
+            f"({_first_line(exc)}); {lost}: re-create the weights update group and push again"
+        ) from exc
+    return staged
 
 
 def _first_line(exc: BaseException) -> str:
