@@ -220,9 +220,17 @@ class WireSend:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope[WIRE_SEND_KEY] = send
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope[WIRE_SEND_KEY] = send
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            # uvicorn's send is a method of the request's cycle, which holds this scope: a
+            # reference cycle that would leave the request's objects (its generation, its
+            # text) to the garbage collector's passes. Broken, they are freed at once.
+            del scope[WIRE_SEND_KEY]
 
 
 def _route_template(scope: Scope) -> str:
