@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -71,6 +73,35 @@ async def test_wire_send_leaves_the_server_send_in_http_scopes_only() -> None:
     await wrapped({"type": "lifespan"}, never_disconnects, send)
     assert seen[0][WIRE_SEND_KEY] is send
     assert WIRE_SEND_KEY not in seen[1]
+
+
+class _ServerCycle:
+    """What uvicorn's request cycle is to the app: the holder of the scope, whose method
+    is the send."""
+
+    def __init__(self) -> None:
+        self.scope: dict[str, Any] = {"type": "http"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        return None
+
+
+async def test_a_request_through_wire_send_is_freed_without_the_garbage_collector() -> None:
+    cycle = _ServerCycle()
+    held: list[bool] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        held.append(scope[WIRE_SEND_KEY] is send)
+
+    await WireSend(app)(cycle.scope, never_disconnects, cycle.send)
+    dropped = weakref.ref(cycle)
+    gc.disable()
+    try:
+        del cycle
+        assert dropped() is None
+    finally:
+        gc.enable()
+    assert held == [True]
 
 
 async def test_a_disconnect_while_waiting_for_a_frame_ends_the_producer_in_one_task() -> None:
