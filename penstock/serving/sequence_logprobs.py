@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import numpy as np
 from pydantic import ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
@@ -43,6 +42,9 @@ from penstock.serving.deadline import request_deadline
 from penstock.serving.generation import Generation
 from penstock.serving.limits import engine_capability, served_model
 from penstock.serving.stream import ResponsePlan, respond
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # vLLM's default ``max_logprobs``, which ``trl vllm-serve`` keeps.
 MAX_TOP_LOGPROBS = 20
@@ -172,6 +174,9 @@ def _binary(
     prompt_lengths: list[int],
     top: int,
 ) -> dict[str, Any]:
+    # Imported here: a server answering only JSON keeps numpy out of its memory.
+    import numpy as np
+
     lengths = [len(positions) for positions in ranked]
     shape = [len(ranked), max(lengths, default=0), top]
     values = np.full(shape, -np.inf, dtype=np.float32)

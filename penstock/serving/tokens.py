@@ -38,7 +38,6 @@ import base64
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import orjson
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -238,6 +237,9 @@ class SkyrlFormat(VllmTokensFormat):
 def pack_routed_experts(routes: list[Any]) -> dict[str, Any]:
     """SkyRL's packing: the indices as one C-order array of the smallest integer type
     that holds them all, base64."""
+    # Imported here: a server answering no routed experts keeps numpy out of its memory.
+    import numpy as np
+
     array = np.asarray(routes, dtype=np.int64)
     if array.ndim != 3:
         array = array.reshape(0, 0, 0)

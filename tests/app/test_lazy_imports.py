@@ -5,8 +5,9 @@ from __future__ import annotations
 from tests.support.snippet import run_snippet
 
 # Imported where a media fetch, a metadata upload, a job store, a media store or an image
-# first needs them.
-ON_FIRST_USE = ["httpx", "httpcore", "zstandard", "sqlalchemy", "fsspec", "PIL"]
+# first needs them; numpy where a weight delta or an answer of packed arrays (binary
+# teacher logprobs, routed experts) does.
+ON_FIRST_USE = ["httpx", "httpcore", "zstandard", "sqlalchemy", "fsspec", "PIL", "numpy"]
 
 
 def test_a_text_server_imports_none_of_what_only_media_or_uploads_need() -> None:
