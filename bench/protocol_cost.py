@@ -8,6 +8,9 @@ out is the socket I/O and the client. It runs one scenario in this process:
 
 * ``cpu``: CPU microseconds per request and per chunk, ``--rounds`` rounds;
 * ``calls``: Python function calls per request (``cProfile``'s count);
+* ``gc``: the garbage collector's passes over the rounds, by generation, with their time
+  per request (``gc.callbacks``), and the objects one more round leaves to the collector
+  (reference cycles: ``gc.DEBUG_SAVEALL``), by type;
 * ``run``: the rounds and nothing else, for an instruction counter. Run it under valgrind
   for two round counts and divide the difference by the requests between them::
 
@@ -19,8 +22,9 @@ out is the socket I/O and the client. It runs one scenario in this process:
   numpy's idle worker threads out of the count.
 
 Scenarios: ``stream32`` (32 connections x 512 tokens), ``stream256`` (256 x 64),
-``ttft`` (one connection, streamed, 16 tokens) and ``unary`` (one connection, not
-streamed, 16 tokens). Run it from the tree to measure, with ``PYTHONPATH`` set to it.
+``ttft`` (one connection, streamed, 16 tokens), ``unary`` (one connection, not
+streamed, 16 tokens) and ``unary32`` (32 connections, not streamed, 16 tokens). Run
+it from the tree to measure, with ``PYTHONPATH`` set to it.
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import importlib
 import os
 import pstats
 import sys
 import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -43,6 +50,7 @@ SCENARIOS = {
     "stream256": (True, 256, 64),
     "ttft": (True, 1, 16),
     "unary": (False, 1, 16),
+    "unary32": (False, 32, 16),
 }
 
 
@@ -115,6 +123,46 @@ def stop_forward_passes() -> None:
             module.MIN_PASS_INTERVAL_S = 1e9
 
 
+class CollectorPasses:
+    """A ``gc.callbacks`` entry: the collector's passes and their seconds, by generation."""
+
+    def __init__(self) -> None:
+        self.passes = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        generation = info["generation"]
+        self.passes[generation] += 1
+        self.seconds[generation] += time.perf_counter() - self._began
+
+    def report(self, requests: int) -> str:
+        return "; ".join(
+            f"generation {g}: {self.passes[g]} passes, {self.seconds[g] / requests * 1e6:.2f} us"
+            " a request"
+            for g in range(3)
+        )
+
+
+async def left_to_collector(one_round: Callable[[], Awaitable[None]], requests: int) -> str:
+    """What one more round leaves that only the collector frees (reference cycles)."""
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        await one_round()
+        gc.collect()
+        kinds = Counter(type(item).__qualname__ for item in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    listed = ", ".join(f"{name} {count / requests:g}" for name, count in kinds.most_common(8))
+    total = sum(kinds.values()) / requests
+    return f"{total:g} objects a request left to the collector" + (f": {listed}" if listed else "")
+
+
 async def measure(mode: str, scenario: str, rounds: int) -> str:
     import uvicorn
     from uvicorn.server import ServerState
@@ -166,6 +214,9 @@ async def measure(mode: str, scenario: str, rounds: int) -> str:
                 await one_round()
             requests = rounds * connections
             profile = cProfile.Profile() if mode == "calls" else None
+            passes = CollectorPasses() if mode == "gc" else None
+            if passes is not None:
+                gc.callbacks.append(passes)
             started = time.process_time()
             if profile is not None:
                 profile.enable()
@@ -174,19 +225,24 @@ async def measure(mode: str, scenario: str, rounds: int) -> str:
             if profile is not None:
                 profile.disable()
             elapsed = time.process_time() - started
+            if passes is not None:
+                gc.callbacks.remove(passes)
+                leftover = await left_to_collector(one_round, connections)
             for protocol in protocols:
                 protocol.connection_lost(None)
     finally:
         await gateway.host.cleanup()
     if profile is not None:
         return f"{pstats.Stats(profile).total_calls / requests:.1f} Python calls a request"
+    if passes is not None:
+        return f"{passes.report(requests)}\n{leftover}"
     per_request = elapsed / requests * 1e6
     return f"{per_request:.1f} CPU us a request, {per_request / tokens:.2f} a chunk"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["cpu", "calls", "run"])
+    parser.add_argument("mode", choices=["cpu", "calls", "gc", "run"])
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="unary")
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--no-passes", action="store_true", help="no simulated forward passes")
