@@ -10,7 +10,7 @@ from pathlib import Path
 MODEL_CACHE_ENV = "PENSTOCK_MODEL_CACHE"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CPU_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8")
+CPU_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "gguf")
 
 
 def default_model_cache_dir() -> Path:
