@@ -63,7 +63,7 @@ from penstock.engines.transformers.controls import TransformersControls
 from penstock.engines.transformers.cpu_weights import load_kernel, pack_model
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from penstock.engines.transformers.generation_config import load_sampling_defaults
-from penstock.engines.transformers.gguf_weights import use_gguf_blocks
+from penstock.engines.transformers.gguf_weights import decode_from_gguf_blocks, use_gguf_blocks
 from penstock.engines.transformers.llama_decode import LlamaDecoder
 from penstock.engines.transformers.lora import (
     BASE_ROW,
@@ -365,11 +365,8 @@ class TransformersEngine(
         pack_model(self.model, int8=choice == "int8")
         self.bf16_weights = True
         self.int8_weights = choice == "int8"
-        if choice == "gguf":
-            failure = use_gguf_blocks(self.model, self.model_path)
-            if failure is not None:
-                logger.warning("weights stay bfloat16 (--cpu-weight-dtype gguf): %s", failure)
-            self.gguf_weights = failure is None
+        if choice == "gguf" or (choice == "bfloat16" and self.args.cpu_weight_dtype == "auto"):
+            self.gguf_weights = decode_from_gguf_blocks(self.model, self.model_path, choice)
 
     async def cleanup(self) -> None:
         scheduler, self.scheduler = self.scheduler, None

@@ -258,6 +258,21 @@ def use_gguf_blocks(model: torch.nn.Module, folder: Path) -> str | None:
     return None if used else f"no weight of the model equals the blocks in {folder}"
 
 
+def decode_from_gguf_blocks(model: torch.nn.Module, folder: Path, choice: str) -> bool:
+    """``use_gguf_blocks`` for ``--cpu-weight-dtype gguf``, or for ``auto`` resolved to
+    ``bfloat16`` (``choice``): then only where ``folder`` has blocks. Returns whether
+    layers decode from them; why not is logged."""
+    if choice != "gguf" and not (folder / BLOCKS_FILE).is_file():
+        return False
+    failure = use_gguf_blocks(model, folder)
+    if failure is not None:
+        # Asked for, a warning; chosen by auto, where bfloat16 is the plan B, a note.
+        level = logging.WARNING if choice == "gguf" else logging.INFO
+        asked = "gguf" if choice == "gguf" else "auto"
+        logger.log(level, "weights stay bfloat16 (--cpu-weight-dtype %s): %s", asked, failure)
+    return failure is None
+
+
 def _stored_blocks(
     stored: dict[str, torch.Tensor], names: list[str]
 ) -> tuple[str, torch.Tensor] | None:

@@ -229,6 +229,17 @@ async def test_a_weight_update_is_served_from_the_bfloat16_weights(
         await engine.cleanup()
 
 
+async def test_auto_decodes_from_blocks_where_the_folder_has_them(
+    kernel: None, gguf_dir: Path, other_bf16_dir: Path
+) -> None:
+    for folder, wanted in ((gguf_dir, True), (other_bf16_dir, False)):
+        engine = await start_engine(folder)
+        try:
+            assert engine.bf16_weights and engine.gguf_weights == wanted
+        finally:
+            await engine.cleanup()
+
+
 async def test_deep_sleep_brings_the_blocks_back(kernel: None, gguf_dir: Path) -> None:
     engine = await start_engine(gguf_dir, "--cpu-weight-dtype", "gguf")
     try:
