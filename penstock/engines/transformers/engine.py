@@ -63,7 +63,7 @@ from penstock.engines.transformers.controls import TransformersControls
 from penstock.engines.transformers.cpu_weights import load_kernel, pack_model
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from penstock.engines.transformers.generation_config import load_sampling_defaults
-from penstock.engines.transformers.gguf_weights import decode_from_gguf_blocks, use_gguf_blocks
+from penstock.engines.transformers.gguf_weights import decode_from_gguf_blocks, restore_gguf_blocks
 from penstock.engines.transformers.llama_decode import LlamaDecoder
 from penstock.engines.transformers.lora import (
     BASE_ROW,
@@ -516,7 +516,7 @@ class TransformersEngine(
             # A model reloaded after deep sleep comes back float32.
             pack_model(self.model, int8=self.int8_weights)
             if self.gguf_weights:
-                use_gguf_blocks(self.model, self.model_path)
+                restore_gguf_blocks(self.model, self.model_path)
         scheduler.model = self.lora.forward_module(self.model)
         scheduler.adapters_loaded = bool(self.lora)
         scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)

@@ -273,6 +273,14 @@ def decode_from_gguf_blocks(model: torch.nn.Module, folder: Path, choice: str) -
     return failure is None
 
 
+def restore_gguf_blocks(model: torch.nn.Module, folder: Path) -> None:
+    """``use_gguf_blocks`` for a model loaded again (after deep sleep); a model whose
+    layers still hold their blocks (a LoRA adapter attached or detached) keeps them,
+    without reading and comparing them all again."""
+    if not any(isinstance(module, GgufBlockLinear) for module in model.modules()):
+        use_gguf_blocks(model, folder)
+
+
 def _stored_blocks(
     stored: dict[str, torch.Tensor], names: list[str]
 ) -> tuple[str, torch.Tensor] | None:
