@@ -252,6 +252,30 @@ async def test_deep_sleep_brings_the_blocks_back(kernel: None, gguf_dir: Path) -
         await engine.cleanup()
 
 
+async def _adapted_tokens(engine: TransformersEngine, lora_dir: Path) -> list[int]:
+    reply = await engine.engine_update(
+        "load_lora", {"lora_name": "tiny-lora", "lora_path": str(lora_dir)}
+    )
+    assert reply["status"] == "ok"
+    return await tokens(engine, {**greedy(PROMPTS[2], max_tokens=12), "model": "tiny-lora"})
+
+
+async def test_a_lora_adapter_runs_on_the_blocks(
+    kernel: None, gguf_dir: Path, tiny_lora_dir: Path
+) -> None:
+    reference = await start_engine(gguf_dir, "--cpu-weight-dtype", "bfloat16")
+    try:
+        wanted = await _adapted_tokens(reference, tiny_lora_dir)
+    finally:
+        await reference.cleanup()
+    engine = await start_engine(gguf_dir, "--cpu-weight-dtype", "gguf")
+    try:
+        assert await _adapted_tokens(engine, tiny_lora_dir) == wanted
+        assert _served_from_blocks(engine) == 2 * 7 + 1
+    finally:
+        await engine.cleanup()
+
+
 async def test_without_blocks_the_weights_stay_bfloat16(
     kernel: None, other_bf16_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
