@@ -94,7 +94,7 @@ _CPU_WEIGHT_DTYPE_HELP = (
     "bfloat16). Needs AVX-512 and a C++ compiler (one build of ~40 s into "
     "--model-cache-dir); without them weights stay float32. gguf = bfloat16, and linear "
     "layers decode from the GGUF blocks (Q4_1, Q8_0) the checkpoint was converted from, "
-    "kept beside it as gguf_blocks.safetensors (the default model's are): each layer "
+    "kept beside it as gguf_blocks.st (the default model's are): each layer "
     "only where its blocks rebuild its weight bit for bit, so lossless, ~0.8 bytes a "
     "weight; needs AVX512-BF16, else bfloat16. int8 = bfloat16 plus an "
     "int8 copy of each linear weight (one scale per 64 weights) that decoding reads: "

@@ -30,7 +30,9 @@ from penstock.engines.transformers.cpu_weights import Bf16WeightLinear, DerivedW
 
 logger = logging.getLogger(__name__)
 
-BLOCKS_FILE = "gguf_blocks.safetensors"
+# safetensors inside, but not named *.safetensors: whatever reads a folder's checkpoint
+# (transformers, weight updates from the folder) must not take the blocks for weights.
+BLOCKS_FILE = "gguf_blocks.st"
 # x [M, K] float32, records [N, K / 32 * record]: y [M, N] float32.
 BlockLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BLOCK = 32

@@ -229,6 +229,23 @@ async def test_a_weight_update_is_served_from_the_bfloat16_weights(
         await engine.cleanup()
 
 
+async def test_an_update_from_the_folder_itself_keeps_the_blocks(
+    kernel: None, gguf_dir: Path
+) -> None:
+    engine = await start_engine(gguf_dir, "--cpu-weight-dtype", "gguf")
+    try:
+        before = await tokens(engine, greedy(PROMPTS[0], max_tokens=16))
+        await engine.engine_control("pause_generation", {"mode": "wait"})
+        update = {"model_path": str(gguf_dir)}
+        reply = await engine.engine_update("update_weights_from_disk", update)
+        assert reply["status"] == "ok"
+        await engine.engine_control("resume_generation", {})
+        assert _served_from_blocks(engine) == 2 * 7 + 1
+        assert await tokens(engine, greedy(PROMPTS[0], max_tokens=16)) == before
+    finally:
+        await engine.cleanup()
+
+
 async def test_auto_decodes_from_blocks_where_the_folder_has_them(
     kernel: None, gguf_dir: Path, other_bf16_dir: Path
 ) -> None:
