@@ -2,7 +2,7 @@
 
 Loads SmolLM2-135M-Instruct (the default model) once for ``generate`` (float32, greedy)
 and starts the transformers engine once per ``--cpu-weight-dtype`` asked for (float32,
-bfloat16: the default, int8, int8-channel, int4). With ``--llama-cpp`` (needs the
+bfloat16, gguf: the default model's default, int8). With ``--llama-cpp`` (needs the
 ``bench`` extra: ``pip install -e ".[bench]"``) llama.cpp also loads the GGUF Penstock
 converts the default model from (Q4_1, the same weights), greedy. Each round times, in
 turn, ``generate`` and llama.cpp at concurrency 1 and every engine at concurrency 1 and
@@ -54,7 +54,11 @@ def llama_cpp_model(threads: int) -> object:
     from llama_cpp import Llama
 
     path = default_gguf(default_model_cache_dir())
-    return Llama(model_path=str(path), n_threads=threads, n_ctx=512, verbose=False)
+    # Prompts too run on ``threads``: the batch default is every core, whose threads spin
+    # against other work on a shared machine (c1 at load ~3: 27 tokens/s, 69 with this).
+    return Llama(
+        model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False
+    )
 
 
 def llama_cpp_rate(model: object, prompt: list[int], tokens: int) -> float:

@@ -3,7 +3,8 @@
 Every linear weight of the default model (30 layers of q, k, v, o, gate, up, down, and the
 tied output layer), each variant built from the real bfloat16 weights, called in model
 order with 1 and 16 rows at one thread: float32 weights (MKL), the AVX-512 kernels of
-``cpu_weights`` (bfloat16, int8 with one scale per 64 weights) and torch's own
+``cpu_weights`` (bfloat16, int8 with one scale per 64 weights), the lossless GGUF-block
+kernels of ``gguf_weights`` (Q4_1 linears, Q8_0 output layer) and torch's own
 (``_weight_int8pack_mm``, one scale per row; ``_weight_int4pack_mm_for_cpu``, groups of
 32 and 64; float32 activations, and bfloat16 ones for two of them). Prints the step's
 median and fastest of 7 passes, and the median per layer kind.
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from safetensors.torch import load_file
 
-from penstock.engines.transformers import cpu_weights
+from penstock.engines.transformers import cpu_weights, gguf_weights
 from penstock.engines.transformers.args import default_model_cache_dir
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME
 
@@ -34,6 +35,7 @@ Kernel = Callable[[torch.Tensor], torch.Tensor]
 VARIANTS = (
     "torch float32",
     "hand bf16",
+    "hand gguf",
     "hand int8 g64",
     "torch int8 channel",
     "torch int4 g32",
@@ -68,6 +70,16 @@ def int4_kernel(weight: torch.Tensor, group: int) -> Kernel:
     )
 
 
+def gguf_kernel(name: str, blocks: dict[str, torch.Tensor]) -> Kernel:
+    """The GGUF blocks the bfloat16 weight was rebuilt from (``--cpu-weight-dtype gguf``)."""
+    name = "model.embed_tokens.weight" if name == "lm_head" else name
+    kind = "Q4_1" if f"{name}.Q4_1" in blocks else "Q8_0"
+    records = gguf_weights.records_from_gguf(blocks[f"{name}.{kind}"], kind)
+    hand = cpu_weights._kernel
+    call = hand.q4_1_linear if kind == "Q4_1" else hand.q8_0_linear
+    return lambda x: call(x, records)
+
+
 def kernel(variant: str, weight: torch.Tensor) -> Kernel:
     if variant.endswith(" (bf16 x)"):
         # torch's kernels are fast only for bfloat16 activations (rounded: not lossless).
@@ -100,9 +112,19 @@ def main() -> int:
     state = load_file(str(default_model_cache_dir() / DEFAULT_MODEL_NAME / "model.safetensors"))
     weights = [(n, w) for n, w in state.items() if w.dim() == 2 and "embed" not in n]
     weights.append(("lm_head", state["model.embed_tokens.weight"]))
+    folder = default_model_cache_dir() / DEFAULT_MODEL_NAME
+    blocks_path = folder / gguf_weights.BLOCKS_FILE
+    blocks = load_file(str(blocks_path)) if blocks_path.is_file() else {}
     for variant in args.variants.split(","):
+        if variant == "hand gguf" and not blocks:
+            print(f"{variant}: no {blocks_path} (the engine writes it at start)")
+            continue
         layers = [
-            (next((k for k in _KINDS if k in name), "lm_head"), kernel(variant, w), w.shape[1])
+            (
+                next((k for k in _KINDS if k in name), "lm_head"),
+                gguf_kernel(name, blocks) if variant == "hand gguf" else kernel(variant, w),
+                w.shape[1],
+            )
             for name, w in weights
         ]
         for rows in (1, 16):

@@ -10,7 +10,7 @@ from pathlib import Path
 MODEL_CACHE_ENV = "PENSTOCK_MODEL_CACHE"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CPU_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8")
+CPU_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "gguf")
 
 
 def default_model_cache_dir() -> Path:
@@ -92,11 +92,15 @@ _CPU_WEIGHT_DTYPE_HELP = (
     "in; arithmetic stays float32, so bfloat16 halves the bytes a decode step reads and "
     "loses nothing for a checkpoint stored in bfloat16 (weight updates are rounded to "
     "bfloat16). Needs AVX-512 and a C++ compiler (one build of ~40 s into "
-    "--model-cache-dir); without them weights stay float32. int8 = bfloat16 plus an "
+    "--model-cache-dir); without them weights stay float32. gguf = bfloat16, and linear "
+    "layers decode from the GGUF blocks (Q4_1, Q8_0) the checkpoint was converted from, "
+    "kept beside it as gguf_blocks.st (the default model's are): each layer "
+    "only where its blocks rebuild its weight bit for bit, so lossless, ~0.8 bytes a "
+    "weight; needs AVX512-BF16, else bfloat16. int8 = bfloat16 plus an "
     "int8 copy of each linear weight (one scale per 64 weights) that decoding reads: "
     "~1.8x faster linears, not lossless (greedy output can differ from float32; see "
-    "bench/README.md). auto = bfloat16 when the checkpoint is stored in bfloat16 "
-    "(default: auto)"
+    "bench/README.md). auto = gguf where the folder has GGUF blocks, else bfloat16, when "
+    "the checkpoint is stored in bfloat16 (default: auto)"
 )
 _GENERATION_CONFIG_HELP = (
     "where the default sampling parameters (temperature, top_p, top_k, min_p, "

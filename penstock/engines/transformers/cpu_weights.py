@@ -33,12 +33,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from penstock.engines.transformers.gguf_kernel import GGUF_FUNCTIONS, GGUF_SOURCE
+
 logger = logging.getLogger(__name__)
 
 # Rows beyond this go through one float32 matmul on a widened copy of the weight: for
 # long prefills that is compute bound, where MKL's blocking beats the kernel's.
 _KERNEL_MAX_ROWS = 64
-_EXTENSION_NAME = "penstock_cpu_linear_v6"
+_EXTENSION_NAME = "penstock_cpu_linear_v11"
 # Weights per int8 scale: 99.2% teacher-forced top-1 agreement with float32 on SmolLM2
 # (per-channel scales: 96.9%, groups of 32: 98.0%).
 INT8_GROUP = 64
@@ -309,8 +311,8 @@ def _build(build_dir: Path) -> Any:
     build_dir.mkdir(parents=True, exist_ok=True)
     return load_inline(
         _EXTENSION_NAME,
-        cpp_sources=_SOURCE,
-        functions=["bf16_linear", "int8_linear"],
+        cpp_sources=_SOURCE + GGUF_SOURCE,
+        functions=["bf16_linear", "int8_linear", *GGUF_FUNCTIONS],
         extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq"],
         build_directory=str(build_dir),
         verbose=False,
@@ -387,7 +389,21 @@ def dequantize_int8(quantized: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     return (groups * scales.unsqueeze(-1)).reshape(rows, width)
 
 
-class Int8WeightLinear(Bf16WeightLinear):
+class DerivedWeightLinear(Bf16WeightLinear):
+    """A ``Bf16WeightLinear`` that decodes from a copy derived from its weight.
+
+    ``requantize`` must follow every change of the weight; ``row_forward`` is the fast
+    path ``row_linear`` hands the decode step, or None for the general one.
+    """
+
+    def requantize(self) -> None:
+        raise NotImplementedError
+
+    def row_forward(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return None
+
+
+class Int8WeightLinear(DerivedWeightLinear):
     """A ``Bf16WeightLinear`` that multiplies by an int8 copy of its weight (see ``requantize``).
 
     The bfloat16 parameter stays what weight updates, checksums and reads see; the int8
@@ -403,6 +419,13 @@ class Int8WeightLinear(Bf16WeightLinear):
     def requantize(self) -> None:
         self.int8_weight, self.int8_scales = quantize_int8(self.weight)
         self._on_kernel = _kernel is not None and self.int8_weight.is_cpu and self.bias is None
+
+    def row_forward(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if not self._on_kernel:
+            return None
+        int8_linear = _kernel.int8_linear
+        # Read at each call: ``requantize`` replaces the int8 copy.
+        return lambda x: int8_linear(x, self.int8_weight, self.int8_scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._on_kernel and x.is_cpu and x.dtype == torch.float32:
@@ -442,10 +465,8 @@ def row_linear(module: torch.nn.Module, max_rows: int) -> Callable[[torch.Tensor
     """
     if _kernel is None or max_rows > _KERNEL_MAX_ROWS or module.bias is not None:
         return module.forward
-    if isinstance(module, Int8WeightLinear) and module._on_kernel:
-        int8_linear = _kernel.int8_linear
-        # Read at each call: ``requantize`` replaces the int8 copy.
-        return lambda x: int8_linear(x, module.int8_weight, module.int8_scales)
+    if isinstance(module, DerivedWeightLinear):
+        return module.row_forward() or module.forward
     weight = module.weight
     if (
         type(module) is Bf16WeightLinear
@@ -505,8 +526,8 @@ def pack_model(model: torch.nn.Module, *, int8: bool = False) -> int:
 
 
 def requantize(model: torch.nn.Module) -> int:
-    """Refresh the int8 copies from the weights (after a weight update); returns how many."""
-    layers = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
+    """Refresh the copies derived from the weights (after a weight update); returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, DerivedWeightLinear)]
     with torch.no_grad():
         for layer in layers:
             layer.requantize()

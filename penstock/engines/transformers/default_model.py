@@ -130,6 +130,35 @@ def _convert(gguf_path: Path, target: Path) -> None:
     tokenizer.save_pretrained(target)
 
 
+def _keep_gguf_blocks(gguf_path: Path, folder: Path) -> None:
+    """Keep the GGUF's blocks beside the checkpoint for ``--cpu-weight-dtype gguf``; the
+    checkpoint serves without them, so a failure is only reported."""
+    from penstock.engines.transformers.gguf_weights import write_blocks_file
+
+    try:
+        kept = write_blocks_file(gguf_path, folder)
+    except Exception as exc:
+        logger.warning("cannot keep the GGUF blocks of %s: %s", gguf_path, exc)
+        return
+    _progress(f"kept the GGUF blocks of {kept} tensors that rebuild the checkpoint exactly")
+
+
+def _local_gguf(cache_dir: Path) -> Path | None:
+    extracted = cache_dir / "gguf" / GGUF_FILE
+    return _gguf_from_installed_package() or (extracted if extracted.is_file() else None)
+
+
+def add_gguf_blocks(cache_dir: Path) -> None:
+    """Give a default model converted before the GGUF blocks were kept its blocks, when
+    the GGUF is on this machine (never downloaded for this)."""
+    from penstock.engines.transformers.gguf_weights import BLOCKS_FILE
+
+    target = converted_model_dir(cache_dir)
+    gguf_path = _local_gguf(cache_dir)
+    if gguf_path is not None and not (target / BLOCKS_FILE).is_file():
+        _keep_gguf_blocks(gguf_path, target)
+
+
 def write_sampling_defaults(folder: Path) -> None:
     """Give the converted model its sampling defaults unless its generation config has some.
 
@@ -203,6 +232,7 @@ def _convert_into_cache(cache_dir: Path) -> None:
             f"cannot convert the default model from {gguf_path}: {exc}"
         ) from exc
     write_sampling_defaults(staging)
+    _keep_gguf_blocks(gguf_path, staging)
     (staging / _COMPLETE_MARKER).write_text(f"converted from {gguf_path.name}\n")
     staging.chmod(0o755)
     if target.exists() and not _is_complete(target):
@@ -267,6 +297,7 @@ async def prepare_default_model(cache_dir: Path) -> Path:
     if not _is_complete(target):
         await _convert_in_child(cache_dir)
     write_sampling_defaults(target)
+    await asyncio.to_thread(add_gguf_blocks, cache_dir)
     return target
 
 

@@ -63,6 +63,7 @@ from penstock.engines.transformers.controls import TransformersControls
 from penstock.engines.transformers.cpu_weights import load_kernel, pack_model
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
 from penstock.engines.transformers.generation_config import load_sampling_defaults
+from penstock.engines.transformers.gguf_weights import decode_from_gguf_blocks, restore_gguf_blocks
 from penstock.engines.transformers.llama_decode import LlamaDecoder
 from penstock.engines.transformers.lora import (
     BASE_ROW,
@@ -194,8 +195,9 @@ class TransformersEngine(
         self._bos_or_eos = 0
         # Linear and embedding weights kept in bfloat16, computed in float32 (see cpu_weights).
         self.bf16_weights = False
-        # On top, linear layers decode from an int8 copy of their weight (see cpu_weights).
+        # On top, linear layers decode from an int8 copy or GGUF blocks (see gguf_weights).
         self.int8_weights = False
+        self.gguf_weights = False
         self.lora = AdapterSet()
         # Adapters being unloaded, and unloaded ones: their names are refused, never served
         # by the base model in their place.
@@ -268,6 +270,8 @@ class TransformersEngine(
             str(self.dtype).removeprefix("torch."),
             ", int8 weights"
             if self.int8_weights
+            else ", bfloat16 weights from GGUF blocks"
+            if self.gguf_weights
             else ", bfloat16 weights"
             if self.bf16_weights
             else "",
@@ -352,7 +356,7 @@ class TransformersEngine(
         if choice == "auto":
             stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
             choice = "bfloat16" if str(stored).removeprefix("torch.") == "bfloat16" else "float32"
-        if choice not in ("bfloat16", "int8"):
+        if choice not in ("bfloat16", "int8", "gguf"):
             return
         failure = load_kernel(self.args.model_cache_dir)
         if failure is not None:
@@ -361,6 +365,8 @@ class TransformersEngine(
         pack_model(self.model, int8=choice == "int8")
         self.bf16_weights = True
         self.int8_weights = choice == "int8"
+        if choice == "gguf" or (choice == "bfloat16" and self.args.cpu_weight_dtype == "auto"):
+            self.gguf_weights = decode_from_gguf_blocks(self.model, self.model_path, choice)
 
     async def cleanup(self) -> None:
         scheduler, self.scheduler = self.scheduler, None
@@ -509,6 +515,8 @@ class TransformersEngine(
         if self.bf16_weights:
             # A model reloaded after deep sleep comes back float32.
             pack_model(self.model, int8=self.int8_weights)
+            if self.gguf_weights:
+                restore_gguf_blocks(self.model, self.model_path)
         scheduler.model = self.lora.forward_module(self.model)
         scheduler.adapters_loaded = bool(self.lora)
         scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)

@@ -57,6 +57,7 @@ class TransformersWeightControls:
 
     model: Any
     int8_weights: bool
+    gguf_weights: bool
     vision: VisionEncoder | None
     weight_sync: WeightSync
     weight_version: str | None
@@ -140,7 +141,7 @@ class TransformersWeightControls:
         # Cached image features came from the old vision tower.
         if self.vision is not None:
             self.vision.forget()
-        if self.int8_weights:
+        if self.int8_weights or self.gguf_weights:
             await asyncio.to_thread(self._requantize)
 
     def _requantize(self) -> None:
