@@ -27,9 +27,10 @@ A chunk computes :data:`LEAST_CHUNK_TOKENS` tokens at least, whatever its budget
 once, however few tokens it has. On SmolLM2-135M (one CPU thread) that read costs what
 ~3 tokens' attention over the same KV computes: late in an 8,000-token prompt a chunk of
 one token took 36 ms, against 11 ms a token in a chunk of 32, so chunks of a token made
-the prefill several times slower than its compute; at 4 tokens the read is a third of
-the chunk. Where 4 tokens cost more than the target, the step takes longer than
-``ratio`` times a decode-only step.
+the prefill several times slower than its compute; a chunk of 8 took 113 ms, a fifth of
+it the read. Each step beside the rows also costs their own decode step, which a chunk
+of a few tokens pays for alone. Where 8 tokens cost more than the target, the step takes
+longer than ``ratio`` times a decode-only step.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ _REFRESH = 16
 # The first chunk beside decoding rows, before any chunk was timed, in token-equivalents.
 _FIRST_CHUNK = 4.0
 # The fewest tokens a chunk beside decoding rows computes (see the module's docstring).
-LEAST_CHUNK_TOKENS = 4
+LEAST_CHUNK_TOKENS = 8
 # What a CPU step computes of a prompt beside decoding rows when the chunk cannot ride in
 # their pass (a LoRA adapter loaded, a model without the fused decoder): such steps are
 # never timed as a chunk beside rows, so they keep a fixed size.
