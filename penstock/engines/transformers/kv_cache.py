@@ -171,7 +171,8 @@ class BatchKv(DynamicCache):
         free = first.column_capacity - first.end
         width = self.width
         if columns <= free:
-            if 2 * free <= width:
+            # Rows that end within the free columns never grow them.
+            if 2 * free <= width and limit > free:
                 self._prepare_growth(free, limit)
             return
         wanted = width + max(columns, growth(width, limit))
@@ -188,7 +189,7 @@ class BatchKv(DynamicCache):
         are used, ``limit`` being the decode steps the rows may take."""
         first = self._growing[0]
         full = self.width + free
-        columns = full + growth(full, max(limit - free, 1))
+        columns = full + growth(full, limit - free)
         grown = self.grown
         if grown is None or grown.rows != first.row_capacity or grown.columns < columns:
             shape = (

@@ -149,3 +149,16 @@ def test_columns_grow_into_buffers_zeroed_while_the_rows_decoded() -> None:
         keys, values = dense(rows, layer, width)
         assert torch.equal(cache.layers[layer].keys, keys)
         assert torch.equal(cache.layers[layer].values, values)
+
+
+def test_rows_that_end_within_the_free_columns_prepare_no_growth() -> None:
+    rows = [prefilled(40)]
+    cache = BatchKv(rows[0], row_capacity=1)
+    cache.set_width(40, headroom=10)
+    cache.add_rows(rows, max_rows=1)
+    free = cache.layers[0].column_capacity - cache.layers[0].end
+    assert 2 * free <= cache.width
+    cache.reserve(1, limit=free)
+    assert cache.grown is None
+    cache.reserve(1, limit=free + 1)
+    assert cache.grown is not None
