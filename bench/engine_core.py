@@ -12,7 +12,11 @@ process: prefix caching, shared prefills, and how many requests decode at once.
 4. A stream decoding while a ``--long``-token prompt is prefilled beside it, then while
    that prompt decodes 32 tokens beside it: the stream's median and longest inter-token
    gap in each part, per ``--max-num-batched-tokens`` in ``--budgets`` (and the engine's
-   ``--decode-gap-ratio`` when given).
+   ``--decode-gap-ratio`` when given). The stream grows by a token a step for the whole
+   prefill, and its own step with it, so its gaps are set against its median gap during
+   the prefill and its gap alone once the prompt has ended (16 more tokens), beside the
+   gap of its first tokens. The prompt's TTFT is set against the same prompt's alone, in
+   the same engine once the stream has ended (its blocks flushed from the cache).
 
     .venv/bin/python bench/engine_core.py [--threads 1] [--requests 48] [--short 48]
         [--long 8000] [--budgets 2048,256] [--decode-gap-ratio R] [--only 1,2,3,4]
@@ -44,6 +48,8 @@ from penstock.engines.transformers.default_model import prepare_default_model
 POOL_TOKENS = 16384
 # Tokens the long prompt of part 4 decodes beside the stream once prefilled.
 LONG_DECODES = 32
+# Tokens the stream decodes alone after the long prompt ends: its gap at its own length.
+ALONE_AFTER = 16
 # The stream's prompt and answer in part 4: the model's context length.
 STREAM_CONTEXT = 8192
 SYSTEM_SENTENCE = (
@@ -198,7 +204,7 @@ async def gaps_beside_a_long_prompt(
     engine = await start(model_dir, threads, "--max-num-batched-tokens", str(budget), *extra)
     arrivals: list[float] = []
     long_done = asyncio.Event()
-    # The stream's first gaps, alone, give its median.
+    # The stream's first gaps, alone, give its median at its first tokens.
     warmed = asyncio.Event()
 
     async def beside() -> None:
@@ -210,9 +216,10 @@ async def gaps_beside_a_long_prompt(
             arrivals.append(time.perf_counter())
             if len(arrivals) >= 8:
                 warmed.set()
-            if long_done.is_set():
+            if long_done.is_set() and len(arrivals) >= ended + ALONE_AFTER:
                 break
 
+    ended = 0
     try:
         stream = asyncio.create_task(beside())
         # A stream that fails before it is warm raises here rather than leaving us waiting.
@@ -227,17 +234,26 @@ async def gaps_beside_a_long_prompt(
         async for _ in engine.generate(greedy(prompt, LONG_DECODES), Context()):
             first = first or time.perf_counter()
         joined = bisect.bisect_right(arrivals, first)
+        ended = len(arrivals)
         long_done.set()
         await stream
+        # The same prompt with no stream beside it, its blocks no longer cached.
+        await engine.engine_control("flush_cache", {})
+        alone_ttft, _, _ = await timed(engine, greedy(prompt, 1))
     finally:
         await engine.cleanup()
-    before = gaps(arrivals[:started])
-    median = sorted(before)[len(before) // 2]
+    alone_first = median_of(gaps(arrivals[:started]))
+    alone_last = median_of(gaps(arrivals[ended:]))
+    prefilled = gaps(arrivals[started - 1 : joined])
     print(
         f"--max-num-batched-tokens {budget}, {len(prompt)}-token prompt beside a stream: "
-        f"its TTFT {first - sent:.2f} s; the stream's median gap alone {median * 1000:.0f} ms, "
-        f"{describe(gaps(arrivals[started - 1 : joined]), median)} while it is prefilled, "
-        f"{describe(gaps(arrivals[joined:]), median)} while it decodes beside"
+        f"its TTFT {first - sent:.2f} s, alone {alone_ttft:.2f} s "
+        f"({(first - sent) / alone_ttft:.1f}x); the stream's median gap alone "
+        f"{alone_first * 1000:.0f} ms at its first tokens, {alone_last * 1000:.0f} ms once "
+        f"the prompt has ended ({len(arrivals)} tokens); while the prompt is prefilled "
+        f"{describe(prefilled, alone_last)}, longest over that median "
+        f"{max(prefilled, default=0) / median_of(prefilled):.1f}x; while it decodes beside "
+        f"{describe(gaps(arrivals[joined:ended]), alone_last)}"
     )
 
 
@@ -245,10 +261,15 @@ def gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(times)]
 
 
+def median_of(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else float("nan")
+
+
 def describe(gaps: list[float], median: float) -> str:
+    """The median and longest of ``gaps``, each over ``median`` (a gap alone)."""
     if not gaps:
         return "no gap (the stream had ended)"
-    middle, longest = sorted(gaps)[len(gaps) // 2], max(gaps)
+    middle, longest = median_of(gaps), max(gaps)
     return (
         f"median {middle * 1000:.0f} ms ({middle / median:.1f}x), longest "
         f"{longest * 1000:.0f} ms ({longest / median:.1f}x)"

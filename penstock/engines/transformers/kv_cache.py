@@ -15,6 +15,7 @@ row needs any more is dropped by moving ``start``. Padding columns always hold z
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -116,6 +117,8 @@ class BatchKv(DynamicCache):
         ]
         Cache.__init__(self, layers=layers)  # type: ignore[arg-type]
         self.prepared: PreparedBuffers | None = None
+        # The buffers the next growth of the columns takes (see :meth:`reserve`).
+        self.grown: PreparedBuffers | None = None
 
     def reallocates(self, rows: int, width: int) -> bool:
         """Whether holding ``rows`` rows as wide as ``width`` reallocates the buffers."""
@@ -157,14 +160,46 @@ class BatchKv(DynamicCache):
         return self._growing[0].get_seq_length()
 
     def reserve(self, columns: int, limit: int) -> None:
-        """Room for ``columns`` more decode columns; growth adds at most ``limit`` columns."""
+        """Room for ``columns`` more decode columns; growth adds at most ``limit`` columns.
+
+        Growing copies every row into new buffers, and mapping them stalled the step that
+        grew (204 ms for a row of 4,700 tokens on SmolLM2-135M, one CPU thread, load ~3).
+        Once the free columns are down to half the width, the next growth's buffers are
+        prepared and zeroed a share per call, all of them by the time it takes them.
+        """
         first = self._growing[0]
-        if first.end + columns <= first.column_capacity:
-            return
+        free = first.column_capacity - first.end
         width = self.width
-        extra = max(columns, growth(width, limit))
-        for layer in self._growing:
-            layer.reallocate(layer.row_capacity, 0, width + extra)
+        if columns <= free:
+            # Rows that end within the free columns never grow them.
+            if 2 * free <= width and limit > free:
+                self._prepare_growth(free, limit)
+            return
+        wanted = width + max(columns, growth(width, limit))
+        grown, self.grown = self.grown, None
+        zeroed = None
+        if grown is not None and grown.rows == first.row_capacity and grown.columns >= wanted:
+            zeroed = grown.take()
+        for index, layer in enumerate(self._growing):
+            buffers = None if zeroed is None else zeroed[index]
+            layer.reallocate(layer.row_capacity, 0, wanted, buffers)
+
+    def _prepare_growth(self, free: int, limit: int) -> None:
+        """Zero a share of the buffers that growing takes once the ``free`` columns left
+        are used, ``limit`` being the decode steps the rows may take."""
+        first = self._growing[0]
+        full = self.width + free
+        columns = full + growth(full, limit - free)
+        grown = self.grown
+        if grown is None or grown.rows != first.row_capacity or grown.columns < columns:
+            shape = (
+                first.row_capacity,
+                first.key_buffer.shape[1],
+                columns,
+                first.key_buffer.shape[-1],
+            )
+            self.grown = grown = PreparedBuffers(first.key_buffer, shape, len(self.layers))
+        grown.zero(math.ceil(grown.left / max(free, 1)))
 
     def decode_column(
         self, index: int
@@ -241,6 +276,7 @@ class BatchKv(DynamicCache):
         columns = self.width + growth(self.width, headroom)
         if first.row_capacity * first.column_capacity <= _SHRINK_FACTOR * first.rows * columns:
             return
+        self.grown = None
         for layer in self._growing:
             layer.reallocate(first.rows, 0, columns)
 
@@ -271,7 +307,7 @@ class BatchKv(DynamicCache):
             layer._refresh()
 
     def to(self, device: torch.device) -> None:
-        self.prepared = None
+        self.prepared = self.grown = None
         for layer in self._growing:
             layer.to(device)
 
@@ -295,6 +331,11 @@ class PreparedBuffers:
     @property
     def elements(self) -> int:
         return sum(flat.numel() for flat in self._flat)
+
+    @property
+    def left(self) -> int:
+        """Elements not zeroed yet."""
+        return self.elements - self._done
 
     def zero(self, elements: int) -> None:
         """Zero the next ``elements`` elements not zeroed yet."""

@@ -25,6 +25,7 @@ from penstock.engines.transformers.block_manager import (
     Match,
     chain_hashes,
 )
+from penstock.engines.transformers.chunk_pacing import LEAST_CHUNK_TOKENS
 from penstock.engines.transformers.kv_cache import KvPair
 from penstock.engines.transformers.model_runner import ModelRunner, Prefilled, PrefillRow
 from penstock.engines.transformers.sampling import TokenChoice
@@ -177,12 +178,15 @@ class Prefiller:
 
     def next_chunk(self, budget: float) -> NextChunk | None:
         """The oldest row prefilled over several steps and the end of its next chunk
-        within ``budget`` token-equivalents; None when there is none."""
+        beside decoding rows: within ``budget`` token-equivalents, or
+        :data:`.chunk_pacing.LEAST_CHUNK_TOKENS` tokens when more; None when there is
+        none."""
         if not self.chunked:
             return None
         entry = self.chunked[0]
         row = entry[0]
-        return entry, chunk_end(row.computed, len(row.tokens), budget, self.context)
+        end = chunk_end(row.computed, len(row.tokens), budget, self.context)
+        return entry, max(end, min(row.computed + LEAST_CHUNK_TOKENS, len(row.tokens)))
 
     def computed(
         self, entry: Claimed, prefilled: Prefilled | None, joined: list[Joined], outbox: Outbox

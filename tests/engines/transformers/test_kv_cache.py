@@ -116,3 +116,49 @@ def test_a_long_row_joins_into_buffers_prepared_before_it() -> None:
         assert joined.key_buffer is prepared.buffers[2 * layer]
         assert not joined.key_buffer[:, :, : joined.start].any()
         assert not joined.key_buffer[:, :, joined.end :].any()
+
+
+def test_columns_grow_into_buffers_zeroed_while_the_rows_decoded() -> None:
+    torch.manual_seed(3)
+    rows = [prefilled(40), prefilled(25)]
+    cache = BatchKv(rows[0], row_capacity=2)
+    cache.set_width(40, headroom=200)
+    cache.add_rows(rows, max_rows=2)
+    capacity = cache.layers[0].column_capacity
+    prepared = None
+    while cache.layers[0].column_capacity == capacity:
+        cache.reserve(1, limit=200)
+        if cache.grown is not None:
+            prepared = cache.grown
+        new = [
+            (torch.randn(2, HEADS, 1, DIM), torch.randn(2, HEADS, 1, DIM)) for _ in range(LAYERS)
+        ]
+        for layer, (k, v) in enumerate(new):
+            cache.update(k, v, layer)
+        rows = [
+            [
+                (torch.cat([kv[0], k[i : i + 1]], -2), torch.cat([kv[1], v[i : i + 1]], -2))
+                for kv, (k, v) in zip(row, new, strict=True)
+            ]
+            for i, row in enumerate(rows)
+        ]
+    assert prepared is not None and cache.grown is None
+    width = cache.width
+    for layer in range(LAYERS):
+        assert cache.layers[layer].key_buffer is prepared.buffers[2 * layer]
+        keys, values = dense(rows, layer, width)
+        assert torch.equal(cache.layers[layer].keys, keys)
+        assert torch.equal(cache.layers[layer].values, values)
+
+
+def test_rows_that_end_within_the_free_columns_prepare_no_growth() -> None:
+    rows = [prefilled(40)]
+    cache = BatchKv(rows[0], row_capacity=1)
+    cache.set_width(40, headroom=10)
+    cache.add_rows(rows, max_rows=1)
+    free = cache.layers[0].column_capacity - cache.layers[0].end
+    assert 2 * free <= cache.width
+    cache.reserve(1, limit=free)
+    assert cache.grown is None
+    cache.reserve(1, limit=free + 1)
+    assert cache.grown is not None

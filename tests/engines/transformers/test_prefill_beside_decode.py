@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from penstock.engines.context import Context
-from penstock.engines.transformers.prefill_plan import chunk_cost, chunk_end
+from penstock.engines.transformers.block_manager import Match
+from penstock.engines.transformers.chunk_pacing import LEAST_CHUNK_TOKENS
+from penstock.engines.transformers.model_runner import PrefillRow
+from penstock.engines.transformers.prefill_plan import Prefiller, chunk_cost, chunk_end
 from tests.engines.transformers.conftest import start_engine
 from tests.engines.transformers.helpers import greedy, hf_greedy, run
 
@@ -45,3 +49,25 @@ def test_later_chunks_of_a_prompt_take_fewer_tokens_for_the_same_budget() -> Non
     # A budget below one token still moves the prompt on, and never past its end.
     assert chunk_end(7000, 8000, 0.5, context) == 7001
     assert chunk_end(7990, 8000, 500, context) == 8000
+
+
+def test_a_chunk_beside_decoding_rows_computes_a_few_tokens_at_least() -> None:
+    def unused(*args: Any) -> None:
+        raise AssertionError("not called")
+
+    prefiller = Prefiller(
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        accept=unused,
+        cancel=unused,
+        send=unused,
+        context=1000.0,
+    )
+    row = PrefillRow(None, list(range(8000)), [])  # type: ignore[arg-type]
+    prefiller.chunked.append((row, Match([], [])))
+    row.computed = 6000
+    # Its attention reads the prompt's KV whatever its size: one token would pay that alone.
+    assert prefiller.next_chunk(0.5) == (prefiller.chunked[0], 6000 + LEAST_CHUNK_TOKENS)
+    assert prefiller.next_chunk(100.0) == (prefiller.chunked[0], 6000 + 14)
+    row.computed = 7998
+    assert prefiller.next_chunk(0.5) == (prefiller.chunked[0], 8000)

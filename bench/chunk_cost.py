@@ -1,0 +1,100 @@
+"""What a chunk of a long prompt adds to a decode step it rides in, by its size and by how
+much of the prompt is already computed: one ``LlamaDecoder.step`` of the default model
+(SmolLM2-135M-Instruct) on the CPU, a row of ``--row`` tokens decoding beside a chunk of
+``n`` tokens over ``ctx`` prompt tokens (random KV), against the row's step alone; each
+figure the lower quartile of 7 steps.
+
+    .venv/bin/python bench/chunk_cost.py [--threads 1] [--row 300] [--contexts 1000,4000,7500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.engine_core import start
+from penstock.engines.transformers.args import default_model_cache_dir
+from penstock.engines.transformers.default_model import prepare_default_model
+from penstock.engines.transformers.kv_cache import BatchKv
+from penstock.engines.transformers.llama_decode import LlamaDecoder
+from penstock.engines.transformers.prompt_kv import PromptChunk, PromptKv
+
+CHUNKS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def low_quartile_ms(step: Callable[[], None], repeats: int = 7) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[repeats // 4] * 1000
+
+
+def fused_step(
+    decoder: LlamaDecoder, batch: BatchKv, prompt: PromptKv, context: int, tokens: int
+) -> None:
+    """The batch's row decodes a token beside ``tokens`` tokens of ``prompt`` from
+    ``context``; both are then as long as before."""
+    for layer in prompt.layers:
+        layer.end = context
+    ids = torch.randint(0, 1000, (tokens,))
+    chunk = PromptChunk(ids, context, prompt, False) if tokens else None
+    batch.reserve(1, limit=64)
+    position = torch.tensor([batch.width])
+    decoder.step(torch.tensor([5]), position, batch, None, chunk)
+    for layer in batch.layers:
+        layer.end -= 1
+        layer._refresh()
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--row", type=int, default=300)
+    parser.add_argument("--contexts", default="1000,4000,7500")
+    args = parser.parse_args()
+    engine = await start(await prepare_default_model(default_model_cache_dir()), args.threads)
+    assert engine.scheduler is not None
+    decoder = engine.scheduler.runner.decoder
+    assert decoder is not None, "the default model decodes with LlamaDecoder"
+    layers = len(engine.scheduler.runner.model.model.layers)
+    shape = (1, decoder.kv_heads, args.row, decoder.head_dim)
+    row = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
+    batch = BatchKv(row, row_capacity=1)
+    batch.set_width(args.row, headroom=64)
+    batch.add_rows([row], max_rows=1)
+    try:
+        with torch.inference_mode():
+            for context in (int(part) for part in args.contexts.split(",")):
+                prompt = PromptKv(layers, context + max(CHUNKS))
+                filled = (1, decoder.kv_heads, context, decoder.head_dim)
+                for index in range(layers):
+                    prompt.update(torch.randn(filled), torch.randn(filled), index)
+
+                def step(tokens: int, prompt: PromptKv = prompt, context: int = context) -> None:
+                    fused_step(decoder, batch, prompt, context, tokens)
+
+                alone = low_quartile_ms(lambda: step(0))
+                added = " ".join(
+                    f"{n}: +{low_quartile_ms(lambda n=n: step(n)) - alone:.1f}" for n in CHUNKS
+                )
+                print(
+                    f"ctx {context}: the row's step alone {alone:.1f} ms; added by n tokens {added}"
+                )
+    finally:
+        await engine.cleanup()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
