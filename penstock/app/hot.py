@@ -26,6 +26,7 @@ connection's :class:`~penstock.serving.sse.FrameWriter`.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any, get_type_hints
 
 from fastapi.encoders import jsonable_encoder
@@ -100,13 +101,14 @@ class HotRoutes:
         self.app = app
         self.routes = routes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        # Not a coroutine function: the caller awaits the chosen app's coroutine itself, so
+        # an open stream resumes one coroutine frame fewer on every chunk.
         if scope["type"] == "http":
             route = self.routes.get((scope["method"], scope["path"]))
             if route is not None:
-                await route(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+                return route(scope, receive, send)
+        return self.app(scope, receive, send)
 
 
 def hot_routes(routes: list[Any], settings: Settings) -> dict[tuple[str, str], HotRoute]:
