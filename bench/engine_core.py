@@ -253,7 +253,9 @@ async def gaps_beside_a_long_prompt(
         f"the prompt has ended ({len(arrivals)} tokens); while the prompt is prefilled "
         f"{describe(prefilled, alone_last)}, longest over that median "
         f"{max(prefilled, default=0) / median_of(prefilled):.1f}x; while it decodes beside "
-        f"{describe(gaps(arrivals[joined:ended]), alone_last)}"
+        f"{describe(gaps(arrivals[joined:ended]), alone_last)}; the gap as it left the batch "
+        f"{gaps(arrivals[ended - 1 : ended + 1])[0] * 1000:.0f} ms, longest after "
+        f"{max(gaps(arrivals[ended - 1 :])) * 1000:.0f} ms"
     )
 
 

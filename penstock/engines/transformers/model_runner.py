@@ -9,8 +9,8 @@ pass (a prompt's padding is masked out, so its first token depends on its neighb
 only through the rounding of the matrix products, whose algorithm follows the batch's row
 count), then each one's KV is written into a free row of the batch; a finished or
 cancelled sequence's row is given to another, and padding columns no row needs any more
-are trimmed. The buffers are released when the batch empties, or reallocated smaller when
-rows leave most of them unused.
+are trimmed. The buffers are released when the batch empties, or reallocated smaller, a
+layer per step, when rows leave most of them unused.
 
 With LoRA adapters loaded, each row names its adapter (or none) in the forward pass, so
 requests for different adapters and for the base model share one batch. Decode steps of

@@ -162,3 +162,44 @@ def test_rows_that_end_within_the_free_columns_prepare_no_growth() -> None:
     assert cache.grown is None
     cache.reserve(1, limit=free + 1)
     assert cache.grown is not None
+
+
+def test_a_long_row_leaving_shrinks_the_layers_one_per_step_with_the_kv_unchanged() -> None:
+    torch.manual_seed(5)
+    layers = 6
+    short, long = (
+        [(torch.randn(1, HEADS, length, DIM), torch.randn(1, HEADS, length, DIM))] * layers
+        for length in (3, 200)
+    )
+    cache = BatchKv(short, row_capacity=2)
+    cache.set_width(200, headroom=4)
+    cache.add_rows([short, long], max_rows=2)
+    for _ in range(4):
+        cache.reserve(1, limit=4)
+        for layer in range(layers):
+            keys, values, _, _ = cache.decode_column(layer)
+            keys.fill_(1.0)
+            values.fill_(1.0)
+    held = cache.held_bytes
+    assert cache.keep_rows([0]) == [0]
+    cache.set_width(7, headroom=layers + 8)
+    # Only the first layer is reallocated at once; the others have no free column left
+    # and make room in place.
+    assert cache.layers[0].column_capacity < cache.layers[-1].column_capacity
+    assert cache.layers[-1].column_capacity == cache.layers[-1].end
+    ones = torch.ones(1, HEADS, 4, DIM)
+    expected = [torch.cat([kv, ones], -2) for kv in short[0]]
+    for step in range(layers + 8):
+        cache.reserve(1, limit=layers + 8 - step)
+        for layer in range(layers):
+            keys, values, _, _ = cache.decode_column(layer)
+            keys.fill_(step)
+            values.fill_(-step)
+        column = torch.full((1, HEADS, 1, DIM), float(step))
+        expected = [torch.cat([expected[0], column], -2), torch.cat([expected[1], -column], -2)]
+        for layer in range(layers):
+            assert torch.equal(cache.layers[layer].keys, expected[0])
+            assert torch.equal(cache.layers[layer].values, expected[1])
+    tight = sum(layer.key_buffer.nbytes + layer.value_buffer.nbytes for layer in cache.layers)
+    assert cache.held_bytes == tight
+    assert tight * 10 < held
