@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 # Rows beyond this go through one float32 matmul on a widened copy of the weight: for
 # long prefills that is compute bound, where MKL's blocking beats the kernel's.
 _KERNEL_MAX_ROWS = 64
-_EXTENSION_NAME = "penstock_cpu_linear_v11"
+_EXTENSION_NAME = "penstock_cpu_linear_v12"
 # Weights per int8 scale: 99.2% teacher-forced top-1 agreement with float32 on SmolLM2
 # (per-channel scales: 96.9%, groups of 32: 98.0%).
 INT8_GROUP = 64
@@ -249,30 +249,45 @@ static inline void rows_f32x4(const float* x, const float* w, float* y, int64_t 
   }
 }
 
-// Beyond 8 rows tile_i8 widens each weight again for every 8 rows (16 rows: ~110
+// Beyond 8 rows a tile widens each weight again for every 8 rows (int8 at 16 rows: ~110
 // GFLOP/s). Here 4 rows of w are widened once into float32 that stay in L1 while every
 // row of x passes over them: SmolLM2's linears at 16 rows 38 -> 29 ms. x is taken 64 rows
 // at a time, and at most 640 columns at a time (16 rows of 576 columns fit in L1), the
-// later passes adding onto y.
-static void columns_i8_dequantized(const float* x, const int8_t* w, const float* s, float* y,
-                                   int64_t M, int64_t begin, int64_t end, int64_t K,
-                                   int64_t N) {
+// later passes adding onto y. `widen(rows, n, k0, k1)` writes rows n..n+3 of w, columns
+// k0..k1, as float32; `single(m0, m1, n)` computes one leftover row n of w for x's rows
+// m0..m1; `group` is the weights' block width, which a pass's depth keeps whole.
+template <typename Widen, typename Single>
+static inline void widened_row_passes(const float* x, float* y, int64_t M, int64_t begin,
+                                      int64_t end, int64_t K, int64_t N, int64_t group,
+                                      Widen widen, Single single) {
   constexpr int64_t kRowBlock = 64, kMaxDepth = 640;
   const int64_t passes = (K + kMaxDepth - 1) / kMaxDepth;
-  const int64_t depth = (K / 64 + passes - 1) / passes * 64;
+  const int64_t depth = (K / group + passes - 1) / passes * group;
   std::vector<float> rows(4 * depth);
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = std::min(M, m0 + kRowBlock);
     for (int64_t k0 = 0; k0 < K; k0 += depth) {
       const int64_t k1 = std::min(K, k0 + depth);
       for (int64_t n = begin; n + 4 <= end; n += 4) {
-        dequantize_rows<4>(w, s, rows.data(), n, k0, k1, K);
+        widen(rows.data(), n, k0, k1);
         rows_f32x4(x, rows.data(), y, m0, m1, n, k0, k1, K, N, k0 > 0);
       }
     }
-    for (int64_t n = begin + (end - begin) / 4 * 4; n < end; ++n)
-      columns_i8<1>(x + m0 * K, w, s, y + m0 * N, m1 - m0, n, K, N);
+    for (int64_t n = begin + (end - begin) / 4 * 4; n < end; ++n) single(m0, m1, n);
   }
+}
+
+static void columns_i8_dequantized(const float* x, const int8_t* w, const float* s, float* y,
+                                   int64_t M, int64_t begin, int64_t end, int64_t K,
+                                   int64_t N) {
+  widened_row_passes(
+      x, y, M, begin, end, K, N, 64,
+      [&](float* rows, int64_t n, int64_t k0, int64_t k1) {
+        dequantize_rows<4>(w, s, rows, n, k0, k1, K);
+      },
+      [&](int64_t m0, int64_t m1, int64_t n) {
+        columns_i8<1>(x + m0 * K, w, s, y + m0 * N, m1 - m0, n, K, N);
+      });
 }
 
 // y[M, N] = x[M, K] @ (w[N, K] * s[N, K / 64] per group of 64)^T in float32; K % 64 == 0.

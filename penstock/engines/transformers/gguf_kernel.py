@@ -117,29 +117,20 @@ __attribute__((target("avx512bf16"))) static void rebuild_rows(
     }
 }
 
-// Beyond 8 rows a tile would rebuild each block again for every 8 rows of x: as
-// columns_i8_dequantized, 4 rows of w are rebuilt once into float32 in L1 and every row
-// of x passes over them, in passes of at most 640 columns.
+// Beyond 8 rows a tile would rebuild each block again for every 8 rows of x: as for
+// int8, 4 rows of w are rebuilt once into float32 (widened_row_passes).
 template <bool Q4>
 __attribute__((target("avx512bf16"))) static void block_columns_rebuilt(
     const float* x, const uint8_t* w, float* y, int64_t M, int64_t begin, int64_t end,
     int64_t K, int64_t N) {
-  constexpr int64_t kRowBlock = 64, kMaxDepth = 640;
-  const int64_t passes = (K + kMaxDepth - 1) / kMaxDepth;
-  const int64_t depth = (K / 32 + passes - 1) / passes * 32;
-  std::vector<float> rows(4 * depth);
-  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-    const int64_t m1 = std::min(M, m0 + kRowBlock);
-    for (int64_t k0 = 0; k0 < K; k0 += depth) {
-      const int64_t k1 = std::min(K, k0 + depth);
-      for (int64_t n = begin; n + 4 <= end; n += 4) {
-        rebuild_rows<Q4>(w, rows.data(), n, k0, k1, K);
-        rows_f32x4(x, rows.data(), y, m0, m1, n, k0, k1, K, N, k0 > 0);
-      }
-    }
-    for (int64_t n = begin + (end - begin) / 4 * 4; n < end; ++n)
-      block_columns<1, Q4>(x + m0 * K, w, y + m0 * N, m1 - m0, n, K, N);
-  }
+  widened_row_passes(
+      x, y, M, begin, end, K, N, 32,
+      [&](float* rows, int64_t n, int64_t k0, int64_t k1) {
+        rebuild_rows<Q4>(w, rows, n, k0, k1, K);
+      },
+      [&](int64_t m0, int64_t m1, int64_t n) {
+        block_columns<1, Q4>(x + m0 * K, w, y + m0 * N, m1 - m0, n, K, N);
+      });
 }
 
 template <bool Q4>
