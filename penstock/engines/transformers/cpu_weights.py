@@ -24,6 +24,7 @@ about half the bytes of bfloat16 again, for a documented loss of precision (see
 
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 from collections.abc import Callable
@@ -404,15 +405,16 @@ def dequantize_int8(quantized: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     return (groups * scales.unsqueeze(-1)).reshape(rows, width)
 
 
-class DerivedWeightLinear(Bf16WeightLinear):
+class DerivedWeightLinear(Bf16WeightLinear, abc.ABC):
     """A ``Bf16WeightLinear`` that decodes from a copy derived from its weight.
 
     ``requantize`` must follow every change of the weight; ``row_forward`` is the fast
     path ``row_linear`` hands the decode step, or None for the general one.
     """
 
+    @abc.abstractmethod
     def requantize(self) -> None:
-        raise NotImplementedError
+        """Derive the copy from the weight as it is now."""
 
     def row_forward(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return None
