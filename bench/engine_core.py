@@ -17,9 +17,13 @@ process: prefix caching, shared prefills, and how many requests decode at once.
    the prefill and its gap alone once the prompt has ended (16 more tokens), beside the
    gap of its first tokens. The prompt's TTFT is set against the same prompt's alone, in
    the same engine once the stream has ended (its blocks flushed from the cache).
+5. The second turn of a conversation as a multi-turn rollout sends it, in token ids (a
+   ~600-token system prompt, a 128-token greedy answer, the next question): its TTFT and
+   ``cached_tokens`` with caching on and off. The answer's own blocks are cached as it
+   ends, so the turn computes little more than its new question.
 
     .venv/bin/python bench/engine_core.py [--threads 1] [--requests 48] [--short 48]
-        [--long 8000] [--budgets 2048,256] [--decode-gap-ratio R] [--only 1,2,3,4]
+        [--long 8000] [--budgets 2048,256] [--decode-gap-ratio R] [--only 1,2,3,4,5]
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ LONG_DECODES = 32
 ALONE_AFTER = 16
 # The stream's prompt and answer in part 4: the model's context length.
 STREAM_CONTEXT = 8192
+LONG_ANSWER_QUESTION = "List twenty tools a plumber carries, one per line, with what each is for."
 SYSTEM_SENTENCE = (
     "You are a careful assistant for a hardware store; answer briefly, name the aisle, "
     "and never invent a product the store does not carry. "
@@ -155,6 +160,47 @@ async def shared_prompt(model_dir: Path, tokenizer: Any, threads: int) -> None:
         f"computed ({separate / len(prompt):.2f}x the prompt); n=8 in one request: "
         f"{one_request} ({one_request / len(prompt):.2f}x)"
     )
+
+
+def next_turn_suffix(
+    tokenizer: Any, messages: list[dict[str, str]], answer: list[int]
+) -> list[int]:
+    """The template's tokens after ``answer`` up to the next turn's generation prompt: a
+    multi-turn rollout sends the answer's own token ids back, never re-tokenized text
+    (which may split differently: ``":\n\n"`` comes back as two newline tokens)."""
+    reply = tokenizer.decode(answer, skip_special_tokens=True)
+    turn = [*messages, {"role": "assistant", "content": reply}]
+    turn.append({"role": "user", "content": QUESTIONS[0]})
+    text = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=False)
+    rest = text[text.rindex(reply) + len(reply) :]
+    return list(tokenizer(rest, add_special_tokens=False)["input_ids"])
+
+
+async def next_turn(model_dir: Path, tokenizer: Any, threads: int) -> None:
+    messages = [
+        {"role": "system", "content": SYSTEM_SENTENCE * 20},
+        {"role": "user", "content": LONG_ANSWER_QUESTION},
+    ]
+    results = {}
+    for caching in (True, False):
+        flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
+        engine = await start(model_dir, threads, flag)
+        try:
+            first = chat_ids(tokenizer, messages)
+            _, answer, _ = await timed(engine, greedy(first, 128))
+            prompt = first + answer + next_turn_suffix(tokenizer, messages, answer)
+            ttft, tokens, usage = await timed(engine, greedy(prompt, 32))
+        finally:
+            await engine.cleanup()
+        results[caching] = (ttft, tokens, usage["prompt_tokens_details"]["cached_tokens"])
+        print(
+            f"second turn, caching {'on ' if caching else 'off'}: prompt {len(prompt)} tokens "
+            f"({len(answer)} of the first answer), TTFT {ttft:.3f} s, cached_tokens "
+            f"{results[caching][2]}"
+        )
+    ratio = results[True][0] / results[False][0]
+    same = results[True][1] == results[False][1]
+    print(f"second turn TTFT with caching {ratio:.2f}x without; greedy answers identical: {same}")
 
 
 async def decoding_at_once(
@@ -286,7 +332,7 @@ async def main() -> None:
     parser.add_argument("--long", type=int, default=8000)
     parser.add_argument("--budgets", default="2048,256")
     parser.add_argument("--decode-gap-ratio")
-    parser.add_argument("--only", default="1,2,3,4")
+    parser.add_argument("--only", default="1,2,3,4,5")
     args = parser.parse_args()
     parts = {int(part) for part in args.only.split(",")}
     model_dir = await prepare_default_model(default_model_cache_dir())
@@ -297,6 +343,8 @@ async def main() -> None:
         await shared_prompt(model_dir, tokenizer, args.threads)
     if 3 in parts:
         await decoding_at_once(model_dir, tokenizer, args.threads, args.requests, args.short)
+    if 5 in parts:
+        await next_turn(model_dir, tokenizer, args.threads)
     if 4 in parts:
         for budget in args.budgets.split(","):
             ratio = ("--decode-gap-ratio", args.decode_gap_ratio) if args.decode_gap_ratio else ()

@@ -13,8 +13,12 @@ first, each leaving with a ``removed`` event. :meth:`BlockManager.reset` starts 
 epoch (new weights, a flush): no block computed before it is ever matched again.
 
 Only blocks that can be matched keep KV here (``[layers, 2, kv heads, BLOCK_SIZE, head
-dim]`` each, written at prefill); a running sequence's own KV lives in the decode batch
-(:mod:`.kv_cache`). Runs on the scheduler's thread; other threads read the counters.
+dim]`` each): a prompt's full blocks, written at prefill, and the blocks its output filled,
+written when the sequence leaves the batch (finished, cancelled or preempted), so the next
+turn of a conversation and a preempted sequence's recompute start with them. A running
+sequence's own KV lives in the decode batch (:mod:`.kv_cache`). A sequence's blocks are
+freed last first, so eviction takes a chain's tail before its head. Runs on the
+scheduler's thread; other threads read the counters.
 """
 
 from __future__ import annotations
@@ -182,6 +186,29 @@ class BlockManager:
         if stored and self.on_stored is not None:
             self.on_stored(stored, stored_tokens)
 
+    def store_computed(
+        self,
+        blocks: Sequence[Block],
+        token_ids: Sequence[int],
+        request_salt: object,
+        epoch: int,
+        kv_of: Callable[[int, int], torch.Tensor],
+    ) -> None:
+        """Make the full blocks of a sequence's computed tokens ``token_ids`` matchable,
+        prompt and output alike: a later turn of the conversation, or the sequence's own
+        recompute after a preemption, starts with them. ``kv_of(start, stop)``: the KV of
+        tokens ``[start, stop)`` (as :meth:`store`'s ``kv``), read only for blocks not
+        stored yet. KV computed in an earlier ``epoch`` (other weights) is never stored."""
+        if not self.prefix_caching or epoch != self.epoch:
+            return
+        hashes = chain_hashes(token_ids, self.salt(request_salt))
+        first = 0
+        while first < len(hashes) and blocks[first].hash == hashes[first]:
+            first += 1
+        if first < len(hashes):
+            kv = kv_of(first * BLOCK_SIZE, len(hashes) * BLOCK_SIZE)
+            self.store(blocks, hashes, token_ids, kv, first)
+
     # -- allocation -----------------------------------------------------------------------
 
     def allocate(self, count: int) -> list[Block]:
@@ -197,7 +224,10 @@ class BlockManager:
         return list(blocks)
 
     def free(self, blocks: Sequence[Block]) -> None:
-        for block in blocks:
+        """Let go of ``blocks`` (a sequence's, in token order). The last ones are freed
+        first, so the pool evicts a chain's tail before its head: a head alone still
+        matches, a tail without its head never does."""
+        for block in reversed(blocks):
             block.ref_count -= 1
             if block.ref_count > 0:
                 continue

@@ -264,6 +264,20 @@ class BatchKv(DynamicCache):
         layer.values = values = layer.value_buffer[: layer.rows, :, layer.start : end + 1]
         return keys[:, :, -1], values[:, :, -1], keys, values
 
+    def row_kv(self, row: int, length: int, start: int, stop: int) -> torch.Tensor:
+        """Tokens ``[start, stop)`` of row ``row`` (its last ``length`` columns are its
+        tokens): ``[layers, 2, kv heads, stop - start, head dim]``, a copy."""
+        pairs = []
+        for layer in self._growing:
+            first = layer.end - length
+            columns = slice(first + start, first + stop)
+            pairs.append(
+                torch.stack(
+                    (layer.key_buffer[row, :, columns], layer.value_buffer[row, :, columns])
+                )
+            )
+        return torch.stack(pairs)
+
     def keep_rows(self, keep: Sequence[int]) -> list[int]:
         """Keep only the rows ``keep`` (ascending); returns the old row now in each slot.
 

@@ -64,6 +64,21 @@ class PrefillRow:
         return 0 if self.prefix_kv is None else int(self.prefix_kv.shape[3])
 
 
+class OnRunner:
+    """An attribute of an object holding a model runner (``runner``) that is the runner's
+    own: the engine sets the scheduler's model, adapters flag and decoder this way, with
+    the step lock held, between two forward passes."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, holder: Any, owner: type | None = None) -> Any:
+        return getattr(holder.runner, self.name)
+
+    def __set__(self, holder: Any, value: Any) -> None:
+        setattr(holder.runner, self.name, value)
+
+
 class ModelRunner:
     """The model, its decode batch's KV cache, and the forward passes over them."""
 
@@ -341,6 +356,12 @@ class ModelRunner:
             self._cache.add_rows([layers for _, layers in joined], self.max_num_seqs)
         self._width = width
         return rows
+
+    def row_kv(self, row: int, length: int, start: int, stop: int) -> torch.Tensor:
+        """The KV of tokens ``[start, stop)`` of batch row ``row``, which holds ``length``
+        tokens: ``[layers, 2, kv heads, stop - start, head dim]``, a copy."""
+        assert self._cache is not None
+        return self._cache.row_kv(row, length, start, stop)
 
     def reset(self) -> None:
         """Release the batch's KV cache (the batch emptied, or its step failed)."""

@@ -133,6 +133,7 @@ def claim_blocks(
     for index, seq in enumerate(sequences):
         blocks = shared if index == 0 else pool.share(shared)
         seq.blocks = blocks + own[index : index + partial]
+        seq.kv_epoch = pool.epoch
     if submission.cached_tokens is None:
         submission.cached_tokens = match.tokens
     pool.cached_tokens += match.tokens

@@ -34,7 +34,7 @@ from penstock.engines.transformers.block_manager import BLOCK_SIZE, BlockManager
 from penstock.engines.transformers.chunk_pacing import UNPACED_CPU_CHUNK, ChunkPacer
 from penstock.engines.transformers.deterministic import DeterministicRunner, OutgoingChunks
 from penstock.engines.transformers.kv_cache import KvPair
-from penstock.engines.transformers.model_runner import ModelRunner
+from penstock.engines.transformers.model_runner import ModelRunner, OnRunner
 from penstock.engines.transformers.prefill_plan import (
     Joined,
     NextChunk,
@@ -59,29 +59,15 @@ class StepFailure(Exception):
     """A forward pass failed; every request that was in it ends with this error."""
 
 
-class _OnRunner:
-    """An attribute the engine sets on the scheduler, held by its model runner: set with
-    ``step_lock`` held, between two forward passes."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, scheduler: BatchScheduler, owner: type | None = None) -> Any:
-        return getattr(scheduler.runner, self.name)
-
-    def __set__(self, scheduler: BatchScheduler, value: Any) -> None:
-        setattr(scheduler.runner, self.name, value)
-
-
 class BatchScheduler:
     """Runs the decode loop on its own thread; every public method is thread-safe."""
 
     # The model (a peft wrapper while LoRA adapters are loaded), whether it is one, and
     # the Llama decoder that replaces its forward in decode steps (see
     # :class:`.model_runner.ModelRunner`).
-    model = _OnRunner()
-    adapters_loaded = _OnRunner()
-    decoder = _OnRunner()
+    model = OnRunner()
+    adapters_loaded = OnRunner()
+    decoder = OnRunner()
 
     def __init__(
         self,
@@ -459,8 +445,8 @@ class BatchScheduler:
         self._preemptions += 1
         for seq in submission.sequences:
             if seq.in_batch:
-                self.blocks.free(seq.blocks)
-                seq.blocks, seq.kv_length, seq.preempted = [], 0, True
+                self._release(seq)
+                seq.kv_length, seq.preempted = 0, True
         with self._cond:
             self._admitted.remove(submission)
             # It was running: a pause that lets running requests finish waits for it.
@@ -517,12 +503,28 @@ class BatchScheduler:
         chunk["completion_usage"] = completion_usage(
             len(submission.prompt_ids), len(seq.output_ids), submission.cached_tokens
         )
-        self.blocks.free(seq.blocks)
-        seq.blocks = []
+        self._release(seq)
         outbox.setdefault(submission, []).extend(self.outgoing.emit(seq, chunk, last=True))
         submission.unfinished -= 1
         if submission.unfinished <= 0:
             self._retire(submission)
+
+    def _release(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks; while it has a row, the full blocks of its computed
+        tokens are cached first (the next turn of a conversation, or its own recompute
+        after a preemption, then starts with them)."""
+        row = next((i for i, running in enumerate(self._running) if running is seq), None)
+        tokens = seq.cacheable_tokens
+        if row is not None and len(tokens) >= BLOCK_SIZE:
+            self.blocks.store_computed(
+                seq.blocks,
+                tokens,
+                seq.submission.kv_salt,
+                seq.kv_epoch,
+                lambda start, stop: self.runner.row_kv(row, len(tokens), start, stop),
+            )
+        self.blocks.free(seq.blocks)
+        seq.blocks = []
 
     def _retire(self, submission: Submission) -> None:
         with self._cond:

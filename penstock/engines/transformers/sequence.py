@@ -99,6 +99,8 @@ class Sequence:
     preempted: bool = False
     # The pool blocks its KV occupies, in token order (full prompt blocks may be shared).
     blocks: list[Block] = field(default_factory=list)
+    # The prefix cache's epoch when its blocks were claimed: the weights its KV is from.
+    kv_epoch: int = 0
 
     @property
     def in_batch(self) -> bool:
@@ -108,6 +110,14 @@ class Sequence:
     def kv_tokens(self) -> list[int]:
         """The tokens whose KV it holds once every token it produced is fed back."""
         return self.submission.prompt_ids + self.output_ids
+
+    @property
+    def cacheable_tokens(self) -> list[int]:
+        """The tokens whose KV it holds, where the prefix cache may name its blocks by
+        them: none when image features stand in for some of their embeddings."""
+        if self.submission.embed is not None:
+            return []
+        return self.kv_tokens[: self.kv_length]
 
     @staticmethod
     def blocks_for(tokens: list[int] | int) -> int:

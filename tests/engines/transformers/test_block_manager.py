@@ -88,8 +88,11 @@ def test_idle_cached_blocks_are_evicted_least_recently_freed_first() -> None:
     manager.free(older)
     manager.free(newer)
     stored = list(events.stored)
-    manager.allocate(2)
-    assert events.removed == stored[:2]
+    manager.allocate(1)
+    # A chain's tail goes first, its head after.
+    assert events.removed == [stored[1]]
+    manager.allocate(1)
+    assert events.removed == [stored[1], stored[0]]
     assert manager.match([*list(range(32)), 0], None).tokens == 0
     assert manager.match([*list(range(100, 132)), 0], None).tokens == 32
 
@@ -128,3 +131,37 @@ def test_chain_hashes_name_each_block_by_everything_before_it() -> None:
     second = chain_hashes(list(range(16)) + list(range(50, 66)), "salt")
     assert len(first) == 2 and first[0] == second[0] and first[1] != second[1]
     assert chain_hashes(list(range(15)), "salt") == []
+
+
+def test_a_sequence_stores_the_blocks_its_output_filled_reading_only_their_kv() -> None:
+    events = Events()
+    manager = events.manager(8)
+    prompt = list(range(20))
+    blocks = _prefill(manager, prompt) + manager.allocate(1)
+    computed = prompt + list(range(100, 130))
+    read: list[tuple[int, int]] = []
+
+    def kv_of(start: int, stop: int) -> torch.Tensor:
+        read.append((start, stop))
+        return _kv(stop - start, 2.0)
+
+    manager.store_computed(blocks, computed, None, manager.epoch, kv_of)
+    # The prompt's one full block was stored at prefill; the output filled two more.
+    assert read == [(16, 48)] and len(events.stored) == 3
+    manager.free(blocks)
+    match = manager.match([*computed, 7], None)
+    assert match.tokens == 48
+    assert match.kv()[..., 16:, :].eq(2.0).all()
+
+
+def test_kv_computed_before_a_reset_is_never_stored_after_it() -> None:
+    events = Events()
+    manager = events.manager(8)
+    prompt = list(range(40))
+    blocks = _prefill(manager, prompt)
+    epoch = manager.epoch
+    manager.reset()
+    manager.store_computed(blocks, prompt, None, epoch, lambda start, stop: _kv(stop - start, 1))
+    manager.free(blocks)
+    assert manager.cached_blocks == 0
+    assert manager.match(prompt, None).tokens == 0

@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from penstock.engines.context import Context
 from penstock.engines.transformers import TransformersEngine
 from tests.engines.transformers.conftest import peft_greedy, start_engine
 from tests.engines.transformers.helpers import greedy, hf_greedy, run
@@ -35,7 +36,7 @@ async def test_a_repeated_prompt_takes_its_full_blocks_and_decodes_the_same(
     # The next turn of a conversation starts with the whole first prompt.
     turn = LONG_PROMPT + expected + [9, 10, 11]
     follow_up = (await run(engine, greedy(turn, max_tokens=6)))[0]
-    assert _cached(follow_up) == 32
+    assert _cached(follow_up) == 48
     assert follow_up.token_ids == hf_greedy(tiny_model_dir, turn, 6)
 
 
@@ -125,6 +126,74 @@ async def test_an_adapter_never_hits_the_prefix_of_the_base_or_of_another_adapte
     other = (await run(engine, request))[0]
     assert _cached(other) == 0
     assert other.token_ids == peft_greedy(tiny_model_dir, second_tiny_lora_dir, LONG_PROMPT, 6)
+
+
+async def test_the_blocks_an_answer_filled_serve_the_next_turn_for_every_choice(
+    engine: TransformersEngine, tiny_model_dir: Path
+) -> None:
+    sampled = {
+        "token_ids": LONG_PROMPT,
+        "sampling_options": {"n": 2, "temperature": 1.0, "seed": 5},
+        "stop_conditions": {"max_tokens": 30, "ignore_eos": True},
+    }
+    first = await run(engine, sampled)
+    assert first[0].token_ids != first[1].token_ids
+    for index in (0, 1):
+        # 40 prompt tokens and 29 of the answer have KV (the last one is never fed back).
+        turn = LONG_PROMPT + first[index].token_ids + [9, 10, 11]
+        follow_up = (await run(engine, greedy(turn, max_tokens=6)))[0]
+        assert _cached(follow_up) == 64
+        assert follow_up.token_ids == hf_greedy(tiny_model_dir, turn, 6)
+
+
+async def test_a_preempted_request_recomputes_from_the_blocks_it_had_filled(
+    tiny_model_dir: Path,
+) -> None:
+    # Twelve blocks of 16: three requests of 66 tokens (five blocks each) do not fit.
+    prompts = [[5 + i, 9, 13 + i, 20, 4 + 2 * i, 30] for i in range(3)]
+    expected = [hf_greedy(tiny_model_dir, prompt, 60) for prompt in prompts]
+    counts = {}
+    for caching in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        engine = await start_engine(
+            tiny_model_dir, caching, "--kv-cache-tokens", "192", "--max-num-seqs", "3"
+        )
+        try:
+            answers = await asyncio.gather(
+                *(run(engine, greedy(prompt, max_tokens=60)) for prompt in prompts)
+            )
+            counts[caching] = _usage(engine)
+        finally:
+            await engine.cleanup()
+        assert [a[0].token_ids for a in answers] == expected
+    cached, uncached = counts["--enable-prefix-caching"], counts["--no-enable-prefix-caching"]
+    assert cached.preemptions > 0 and uncached.preemptions > 0
+    assert cached.cached_tokens > 0
+    assert cached.prefill_tokens < uncached.prefill_tokens
+
+
+async def test_an_answer_decoded_across_a_weight_update_is_never_cached(
+    engine: TransformersEngine, other_tiny_model_dir: Path
+) -> None:
+    started = asyncio.Event()
+    received: list[int] = []
+
+    async def consume() -> None:
+        async for chunk in engine.generate(greedy(LONG_PROMPT, max_tokens=40), Context("kept")):
+            received.extend(chunk["token_ids"])
+            started.set()
+
+    consumer = asyncio.create_task(consume())
+    await started.wait()
+    await engine.engine_control("pause_generation", {"mode": "keep"})
+    reply = await engine.engine_update(
+        "update_weights_from_disk", {"model_path": str(other_tiny_model_dir)}
+    )
+    assert reply["status"] == "ok"
+    await engine.engine_control("resume_generation", {})
+    await consumer
+    assert len(received) == 40
+    after = (await run(engine, greedy(LONG_PROMPT + received, max_tokens=4)))[0]
+    assert _cached(after) == 0
 
 
 class _Recorder:

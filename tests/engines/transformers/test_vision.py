@@ -62,6 +62,17 @@ async def test_the_image_steers_greedy_output(
     assert red[0].usage["prompt_tokens"] == len(TEXT) + IMAGE_TOKENS_PER_IMAGE
 
 
+async def test_no_block_of_an_image_request_is_cached_under_its_token_ids(
+    vlm: TransformersEngine,
+) -> None:
+    # Its placeholder ids stand for features the ids do not name: another image would hit.
+    red = _image((200, 20, 20))
+    answer = await tokens(vlm, _with_images(vlm, red, max_tokens=40))
+    assert len(answer) == 40
+    assert vlm.scheduler is not None
+    assert vlm.scheduler.usage().cached_blocks == 0
+
+
 async def test_a_repeated_image_runs_the_vision_tower_once(vlm: TransformersEngine) -> None:
     assert vlm.vision is not None
     calls, hits = vlm.vision.encoder_calls, vlm.vision.cache_hits
