@@ -38,8 +38,8 @@ VARIANTS = (
     "torch float32",
     "hand bf16",
     "hand gguf",
-    "hand bf16, bf16 activations",
-    "hand gguf, bf16 activations",
+    "hand bf16 (bf16 activations)",
+    "hand gguf (bf16 activations)",
     "hand int8 g64",
     "torch int8 channel",
     "torch int4 g32",
@@ -101,7 +101,9 @@ def kernel(variant: str, weight: torch.Tensor) -> Kernel:
         return lambda x: torch.nn.functional.linear(x, wide)
     if variant.startswith("hand bf16"):
         bf16 = weight.contiguous()
-        call = cpu_weights.bf16_weight_kernel(variant.endswith("activations"), weight.shape[1])
+        call = cpu_weights.bf16_weight_kernel(
+            variant.endswith("(bf16 activations)"), weight.shape[1]
+        )
         return lambda x: call(x, bf16)
     if variant == "hand int8 g64":
         quantized, scales = cpu_weights.quantize_int8(weight)
@@ -134,7 +136,7 @@ def main() -> int:
         layers = [
             (
                 next((k for k in _KINDS if k in name), "lm_head"),
-                gguf_kernel(name, blocks, variant.endswith("activations"))
+                gguf_kernel(name, blocks, variant.endswith("(bf16 activations)"))
                 if from_blocks
                 else kernel(variant, w),
                 w.shape[1],

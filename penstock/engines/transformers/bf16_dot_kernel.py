@@ -172,10 +172,21 @@ torch::Tensor bf16_linear_bf16_activations(torch::Tensor x, torch::Tensor w) {
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> rows(4 * std::min<int64_t>(K, 640) / 2);
     dot_passes(packed.data(), yp, M, begin, end, K, N,
-               [&](int64_t n, int, int64_t k0, int64_t, int64_t& stride) {
-                 stride = K / 2;
-                 return wp + n * K / 2 + k0 / 2;
+               [&](int64_t n, int count, int64_t k0, int64_t k1, int64_t& stride) {
+                 // Copied into L1, the next rows prefetched, as blocks are rebuilt: read
+                 // in place (with or without prefetches) the 16-row step took 45-48 ms
+                 // against 42.8. Still bound by reading 2 bytes a weight.
+                 stride = (k1 - k0) / 2;
+                 for (int j = 0; j < count; ++j)
+                   for (int64_t k = k0; k < k1; k += 32) {
+                     const uint32_t* at = wp + (n + j) * K / 2 + k / 2;
+                     _mm_prefetch(reinterpret_cast<const char*>(at + 4 * K / 2), _MM_HINT_T0);
+                     _mm512_storeu_si512(rows.data() + j * stride + (k - k0) / 2,
+                                         _mm512_loadu_si512(at));
+                   }
+                 return static_cast<const uint32_t*>(rows.data());
                });
   });
   return y;
