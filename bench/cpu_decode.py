@@ -103,10 +103,10 @@ def chunked_logits(model: object, ids: torch.Tensor, chunk: int = 32) -> torch.T
     """``model``'s logits over ``ids``, ``chunk`` positions a pass: the CPU kernels (and
     their bfloat16 activations) take calls of at most 64 rows, longer ones compute in
     float32, so one pass over a whole text would not measure them."""
-    past, logits = None, []
+    cache, logits = None, []
     for start in range(0, ids.shape[1], chunk):
-        out = model(input_ids=ids[:, start : start + chunk], past_key_values=past, use_cache=True)  # type: ignore[operator]
-        past = out.past_key_values
+        out = model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True)  # type: ignore[operator]
+        cache = out.cache
         logits.append(out.logits)
     return torch.cat(logits, dim=1)
 
