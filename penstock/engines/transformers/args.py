@@ -108,9 +108,9 @@ _CPU_ACTIVATION_DTYPE_HELP = (
     "on cpu with bfloat16 or gguf weights: bfloat16 rounds each activation row to "
     "bfloat16 before the linear layers' kernels multiply (AVX512-BF16 dot products: "
     "gguf linears ~1.7x faster at 16 rows, bfloat16 ~1.1x; one row stays float32). "
-    "Lossy, as a GPU running the "
-    "model in bfloat16: greedy output can differ from float32 and from generate; "
-    "without AVX512-BF16 activations stay float32. float32 = exact (default: float32)"
+    "Lossy, as a GPU running the model in bfloat16: greedy output can differ from "
+    "float32 and from generate; without AVX512-BF16 activations stay float32. "
+    "float32 = exact (default: float32)"
 )
 _GENERATION_CONFIG_HELP = (
     "where the default sampling parameters (temperature, top_p, top_k, min_p, "

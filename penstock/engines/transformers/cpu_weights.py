@@ -536,16 +536,15 @@ def pack_model(model: torch.nn.Module, *, int8: bool = False, activations: str =
     copy of their weight that their forward pass reads (embeddings stay bfloat16: a lookup
     reads one row). ``activations`` ``"bfloat16"`` (``--cpu-activation-dtype``) sets the
     layers' ``bf16_activations`` where the CPU has AVX512-BF16 (int8 layers ignore it);
-    elsewhere it logs why not. Idempotent;
-    needs ``load_kernel`` to have succeeded. Returns how many layers changed.
+    elsewhere it logs why not. Idempotent; needs ``load_kernel`` to have succeeded.
+    Returns how many layers changed.
     """
     if _kernel is None:
         raise RuntimeError("pack_model needs the kernel: call load_kernel first")
     bf16_activations = activations == "bfloat16"
     if bf16_activations and not has_avx512_bf16():
-        logger.warning(
-            "activations stay float32 (--cpu-activation-dtype bfloat16): the CPU has no AVX512-BF16"
-        )
+        reason = "the CPU has no AVX512-BF16"
+        logger.warning("activations stay float32 (--cpu-activation-dtype bfloat16): %s", reason)
         bf16_activations = False
     packed = 0
     with torch.no_grad():
