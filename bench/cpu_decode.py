@@ -4,7 +4,9 @@ Loads SmolLM2-135M-Instruct (the default model) once for ``generate`` (float32, 
 and starts the transformers engine once per ``--cpu-weight-dtype`` asked for (float32,
 bfloat16, gguf: the default model's default, int8). With ``--llama-cpp`` (needs the
 ``bench`` extra: ``pip install -e ".[bench]"``) llama.cpp also loads the GGUF Penstock
-converts the default model from (Q4_1, the same weights), greedy. Each round times, in
+converts the default model from (Q4_1, the same weights), greedy. ``--activations
+float32,bfloat16`` starts each of those engines once per ``--cpu-activation-dtype`` too
+(bfloat16: lossy, rows rounded to bfloat16 before the linears). Each round times, in
 turn, ``generate`` and llama.cpp at concurrency 1 and every engine at concurrency 1 and
 16, all with the same thread count, every run the same prompt and token count. Last, per
 engine: how many prompts' greedy tokens equal ``generate``'s, and the teacher-forced top-1
@@ -12,7 +14,7 @@ agreement with the float32 model over ``generate``'s continuations (the next tok
 model picks at every position of the same text).
 
     .venv/bin/python bench/cpu_decode.py [--rounds 3] [--tokens 64] [--threads 1]
-        [--weights float32,bfloat16,int8] [--llama-cpp]
+        [--weights float32,bfloat16,int8] [--activations float32] [--llama-cpp]
 """
 
 from __future__ import annotations
@@ -97,6 +99,18 @@ async def engine_rate(
     return sum(len(r) for r in results) / (time.perf_counter() - started)
 
 
+def chunked_logits(model: object, ids: torch.Tensor, chunk: int = 32) -> torch.Tensor:
+    """``model``'s logits over ``ids``, ``chunk`` positions a pass: the CPU kernels (and
+    their bfloat16 activations) take calls of at most 64 rows, longer ones compute in
+    float32, so one pass over a whole text would not measure them."""
+    cache, logits = None, []
+    for start in range(0, ids.shape[1], chunk):
+        out = model(input_ids=ids[:, start : start + chunk], cache=cache, use_cache=True)  # type: ignore[operator]
+        cache = out.cache
+        logits.append(out.logits)
+    return torch.cat(logits, dim=1)
+
+
 def top1_agreement(
     reference: object, engine: TransformersEngine, texts: list[tuple[list[int], list[int]]]
 ) -> float:
@@ -108,7 +122,7 @@ def top1_agreement(
             ids = torch.tensor([prompt + continuation])
             span = slice(len(prompt) - 1, ids.shape[1] - 1)
             wanted = reference(input_ids=ids).logits[0, span].argmax(-1)  # type: ignore[operator]
-            got = engine.model(input_ids=ids).logits[0, span].argmax(-1)
+            got = chunked_logits(engine.model, ids)[0, span].argmax(-1)
             agree += int((wanted == got).sum())
             total += wanted.numel()
     return agree / total
@@ -121,6 +135,9 @@ async def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
         "--weights", default="float32,bfloat16,int8", help="--cpu-weight-dtype values to run"
+    )
+    parser.add_argument(
+        "--activations", default="float32", help="--cpu-activation-dtype values to run"
     )
     parser.add_argument("--llama-cpp", action="store_true", help="time llama.cpp too")
     args = parser.parse_args()
@@ -139,11 +156,14 @@ async def main() -> int:
     common = ["--cpu-threads", str(args.threads), "--max-num-seqs", "16"]
     engines: dict[str, TransformersEngine] = {}
     for dtype in args.weights.split(","):
-        label = f"{dtype} weights"
-        engine, _ = await TransformersEngine.from_args([*common, "--cpu-weight-dtype", dtype])
-        await engine.start(0)
-        await engine_tokens(engine, prompts[0], 4)
-        engines[label] = engine
+        for activations in args.activations.split(","):
+            label = f"{dtype} weights" + ("" if activations == "float32" else f", {activations} x")
+            engine, _ = await TransformersEngine.from_args(
+                [*common, "--cpu-weight-dtype", dtype, "--cpu-activation-dtype", activations]
+            )
+            await engine.start(0)
+            await engine_tokens(engine, prompts[0], 4)
+            engines[label] = engine
     hf_generate(reference, prompts[0], 4)
     llama = llama_cpp_model(args.threads) if args.llama_cpp else None
     if llama is not None:
@@ -174,7 +194,7 @@ async def main() -> int:
             median = statistics.median(values)
             runs = ", ".join(f"{v:.1f}" for v in values)
             against = f"  {median / llama_base:5.2f}x llama.cpp" if llama_base else ""
-            print(f"  {label:<30} {median:7.1f}  {median / base:5.2f}x generate{against}  [{runs}]")
+            print(f"  {label:<36} {median:7.1f}  {median / base:5.2f}x generate{against}  [{runs}]")
         texts = [(prompt, hf_generate(reference, prompt, args.tokens)) for prompt in prompts]
         for label, engine in engines.items():
             equal = 0

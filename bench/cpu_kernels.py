@@ -4,7 +4,9 @@ Every linear weight of the default model (30 layers of q, k, v, o, gate, up, dow
 tied output layer), each variant built from the real bfloat16 weights, called in model
 order with 1 and 16 rows at one thread: float32 weights (MKL), the AVX-512 kernels of
 ``cpu_weights`` (bfloat16, int8 with one scale per 64 weights), the lossless GGUF-block
-kernels of ``gguf_weights`` (Q4_1 linears, Q8_0 output layer) and torch's own
+kernels of ``gguf_weights`` (Q4_1 linears, Q8_0 output layer), both hand kernels also with
+bfloat16 activations (``--cpu-activation-dtype bfloat16``: x rounded, ``vdpbf16ps``;
+lossy; one row stays float32) and torch's own
 (``_weight_int8pack_mm``, one scale per row; ``_weight_int4pack_mm_for_cpu``, groups of
 32 and 64; float32 activations, and bfloat16 ones for two of them). Prints the step's
 median and fastest of 7 passes, and the median per layer kind.
@@ -36,6 +38,8 @@ VARIANTS = (
     "torch float32",
     "hand bf16",
     "hand gguf",
+    "hand bf16 (bf16 activations)",
+    "hand gguf (bf16 activations)",
     "hand int8 g64",
     "torch int8 channel",
     "torch int4 g32",
@@ -70,13 +74,19 @@ def int4_kernel(weight: torch.Tensor, group: int) -> Kernel:
     )
 
 
-def gguf_kernel(name: str, blocks: dict[str, torch.Tensor]) -> Kernel:
+def gguf_kernel(name: str, blocks: dict[str, torch.Tensor], bf16_activations: bool) -> Kernel:
     """The GGUF blocks the bfloat16 weight was rebuilt from (``--cpu-weight-dtype gguf``)."""
     name = "model.embed_tokens.weight" if name == "lm_head" else name
     kind = "Q4_1" if f"{name}.Q4_1" in blocks else "Q8_0"
     records = gguf_weights.records_from_gguf(blocks[f"{name}.{kind}"], kind)
     hand = cpu_weights._kernel
-    call = hand.q4_1_linear if kind == "Q4_1" else hand.q8_0_linear
+    calls = {
+        (False, "Q4_1"): hand.q4_1_linear,
+        (False, "Q8_0"): hand.q8_0_linear,
+        (True, "Q4_1"): hand.q4_1_linear_bf16_activations,
+        (True, "Q8_0"): hand.q8_0_linear_bf16_activations,
+    }
+    call = calls[bf16_activations, kind]
     return lambda x: call(x, records)
 
 
@@ -89,9 +99,12 @@ def kernel(variant: str, weight: torch.Tensor) -> Kernel:
     if variant == "torch float32":
         wide = weight.float()
         return lambda x: torch.nn.functional.linear(x, wide)
-    if variant == "hand bf16":
+    if variant.startswith("hand bf16"):
         bf16 = weight.contiguous()
-        return lambda x: hand.bf16_linear(x, bf16)
+        call = cpu_weights.bf16_weight_kernel(
+            variant.endswith("(bf16 activations)"), weight.shape[1]
+        )
+        return lambda x: call(x, bf16)
     if variant == "hand int8 g64":
         quantized, scales = cpu_weights.quantize_int8(weight)
         return lambda x: hand.int8_linear(x, quantized, scales)
@@ -116,13 +129,16 @@ def main() -> int:
     blocks_path = folder / gguf_weights.BLOCKS_FILE
     blocks = load_file(str(blocks_path)) if blocks_path.is_file() else {}
     for variant in args.variants.split(","):
-        if variant == "hand gguf" and not blocks:
+        from_blocks = variant.startswith("hand gguf")
+        if from_blocks and not blocks:
             print(f"{variant}: no {blocks_path} (the engine writes it at start)")
             continue
         layers = [
             (
                 next((k for k in _KINDS if k in name), "lm_head"),
-                gguf_kernel(name, blocks) if variant == "hand gguf" else kernel(variant, w),
+                gguf_kernel(name, blocks, variant.endswith("(bf16 activations)"))
+                if from_blocks
+                else kernel(variant, w),
                 w.shape[1],
             )
             for name, w in weights
@@ -145,7 +161,7 @@ def main() -> int:
                     per_kind[kind].append(seconds)
             kinds = " ".join(f"{k}={statistics.median(v) * 1e3:.2f}" for k, v in per_kind.items())
             print(
-                f"{variant:<19} rows {rows:2}: step {statistics.median(steps) * 1e3:8.2f} ms "
+                f"{variant:<28} rows {rows:2}: step {statistics.median(steps) * 1e3:8.2f} ms "
                 f"(fastest {min(steps) * 1e3:8.2f}) | {kinds}",
                 flush=True,
             )

@@ -14,7 +14,8 @@ stay float32.
 subclasses below in place: parameter names and objects stay, only their storage becomes
 bfloat16, so a weight update that copies into the parameters (``copy_``) keeps working
 and there is nothing derived to refresh. Activations, norms, attention and logits stay
-float32.
+float32 (``--cpu-activation-dtype bfloat16`` rounds the linear layers' inputs: lossy, see
+:mod:`.bf16_dot_kernel`).
 
 ``--cpu-weight-dtype int8`` adds, on top, an int8 copy of each linear weight (symmetric,
 one float32 scale per 64 weights of a row) that a second kernel of the same shape reads:
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from penstock.engines.transformers.bf16_dot_kernel import BF16_DOT_FUNCTIONS, BF16_DOT_SOURCE
 from penstock.engines.transformers.gguf_kernel import GGUF_FUNCTIONS, GGUF_SOURCE
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 # Rows beyond this go through one float32 matmul on a widened copy of the weight: for
 # long prefills that is compute bound, where MKL's blocking beats the kernel's.
 _KERNEL_MAX_ROWS = 64
-_EXTENSION_NAME = "penstock_cpu_linear_v12"
+_EXTENSION_NAME = "penstock_cpu_linear_v15"
 # Weights per int8 scale: 99.2% teacher-forced top-1 agreement with float32 on SmolLM2
 # (per-channel scales: 96.9%, groups of 32: 98.0%).
 INT8_GROUP = 64
@@ -327,8 +329,8 @@ def _build(build_dir: Path) -> Any:
     build_dir.mkdir(parents=True, exist_ok=True)
     return load_inline(
         _EXTENSION_NAME,
-        cpp_sources=_SOURCE + GGUF_SOURCE,
-        functions=["bf16_linear", "int8_linear", *GGUF_FUNCTIONS],
+        cpp_sources=_SOURCE + GGUF_SOURCE + BF16_DOT_SOURCE,
+        functions=["bf16_linear", "int8_linear", *GGUF_FUNCTIONS, *BF16_DOT_FUNCTIONS],
         extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq"],
         build_directory=str(build_dir),
         verbose=False,
@@ -363,7 +365,22 @@ def load_kernel(cache_dir: Path) -> str | None:
         return None
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def has_avx512_bf16() -> bool:
+    """Whether the loaded kernels can run AVX512-BF16 instructions (``vdpbf16ps``)."""
+    return _kernel is not None and bool(_kernel.cpu_has_avx512_bf16())
+
+
+def bf16_weight_kernel(bf16_activations: bool, width: int) -> Callable[..., torch.Tensor]:
+    """The kernel for bfloat16 weights ``width`` wide: with ``bf16_activations`` the one
+    that rounds x to bfloat16 (see :mod:`.bf16_dot_kernel`), where the width allows it."""
+    if bf16_activations and width % 32 == 0:
+        return _kernel.bf16_linear_bf16_activations
+    return _kernel.bf16_linear
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bf16_activations: bool
+) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (
         _kernel is not None
@@ -375,7 +392,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
         and x.shape[-1] % 16 == 0
         and 0 < rows <= _KERNEL_MAX_ROWS
     ):
-        out = _kernel.bf16_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight)
+        kernel = bf16_weight_kernel(bf16_activations, x.shape[-1])
+        out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight)
         if bias is not None:
             out = out + bias.to(out.dtype)
         return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -383,10 +401,16 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 class Bf16WeightLinear(torch.nn.Linear):
-    """``nn.Linear`` whose weight is stored in bfloat16 and multiplied in float32."""
+    """``nn.Linear`` whose weight is stored in bfloat16 and multiplied in float32.
+
+    With ``bf16_activations`` (``--cpu-activation-dtype bfloat16``), kernel calls of more
+    than one row round x to bfloat16 first: lossy, see :mod:`.bf16_dot_kernel`.
+    """
+
+    bf16_activations = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias, self.bf16_activations)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -492,9 +516,9 @@ def row_linear(module: torch.nn.Module, max_rows: int) -> Callable[[torch.Tensor
         and weight.is_contiguous()
         and weight.shape[1] % 16 == 0
     ):
-        bf16_linear = _kernel.bf16_linear
+        kernel = bf16_weight_kernel(module.bf16_activations, weight.shape[1])
         # The Parameter object outlives weight updates (they copy into it).
-        return lambda x: bf16_linear(x, weight)
+        return lambda x: kernel(x, weight)
     return module.forward
 
 
@@ -505,16 +529,23 @@ class Bf16WeightEmbedding(torch.nn.Embedding):
         return super().forward(x).float()
 
 
-def pack_model(model: torch.nn.Module, *, int8: bool = False) -> int:
+def pack_model(model: torch.nn.Module, *, int8: bool = False, activations: str = "float32") -> int:
     """Store the float32 weights of every linear and embedding layer in bfloat16, in place.
 
     With ``int8``, linear layers whose input width is a multiple of 64 also get an int8
     copy of their weight that their forward pass reads (embeddings stay bfloat16: a lookup
-    reads one row). Idempotent; needs ``load_kernel`` to have succeeded. Returns how many
-    layers changed.
+    reads one row). ``activations`` ``"bfloat16"`` (``--cpu-activation-dtype``) sets the
+    layers' ``bf16_activations`` where the CPU has AVX512-BF16 (int8 layers ignore it);
+    elsewhere it logs why not. Idempotent; needs ``load_kernel`` to have succeeded.
+    Returns how many layers changed.
     """
     if _kernel is None:
         raise RuntimeError("pack_model needs the kernel: call load_kernel first")
+    bf16_activations = activations == "bfloat16"
+    if bf16_activations and not has_avx512_bf16():
+        reason = "the CPU has no AVX512-BF16"
+        logger.warning("activations stay float32 (--cpu-activation-dtype bfloat16): %s", reason)
+        bf16_activations = False
     packed = 0
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -524,6 +555,7 @@ def pack_model(model: torch.nn.Module, *, int8: bool = False) -> int:
             # A layer packed before may still lack its int8 copy.
             if type(module) in (torch.nn.Linear, Bf16WeightLinear):
                 module.__class__ = Bf16WeightLinear
+                module.bf16_activations = bf16_activations
                 # Other widths would widen the whole weight every call: slower than float32.
                 if module.in_features % 16:
                     continue

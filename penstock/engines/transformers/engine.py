@@ -362,7 +362,7 @@ class TransformersEngine(
         if failure is not None:
             logger.warning("weights stay float32 (--cpu-weight-dtype): %s", failure)
             return
-        pack_model(self.model, int8=choice == "int8")
+        pack_model(self.model, int8=choice == "int8", activations=self.args.cpu_activation_dtype)
         self.bf16_weights = True
         self.int8_weights = choice == "int8"
         if choice == "gguf" or (choice == "bfloat16" and self.args.cpu_weight_dtype == "auto"):
@@ -514,7 +514,9 @@ class TransformersEngine(
         """Point the scheduler at the module to call (call with ``step_lock`` held)."""
         if self.bf16_weights:
             # A model reloaded after deep sleep comes back float32.
-            pack_model(self.model, int8=self.int8_weights)
+            pack_model(
+                self.model, int8=self.int8_weights, activations=self.args.cpu_activation_dtype
+            )
             if self.gguf_weights:
                 restore_gguf_blocks(self.model, self.model_path)
         scheduler.model = self.lora.forward_module(self.model)

@@ -40,7 +40,7 @@ BF16_STEP void widen_words(__m512i words, __m512& low, __m512& high) {
 // bit, a neighbour's, then picks the same value. The 16 bytes of nibbles, repeated in the
 // four 128-bit lanes and shifted right by 0, 4, 8 and 12 bits lane by lane, put a
 // different nibble in the low 4 bits of each of the 32 words.
-BF16_STEP void q4_1_block(const uint8_t* record, __m512& low, __m512& high) {
+BF16_STEP __m512i q4_1_words(const uint8_t* record) {
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 0x40004, 0x40004, 0x40004, 0x40004,
                                            0x80008, 0x80008, 0x80008, 0x80008, 0xC000C,
@@ -52,16 +52,26 @@ BF16_STEP void q4_1_block(const uint8_t* record, __m512& low, __m512& high) {
   const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(values, values));
   const __m512i nibbles = _mm512_broadcast_i32x4(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(record + 8)));
-  widen_words(_mm512_permutexvar_epi16(_mm512_srlv_epi16(nibbles, shifts), table), low, high);
+  return _mm512_permutexvar_epi16(_mm512_srlv_epi16(nibbles, shifts), table);
 }
 
-BF16_STEP void q8_0_block(const uint8_t* record, __m512& low, __m512& high) {
+// Slots 0-15 and 16-31 rounded into words 0-15 and 16-31: gguf_weights orders the slots
+// so that the even words again hold the block's first 16 weights.
+BF16_STEP __m512i q8_0_words(const uint8_t* record) {
   const __m512 d = _mm512_set1_ps(*reinterpret_cast<const float*>(record));
   const __m128i* q = reinterpret_cast<const __m128i*>(record + 4);
   const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
   const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-  const __m512bh words = _mm512_cvtne2ps_pbh(_mm512_mul_ps(second, d), _mm512_mul_ps(first, d));
-  widen_words(reinterpret_cast<__m512i>(words), low, high);
+  return reinterpret_cast<__m512i>(
+      _mm512_cvtne2ps_pbh(_mm512_mul_ps(second, d), _mm512_mul_ps(first, d)));
+}
+
+BF16_STEP void q4_1_block(const uint8_t* record, __m512& low, __m512& high) {
+  widen_words(q4_1_words(record), low, high);
+}
+
+BF16_STEP void q8_0_block(const uint8_t* record, __m512& low, __m512& high) {
+  widen_words(q8_0_words(record), low, high);
 }
 
 // MB rows of x against NB rows of blocks: each block is rebuilt once and used MB times.

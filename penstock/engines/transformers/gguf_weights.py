@@ -196,11 +196,16 @@ class GgufBlockLinear(DerivedWeightLinear):
 
     def _block_linear(self) -> BlockLinear:
         kernel = cpu_weights._kernel
+        if self.bf16_activations:
+            if self.gguf_kind == "Q4_1":
+                return kernel.q4_1_linear_bf16_activations
+            return kernel.q8_0_linear_bf16_activations
         return kernel.q4_1_linear if self.gguf_kind == "Q4_1" else kernel.q8_0_linear
 
     def row_forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        block_linear, bf16_linear = self._block_linear(), cpu_weights._kernel.bf16_linear
         weight = self.weight
+        block_linear = self._block_linear()
+        bf16_linear = cpu_weights.bf16_weight_kernel(self.bf16_activations, weight.shape[1])
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             # Read at each call: ``requantize`` may drop the blocks.

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from penstock.engines.transformers import TransformersEngine, cpu_weights
-from penstock.engines.transformers.args import default_model_cache_dir
+from penstock.engines.transformers.args import default_model_cache_dir, parse_args
 from tests.engines.transformers.conftest import start_engine
 from tests.engines.transformers.helpers import greedy, run, tokens
 
@@ -271,3 +271,33 @@ async def test_int8_weights_agree_with_float32_on_smollm2(kernel: None) -> None:
     finally:
         await engine.cleanup()
     assert agree / total >= INT8_MIN_TOP1_AGREEMENT, f"{agree}/{total}"
+
+
+def test_activations_stay_float32_unless_asked() -> None:
+    assert parse_args([]).cpu_activation_dtype == "float32"
+    assert parse_args(["--cpu-activation-dtype", "bfloat16"]).cpu_activation_dtype == "bfloat16"
+
+
+# Rows of 1 (which stays float32), 3, 16, 64 and, for the kernel alone (layers compute
+# longer inputs in float32), beyond a row block of 64; widths of one, two (704) and three
+# (1536) passes, and 48, which the bfloat16 dot products can't take whole (float32
+# activations); 37 outputs, so that one is left over after the groups of 4.
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 70])
+@pytest.mark.parametrize("width", [48, 128, 704, 1536])
+def test_bf16_activations_round_x_once(kernel: None, rows: int, width: int) -> None:
+    if not cpu_weights.has_avx512_bf16():
+        pytest.skip("the CPU has no AVX512-BF16")
+    torch.manual_seed(rows * width)
+    x = torch.randn(rows, width)
+    layer = cpu_weights.Bf16WeightLinear(width, 37, bias=False)
+    layer.weight.data = (torch.randn(37, width) * width**-0.5).bfloat16()
+    cpu_weights.pack_model(torch.nn.Sequential(layer), activations="bfloat16")
+    assert layer.bf16_activations
+    rounded = x if rows == 1 or width % 32 else x.bfloat16().float()
+    expected = (rounded.double() @ layer.weight.double().T).float()
+    got = cpu_weights.bf16_weight_kernel(True, width)(x, layer.weight)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if rows <= 64:
+        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+        decode_linear = cpu_weights.row_linear(layer, max_rows=64)
+        torch.testing.assert_close(decode_linear(x), expected, atol=1e-5, rtol=1e-5)

@@ -329,3 +329,126 @@ def test_rows_that_no_block_rebuilds_keep_no_blocks(tmp_path: Path, gguf_dir: Pa
     assert write_blocks_file(gguf_dir / "tiny.gguf", tmp_path) == 2 * 7
     wanted = "model.layers.0.mlp.up_proj.weight"
     assert gguf_weights.checkpoint_name("blk.0.ffn_up.weight") == wanted
+
+
+def _bf16_activation_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x rounded to bfloat16 (a single row is not: it stays float32), times the weights."""
+    rounded = x if x.shape[0] == 1 else x.bfloat16().float()
+    return (rounded.double() @ weight.double().T).float()
+
+
+# Rows of 1 (float32), 3, 16, 64 and, for the kernel alone (layers compute longer inputs
+# in float32), beyond a row block of 64; widths of one, two (704) and three (1536) passes;
+# 37 outputs, so that one is left over after the groups of 4.
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 70])
+@pytest.mark.parametrize("width", [128, 704, 1536])
+def test_bf16_activation_kernels_equal_the_rounded_matmul(
+    kernel: None, kind: str, rows: int, width: int
+) -> None:
+    torch.manual_seed(rows * width)
+    weight = torch.randn(37, width) * width**-0.5
+    blocks = q4_1_blocks(weight) if kind == "Q4_1" else q8_0_blocks(weight)
+    records = records_from_gguf(blocks, kind)
+    layer = _block_layer(records, kind)
+    layer.bf16_activations = True
+    x = torch.randn(rows, width)
+    wanted = _bf16_activation_reference(x, rebuild(records, kind).float())
+    got = layer._block_linear()(x, records)
+    torch.testing.assert_close(got, wanted, atol=1e-5, rtol=1e-5)
+    if rows > 1:
+        assert not torch.allclose(got, F.linear(x, rebuild(records, kind).float()))
+    if rows <= 64:
+        torch.testing.assert_close(layer(x), wanted, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer.row_forward()(x), wanted, atol=1e-5, rtol=1e-5)
+
+
+async def test_the_blocks_decode_with_bf16_activations(kernel: None, gguf_dir: Path) -> None:
+    engine = await start_engine(
+        gguf_dir, "--cpu-weight-dtype", "gguf", "--cpu-activation-dtype", "bfloat16"
+    )
+
+    def rounding() -> list[bool]:
+        return [
+            m.bf16_activations for m in engine.model.modules() if isinstance(m, GgufBlockLinear)
+        ]
+
+    try:
+        assert rounding() == [True] * (2 * 7 + 1)
+        together = await asyncio.gather(
+            *(run(engine, greedy(prompt, max_tokens=16)) for prompt in PROMPTS)
+        )
+        # A model reloaded after deep sleep rounds again.
+        assert (await engine.engine_control("sleep", {"level": 2}))["status"] == "sleeping"
+        assert (await engine.engine_control("wake_up", {}))["status"] == "awake"
+        assert rounding() == [True] * (2 * 7 + 1)
+    finally:
+        await engine.cleanup()
+    assert [choices[0].finish_reason for choices in together] == ["length"] * len(PROMPTS)
+    assert [len(choices[0].token_ids) for choices in together] == [16] * len(PROMPTS)
+
+
+async def test_bf16_activations_keep_the_easy_answers_of_smollm2(kernel: None) -> None:
+    """Three requests decoding together (so the kernels take several rows) answer as with
+    float32 activations."""
+    from transformers import AutoTokenizer
+
+    from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME
+
+    model_dir = default_model_cache_dir() / DEFAULT_MODEL_NAME
+    if not (model_dir / BLOCKS_FILE).is_file():
+        pytest.skip("the default model is not converted on this machine")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    questions = ["What is the capital of France?", "What is 2 + 2?", "Name a primary colour."]
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for q in questions
+    ]
+    answers: dict[str, list[list[int]]] = {}
+    for activations in ("float32", "bfloat16"):
+        engine = await start_engine(
+            model_dir, "--cpu-weight-dtype", "gguf", "--cpu-activation-dtype", activations
+        )
+        try:
+            assert all(
+                m.bf16_activations == (activations == "bfloat16")
+                for m in engine.model.modules()
+                if isinstance(m, GgufBlockLinear)
+            )
+            together = await asyncio.gather(
+                *(run(engine, greedy(p, max_tokens=24)) for p in prompts)
+            )
+        finally:
+            await engine.cleanup()
+        answers[activations] = [choices[0].token_ids for choices in together]
+    texts = [tokenizer.decode(answer) for answer in answers["bfloat16"]]
+    assert texts[0].startswith("The capital of France is Paris.")
+    assert "Red" in texts[2]
+    # Measured: all 24 tokens of each answer equal; 8 leave room for another CPU's sums.
+    assert [a[:8] for a in answers["bfloat16"]] == [a[:8] for a in answers["float32"]]
+
+
+async def test_bf16_activations_without_avx512_bf16_stay_float32(
+    kernel: None, gguf_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    reference = await start_engine(gguf_dir, "--cpu-weight-dtype", "bfloat16")
+    try:
+        wanted = await _greedy_alone_and_together(reference)
+    finally:
+        await reference.cleanup()
+    monkeypatch.setattr(cpu_weights._kernel, "cpu_has_avx512_bf16", lambda: False)
+    with caplog.at_level(logging.WARNING):
+        engine = await start_engine(
+            gguf_dir, "--cpu-weight-dtype", "bfloat16", "--cpu-activation-dtype", "bfloat16"
+        )
+    try:
+        assert "activations stay float32 (--cpu-activation-dtype bfloat16)" in caplog.text
+        assert "no AVX512-BF16" in caplog.text
+        assert not any(getattr(m, "bf16_activations", False) for m in engine.model.modules())
+        assert await _greedy_alone_and_together(engine) == wanted
+    finally:
+        await engine.cleanup()

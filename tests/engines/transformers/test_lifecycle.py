@@ -77,7 +77,13 @@ async def test_an_unreadable_checkpoint_fails_at_start(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "argv", [["--device", "tpu"], ["--max-num-seqs", "0"], ["--dtype", "int3"]]
+    "argv",
+    [
+        ["--device", "tpu"],
+        ["--max-num-seqs", "0"],
+        ["--dtype", "int3"],
+        ["--cpu-activation-dtype", "int8"],
+    ],
 )
 async def test_bad_options_exit_with_usage(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as caught:
