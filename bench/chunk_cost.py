@@ -24,8 +24,9 @@ import torch
 
 from bench.engine_core import start
 from penstock.engines.transformers.args import default_model_cache_dir
+from penstock.engines.transformers.block_manager import BLOCK_SIZE
 from penstock.engines.transformers.default_model import prepare_default_model
-from penstock.engines.transformers.kv_cache import BatchKv
+from penstock.engines.transformers.kv_cache import KvArena, StepKv
 from penstock.engines.transformers.llama_decode import LlamaDecoder
 from penstock.engines.transformers.prompt_kv import PromptChunk, PromptKv
 
@@ -42,20 +43,21 @@ def low_quartile_ms(step: Callable[[], None], repeats: int = 7) -> float:
 
 
 def fused_step(
-    decoder: LlamaDecoder, batch: BatchKv, prompt: PromptKv, context: int, tokens: int
+    decoder: LlamaDecoder,
+    row: tuple[KvArena, list[int], int],
+    prompt: PromptKv,
+    context: int,
+    tokens: int,
 ) -> None:
-    """The batch's row decodes a token beside ``tokens`` tokens of ``prompt`` from
-    ``context``; both are then as long as before."""
+    """The ``row`` (its arena, blocks and length) decodes a token beside ``tokens`` tokens
+    of ``prompt`` from ``context``; both are then as long as before."""
     for layer in prompt.layers:
         layer.end = context
     ids = torch.randint(0, 1000, (tokens,))
     chunk = PromptChunk(ids, context, prompt, False) if tokens else None
-    batch.reserve(1, limit=64)
-    position = torch.tensor([batch.width])
-    decoder.step(torch.tensor([5]), position, batch, None, chunk)
-    for layer in batch.layers:
-        layer.end -= 1
-        layer._refresh()
+    arena, blocks, length = row
+    kv = StepKv(arena, [(blocks, length)])
+    decoder.step(torch.tensor([5]), torch.tensor([length]), kv, chunk)
 
 
 async def main() -> None:
@@ -68,12 +70,14 @@ async def main() -> None:
     assert engine.scheduler is not None
     decoder = engine.scheduler.runner.decoder
     assert decoder is not None, "the default model decodes with LlamaDecoder"
-    layers = len(engine.scheduler.runner.model.model.layers)
+    model = engine.scheduler.runner.model
+    layers = len(model.model.layers)
     shape = (1, decoder.kv_heads, args.row, decoder.head_dim)
-    row = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
-    batch = BatchKv(row, row_capacity=1)
-    batch.set_width(args.row, headroom=64)
-    batch.add_rows([row], max_rows=1)
+    blocks = list(range(args.row // BLOCK_SIZE + 1))
+    arena = KvArena.for_model(model.config, len(blocks), torch.float32, torch.device("cpu"))
+    row_kv = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
+    arena.write_prompt(arena.slots(blocks, 0, args.row), row_kv, 0)
+    row = (arena, blocks, args.row)
     try:
         with torch.inference_mode():
             for context in (int(part) for part in args.contexts.split(",")):
@@ -83,7 +87,7 @@ async def main() -> None:
                     prompt.update(torch.randn(filled), torch.randn(filled), index)
 
                 def step(tokens: int, prompt: PromptKv = prompt, context: int = context) -> None:
-                    fused_step(decoder, batch, prompt, context, tokens)
+                    fused_step(decoder, row, prompt, context, tokens)
 
                 alone = low_quartile_ms(lambda: step(0))
                 added = " ".join(

@@ -12,13 +12,13 @@ its KV and hash until the pool needs it: such blocks are reused least recently f
 first, each leaving with a ``removed`` event. :meth:`BlockManager.reset` starts a new
 epoch (new weights, a flush): no block computed before it is ever matched again.
 
-Only blocks that can be matched keep KV here (``[layers, 2, kv heads, BLOCK_SIZE, head
-dim]`` each): a prompt's full blocks, written at prefill, and the blocks its output filled,
-written when the sequence leaves the batch (finished, cancelled or preempted), so the next
-turn of a conversation and a preempted sequence's recompute start with them. A running
-sequence's own KV lives in the decode batch (:mod:`.kv_cache`). A sequence's blocks are
-freed last first, so eviction takes a chain's tail before its head. Runs on the
-scheduler's thread; other threads read the counters.
+This module counts and names blocks; their keys and values are in :mod:`.kv_cache`'s
+arena, at the block's id. Blocks become matchable as their KV is written: a prompt's full
+blocks at prefill, and the blocks its output filled when the sequence leaves the batch
+(finished, cancelled or preempted), so the next turn of a conversation and a preempted
+sequence's recompute start with them. A sequence's blocks are freed last first, so
+eviction takes a chain's tail before its head. Runs on the scheduler's thread; other
+threads read the counters.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ class Block:
     # Set while the block can be matched by a later prompt.
     hash: int | None = None
     tokens: list[int] = field(default_factory=list)
-    kv: torch.Tensor | None = None
 
 
 @dataclass
@@ -64,12 +63,6 @@ class Match:
     @property
     def tokens(self) -> int:
         return len(self.blocks) * BLOCK_SIZE
-
-    def kv(self) -> torch.Tensor | None:
-        """The matched prefix's KV ``[layers, 2, kv heads, tokens, head dim]``; None if empty."""
-        if not self.blocks:
-            return None
-        return torch.cat([block.kv for block in self.blocks], dim=3)  # type: ignore[misc]
 
 
 def kv_bytes_per_token(config: object, dtype: torch.dtype) -> int:
@@ -150,7 +143,7 @@ class BlockManager:
         matched: list[Block] = []
         for block_hash in hashes[:usable]:
             block = self._by_hash.get(block_hash)
-            if block is None or block.kv is None:
+            if block is None:
                 break
             matched.append(block)
         for block in matched:
@@ -158,15 +151,10 @@ class BlockManager:
         return Match(matched, hashes)
 
     def store(
-        self,
-        blocks: Sequence[Block],
-        hashes: Sequence[int],
-        token_ids: Sequence[int],
-        kv: torch.Tensor,
-        first: int,
+        self, blocks: Sequence[Block], hashes: Sequence[int], token_ids: Sequence[int], first: int
     ) -> None:
-        """Make ``blocks[first:len(hashes)]`` matchable: their KV is ``kv`` (``[layers, 2,
-        kv heads, tokens, head dim]`` of ``token_ids`` from block ``first`` on)."""
+        """Make ``blocks[first:len(hashes)]`` matchable, their KV (of ``token_ids``) written.
+        A block whose hash another block holds already stays the sequence's own."""
         if not self.prefix_caching:
             return
         stored: list[int] = []
@@ -176,8 +164,6 @@ class BlockManager:
             if block_hash in self._by_hash:
                 continue
             block = blocks[index]
-            offset = (index - first) * BLOCK_SIZE
-            block.kv = kv[:, :, :, offset : offset + BLOCK_SIZE].clone()
             block.hash = block_hash
             block.tokens = list(token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
             self._by_hash[block_hash] = block
@@ -187,18 +173,12 @@ class BlockManager:
             self.on_stored(stored, stored_tokens)
 
     def store_computed(
-        self,
-        blocks: Sequence[Block],
-        token_ids: Sequence[int],
-        request_salt: object,
-        epoch: int,
-        kv_of: Callable[[int, int], torch.Tensor],
+        self, blocks: Sequence[Block], token_ids: Sequence[int], request_salt: object, epoch: int
     ) -> None:
         """Make the full blocks of a sequence's computed tokens ``token_ids`` matchable,
         prompt and output alike: a later turn of the conversation, or the sequence's own
-        recompute after a preemption, starts with them. ``kv_of(start, stop)``: the KV of
-        tokens ``[start, stop)`` (as :meth:`store`'s ``kv``), read only for blocks not
-        stored yet. KV computed in an earlier ``epoch`` (other weights) is never stored."""
+        recompute after a preemption, starts with them. KV computed in an earlier
+        ``epoch`` (other weights) is never stored."""
         if not self.prefix_caching or epoch != self.epoch:
             return
         hashes = chain_hashes(token_ids, self.salt(request_salt))
@@ -206,8 +186,7 @@ class BlockManager:
         while first < len(hashes) and blocks[first].hash == hashes[first]:
             first += 1
         if first < len(hashes):
-            kv = kv_of(first * BLOCK_SIZE, len(hashes) * BLOCK_SIZE)
-            self.store(blocks, hashes, token_ids, kv, first)
+            self.store(blocks, hashes, token_ids, first)
 
     # -- allocation -----------------------------------------------------------------------
 
@@ -234,7 +213,6 @@ class BlockManager:
             if block.hash is not None:
                 self._evictable[block.block_id] = block
             else:
-                block.kv = None
                 self._free.append(block)
 
     def reset(self) -> None:
@@ -242,7 +220,6 @@ class BlockManager:
         self.epoch += 1
         for block in self._by_hash.values():
             block.hash = None
-            block.kv = None
             block.tokens = []
         self._by_hash.clear()
         self._free.extend(self._evictable.values())
@@ -269,7 +246,7 @@ class BlockManager:
             return
         del self._by_hash[block.hash]
         removed = block.hash
-        block.hash, block.kv, block.tokens = None, None, []
+        block.hash, block.tokens = None, []
         if self.on_removed is not None:
             self.on_removed([removed])
 

@@ -57,7 +57,7 @@ from penstock.engines.health import (
     parse_health_check_payload_cli,
 )
 from penstock.engines.transformers.args import EngineArgs, context_length, parse_args
-from penstock.engines.transformers.block_manager import kv_bytes_per_token
+from penstock.engines.transformers.block_manager import BLOCK_SIZE, kv_bytes_per_token
 from penstock.engines.transformers.constraints import GrammarCompiler
 from penstock.engines.transformers.controls import TransformersControls
 from penstock.engines.transformers.cpu_weights import load_kernel, pack_model
@@ -72,9 +72,9 @@ from penstock.engines.transformers.lora import (
     LoraError,
     read_adapter,
 )
+from penstock.engines.transformers.paged_attention import load_attention_kernel
 from penstock.engines.transformers.sampling import SamplingDefaults, parse_sampling_params
 from penstock.engines.transformers.scheduler import (
-    KV_BLOCK_SIZE,
     BatchScheduler,
     StepFailure,
     Submission,
@@ -295,7 +295,7 @@ class TransformersEngine(
             },
             llm=LlmRegistration(
                 context_length=self.context_length,
-                kv_cache_block_size=KV_BLOCK_SIZE,
+                kv_cache_block_size=BLOCK_SIZE,
                 total_kv_blocks=scheduler.kv_total_blocks,
                 max_num_seqs=self.args.max_num_seqs,
                 max_num_batched_tokens=self.context_length,
@@ -330,6 +330,7 @@ class TransformersEngine(
             step_tokens=self.args.max_num_batched_tokens,
             decode_gap_ratio=self.args.decode_gap_ratio,
             deterministic=self.args.deterministic,
+            kv_dtype=dtype,
         )
         scheduler.decoder = LlamaDecoder.for_model(self.model, max_rows=self.args.max_num_seqs)
         if self._load_model is load_vision_model:
@@ -350,6 +351,7 @@ class TransformersEngine(
         choice = self.args.cpu_weight_dtype
         if self.device is None or self.device.type != "cpu" or self.dtype != torch.float32:
             return
+        load_attention_kernel(self.args.model_cache_dir)
         if self.args.deterministic:
             # The trainer's forward pass runs on the checkpoint's modules, not packed copies.
             return

@@ -1,4 +1,4 @@
-"""A decode step for Llama-architecture models in plain tensor ops, over the batch's KV cache.
+"""A decode step for Llama-architecture models in plain tensor ops, over the KV pool's blocks.
 
 Why: at one row on the CPU, a decode step of SmolLM2-135M reads ~142 MB of int8 weights
 (~13 ms), and transformers' forward adds ~9-12 ms of Python around it (module calls and
@@ -7,9 +7,9 @@ embeddings recomputed per layer). This step computes the same thing with about t
 tensor ops a layer: the model's own parameters, read at every step (so weight updates,
 moves between devices and requantization are seen), the linear layers through the
 engine's own path (the CPU kernels of :mod:`.cpu_weights` where they apply), rotary
-embeddings from the model's own ``inv_freq`` once per step, keys and values written
-straight into the :class:`.kv_cache.BatchKv` column of this step, and a mask only when a
-row of the batch is shorter than the others.
+embeddings from the model's own ``inv_freq`` once per step, and each row's keys and
+values written straight into its next slot of the KV pool, where attention reads every
+row's own tokens in place (:class:`.kv_cache.StepKv`).
 
 It is used only where it computes what the transformers forward does:
 :meth:`LlamaDecoder.for_model` returns None for anything else (other architectures, a
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from penstock.engines.transformers.cpu_weights import row_linear
-from penstock.engines.transformers.kv_cache import BatchKv
+from penstock.engines.transformers.kv_cache import StepKv
 from penstock.engines.transformers.prompt_kv import PromptChunk
 
 # Rope types whose frequencies do not depend on the sequence length (transformers'
@@ -37,39 +37,6 @@ _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
-# Runs of batch rows that attend together: first row, end row, first column.
-Spans = list[tuple[int, int, int]]
-# What one more attention call of the batch's rows costs, in row-columns of attention
-# (on SmolLM2-135M a row-column reads ~46 KB of KV over the layers, ~5 us; a call over
-# the layers ~0.5-1 ms).
-_SPAN_COST = 256
-
-
-def row_spans(lengths: list[int], columns: int) -> Spans | None:
-    """Runs of consecutive rows that attend over their own columns only, where rows of
-    ``lengths`` tokens (this step's column included) sit right-aligned in ``columns``;
-    None when the whole batch over every column costs less than splitting it.
-
-    Why: a row attends over the batch's full width, padding included, so a short row
-    beside one long row reads as many columns as it: after an 8,000-token prompt joins,
-    a stream of 200 tokens costs what the prompt's row does (~30 ms a step on
-    SmolLM2-135M). Each run attends over the columns of its longest row.
-    """
-    spans: Spans = []
-    start, longest = 0, lengths[0]
-    for index in range(1, len(lengths)):
-        length = lengths[index]
-        rows = index - start
-        merged = (rows + 1) * max(longest, length)
-        if merged <= rows * longest + length + _SPAN_COST:
-            longest = max(longest, length)
-            continue
-        spans.append((start, index, columns - longest))
-        start, longest = index, length
-    if not spans:
-        return None
-    spans.append((start, len(lengths), columns - longest))
-    return spans
 
 
 @dataclass(frozen=True)
@@ -169,22 +136,10 @@ class LlamaDecoder:
         sin[:, :half].neg_()
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
-    def decode(
-        self,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: BatchKv,
-        attention_mask: torch.Tensor | None,
-        spans: Spans | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` after feeding each row's token at its position.
-
-        ``cache`` must have room for one more column (``BatchKv.reserve``); this step's
-        keys and values are written into it. ``attention_mask``: None when every row
-        uses every column, else ``[rows, 1, 1, columns + 1]`` booleans, True where a row
-        attends. ``spans``: see :func:`row_spans`.
-        """
-        logits, _ = self.step(token_ids, positions, cache, attention_mask, None, spans)
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, kv: StepKv) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` after feeding each row's token at its position; this
+        step's keys and values are written into the rows' slots (``kv``)."""
+        logits, _ = self.step(token_ids, positions, kv, None)
         assert logits is not None
         return logits
 
@@ -194,55 +149,28 @@ class LlamaDecoder:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        cache: BatchKv,
-        attention_mask: torch.Tensor | None,
+        kv: StepKv,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        spans: Spans | None,
     ) -> torch.Tensor:
         """The batch rows' attention in layer ``index``, their keys (rotated here) and
-        values written into this step's column of ``cache``; ``[rows, heads * dim]``."""
+        values written into their slots first; ``[rows, heads * dim]``."""
         rows = query.shape[0]
-        key_slot, value_slot, keys, values = cache.decode_column(index)
-        torch.add(key * cos, key.roll(self.head_dim // 2, -1) * sin, out=key_slot)
-        value_slot.copy_(value)
-        # transformers' ``pack_gqa``: the query heads sharing a KV head become that
-        # head's queries, so attention reads the cache without repeating it.
-        packed = query.view(rows, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
-        if spans is None:
-            attended = F.scaled_dot_product_attention(
-                packed, keys, values, attn_mask=attention_mask, scale=self.scaling
-            )
-        else:
-            assert attention_mask is not None
-            attended = torch.cat(
-                [
-                    F.scaled_dot_product_attention(
-                        packed[first:end],
-                        keys[first:end, :, column:],
-                        values[first:end, :, column:],
-                        attn_mask=attention_mask[first:end, :, :, column:],
-                        scale=self.scaling,
-                    )
-                    for first, end, column in spans
-                ]
-            )
-        return attended.view(rows, self.heads * self.head_dim)
+        kv.write(index, key * cos + key.roll(self.head_dim // 2, -1) * sin, value)
+        return kv.attend(index, query, self.scaling).view(rows, self.heads * self.head_dim)
 
     def step(
         self,
         token_ids: torch.Tensor,
         positions: torch.Tensor,
-        cache: BatchKv | None,
-        attention_mask: torch.Tensor | None,
+        kv: StepKv | None,
         chunk: PromptChunk | None,
-        spans: Spans | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A decode step of the batch (``token_ids`` may be empty, ``cache`` then None)
+        """A decode step of the batch (``token_ids`` may be empty, ``kv`` then None)
         with, in the same pass, the next ``chunk`` of a prompt prefilled over several
-        steps: every linear layer reads its weights once for both; ``spans``: see
-        :func:`row_spans`. Returns the batch's logits (None without rows) and, when
-        ``chunk.last``, the logits of the chunk's last token (``[1, vocab]``)."""
+        steps: every linear layer reads its weights once for both. Returns the batch's
+        logits (None without rows) and, when ``chunk.last``, the logits of the chunk's
+        last token (``[1, vocab]``)."""
         rows = token_ids.shape[0]
         inputs, all_positions = token_ids, positions
         if chunk is not None:
@@ -264,15 +192,11 @@ class LlamaDecoder:
             query = query * cos + query.roll(half, -1) * sin
             parts = []
             if rows:
-                assert cache is not None
+                assert kv is not None
                 row_qkv = (query, key, value)
                 if chunk is not None:
                     row_qkv = (query[:rows], key[:rows], value[:rows])
-                parts.append(
-                    self._attend_rows(
-                        index, *row_qkv, cache, attention_mask, row_cos, row_sin, spans
-                    )
-                )
+                parts.append(self._attend_rows(index, *row_qkv, kv, row_cos, row_sin))
             if chunk is not None:
                 rotated = key[rows:] * cos[rows:] + key[rows:].roll(half, -1) * sin[rows:]
                 attended = chunk.attend(

@@ -1,16 +1,14 @@
-"""The forward passes of the batch scheduler (:mod:`.scheduler`) and the KV cache they
-run over, with each row's next token chosen from their logits.
+"""The forward passes of the batch scheduler (:mod:`.scheduler`) over the KV pool's
+blocks, with each row's next token chosen from their logits.
 
-Layout: every running sequence is one row of a batched :class:`.kv_cache.BatchKv`,
-right-aligned (left padding), so one decode step appends one column for all rows in
-place. Each row's real tokens are selected by an attention mask and its own position
-ids. The prompts admitted in a step are prefilled together, left-padded in one forward
-pass (a prompt's padding is masked out, so its first token depends on its neighbours
-only through the rounding of the matrix products, whose algorithm follows the batch's row
-count), then each one's KV is written into a free row of the batch; a finished or
-cancelled sequence's row is given to another, and padding columns no row needs any more
-are trimmed. The buffers are released when the batch empties, or reallocated smaller, a
-layer per step, when rows leave most of them unused.
+Every running sequence is one row of the decode batch. Its KV is in its blocks of the
+pool's arena (:mod:`.kv_cache`): a decode step writes each row's new token into its next
+slot and attends over the row's own slots, whatever the other rows' lengths, so rows join
+and leave the batch without copying any KV. The prompts admitted in a step are
+prefilled together, left-padded in one forward pass (a prompt's padding is masked out, so
+its first token depends on its neighbours only through the rounding of the matrix
+products, whose algorithm follows the batch's row count); :mod:`.prefill_plan` writes
+each one's KV into its blocks.
 
 With LoRA adapters loaded, each row names its adapter (or none) in the forward pass, so
 requests for different adapters and for the base model share one batch. Decode steps of
@@ -21,7 +19,6 @@ Every method runs on the scheduler's thread with its step lock held.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +26,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from penstock.engines.transformers.kv_cache import BatchKv, KvPair, growth, row_growth
-from penstock.engines.transformers.llama_decode import LlamaDecoder, Spans, row_spans
+from penstock.engines.transformers.kv_cache import GatheredCache, KvArena, KvPair, StepKv
+from penstock.engines.transformers.llama_decode import LlamaDecoder
 from penstock.engines.transformers.lora import BASE_ROW
 from penstock.engines.transformers.prompt_kv import PromptChunk, PromptKv
 from penstock.engines.transformers.sampling import TokenChoice, choose_tokens
@@ -55,9 +52,11 @@ class PrefillRow:
     computed: int = 0
     # Leading blocks whose KV the prefix cache holds (matched, or stored chunk by chunk).
     stored_blocks: int = 0
+    # Leading tokens whose KV is in the row's blocks (matched, or written chunk by chunk).
+    written: int = 0
 
     def __post_init__(self) -> None:
-        self.computed = self.prefix_length
+        self.computed = self.written = self.prefix_length
 
     @property
     def prefix_length(self) -> int:
@@ -91,10 +90,11 @@ class ModelRunner:
         rows: int,
         vocab: int,
         ends: frozenset[int],
+        arena: KvArena,
     ) -> None:
         """``rows``: the batch's most rows; ``vocab``: the vocabulary size; ``ends``: the
         end tokens, banned until a row's ``min_tokens``; ``seed``: of the generator that
-        unseeded rows sample from."""
+        unseeded rows sample from; ``arena``: the KV pool's blocks."""
         self.model = model
         # True while ``model`` is a peft wrapper: every forward pass then names each
         # row's adapter.
@@ -106,8 +106,7 @@ class ModelRunner:
         self.vocab_size, self.eos_token_ids = vocab, ends
         self._shared_generator = torch.Generator(device=device)
         self._shared_generator.manual_seed(seed)
-        self._cache: BatchKv | None = None
-        self._width = 0
+        self.arena = arena
         text_config = model.config.get_text_config(decoder=True)
         self._layer_count = int(text_config.num_hidden_layers)
 
@@ -138,6 +137,11 @@ class ModelRunner:
             return self._decode_with_chunk(rows, *chunk)
         return self._decode_rows(rows), None
 
+    @property
+    def keeps_kv_in_pool(self) -> bool:
+        """Whether a prefilled row's KV is written into its blocks (decode reads it there)."""
+        return True
+
     def _decode_with_chunk(
         self, rows: list[Sequence], row: PrefillRow, end: int
     ) -> tuple[list[TokenChoice], Prefilled | None]:
@@ -146,61 +150,28 @@ class ModelRunner:
         start = row.computed
         token_ids = torch.tensor(row.tokens[start:end], device=self.device)
         prompt_chunk = PromptChunk(token_ids, start, cache, end == len(row.tokens))
-        batch_kv, lengths, tokens, mask = self._decode_inputs(rows)
-        spans = self._spans(rows, mask)
-        logits, last = self.decoder.step(tokens, lengths, batch_kv, mask, prompt_chunk, spans)
+        step, positions, tokens = self._decode_inputs(rows)
+        logits, last = self.decoder.step(tokens, positions, step, prompt_chunk)
         choices = self._decoded(rows, logits)
-        self._prepare_join(rows, row, (end - start) / (len(row.tokens) - start))
         row.computed = end
         if last is None:
             return choices, None
         layers = [(layer.keys, layer.values) for layer in cache.layers]
         return choices, self._first_tokens(row, last, layers)
 
-    def _prepare_join(self, rows: list[Sequence], row: PrefillRow, share: float) -> None:
-        """Have the batch's buffers for ``row`` to join ready before its prompt ends, where
-        its joining would reallocate them: prepared at its first chunk beside ``rows``,
-        zeroed ``share`` x 2 of them per chunk (``share``: the part of the prompt left that
-        this chunk computes)."""
-        cache = self._cache
-        assert cache is not None
-        wanted, length = cache.rows + len(row.sequences), len(row.tokens)
-        if not cache.reallocates(wanted, length):
-            return
-        rows_wanted = row_growth(wanted, cache.row_capacity, self.max_num_seqs)
-        headroom = max(seq.remaining_steps for seq in rows + row.sequences)
-        width = max(self._width, length)
-        prepared = cache.prepare(rows_wanted, width + growth(width, headroom), width + 1)
-        prepared.zero(math.ceil(prepared.elements * min(2 * share, 1.0)))
-
     def _decode_inputs(
         self, rows: list[Sequence]
-    ) -> tuple[BatchKv, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The batch's cache (room made for this step's column), each row's position and
-        token, and the mask when a row is shorter than the batch."""
-        width = self._width
-        kv_lengths = [seq.kv_length for seq in rows]
-        lengths = torch.tensor(kv_lengths, device=self.device)
+    ) -> tuple[StepKv | None, torch.Tensor, torch.Tensor]:
+        """The step's view of the rows' blocks, each row's position and token."""
+        positions = torch.tensor([seq.kv_length for seq in rows], device=self.device)
         token_ids = torch.tensor([seq.next_token for seq in rows], device=self.device)
-        cache = self._cache
-        assert cache is not None
-        cache.reserve(1, limit=max(seq.remaining_steps for seq in rows))
-        attention_mask = None
-        if min(kv_lengths) < width:
-            columns = torch.arange(width + 1, device=self.device)
-            attention_mask = (columns >= (width - lengths).unsqueeze(1))[:, None, None, :]
-        return cache, lengths, token_ids, attention_mask
-
-    def _spans(self, rows: list[Sequence], mask: torch.Tensor | None) -> Spans | None:
-        """Where rows of different lengths attend over their own columns (see
-        :func:`.llama_decode.row_spans`); None without a mask (every row is as long)."""
-        if mask is None:
-            return None
-        return row_spans([seq.kv_length + 1 for seq in rows], self._width + 1)
+        if not rows:
+            return None, positions, token_ids
+        blocks = [([block.block_id for block in seq.blocks], seq.kv_length) for seq in rows]
+        return StepKv(self.arena, blocks), positions, token_ids
 
     def _decoded(self, rows: list[Sequence], logits: torch.Tensor | None) -> list[TokenChoice]:
         assert logits is not None
-        self._width += 1
         for seq in rows:
             seq.kv_length += 1
         return choose_tokens(
@@ -208,19 +179,18 @@ class ModelRunner:
         )
 
     def _decode_rows(self, rows: list[Sequence]) -> list[TokenChoice]:
-        width = self._width
-        cache, lengths, token_ids, mask = self._decode_inputs(rows)
+        step, positions, token_ids = self._decode_inputs(rows)
+        assert step is not None
         if self.fuses_chunks:
             assert self.decoder is not None
-            spans = self._spans(rows, mask)
-            logits = self.decoder.decode(token_ids, lengths, cache, mask, spans)
-            return self._decoded(rows, logits)
-        columns = torch.arange(width + 1, device=self.device).unsqueeze(0)
+            return self._decoded(rows, self.decoder.decode(token_ids, positions, step))
+        width = step.width
+        columns = torch.arange(width, device=self.device).unsqueeze(0)
         output = self.model(
             input_ids=token_ids.unsqueeze(1),
-            attention_mask=(columns >= (width - lengths).unsqueeze(1)).long(),
-            position_ids=lengths.unsqueeze(1),
-            cache=cache,
+            attention_mask=(columns >= (width - 1 - positions).unsqueeze(1)).long(),
+            position_ids=positions.unsqueeze(1),
+            cache=GatheredCache(step, self._layer_count),
             use_cache=True,
             **self._adapter_names(seq.submission for seq in rows),
         )
@@ -333,45 +303,19 @@ class ModelRunner:
     def rebuild_batch(
         self, running: list[Sequence], joined: list[tuple[Sequence, list[KvPair]]]
     ) -> list[Sequence] | None:
-        """Drop finished rows, trim padding nobody needs, append newly prefilled rows;
-        the batch's rows in their new order, or None when nothing changed."""
-        keep = [i for i, seq in enumerate(running) if seq.in_batch]
-        if len(keep) == len(running) and not joined:
+        """Drop finished rows and append newly prefilled ones (their KV is in their
+        blocks already); the batch's rows in their new order, or None when nothing changed."""
+        kept = [seq for seq in running if seq.in_batch]
+        if len(kept) == len(running) and not joined:
             return None
-        if self._cache is not None:
-            order = self._cache.keep_rows(keep) if len(keep) != len(running) else keep
-            survivors = [running[i] for i in order]
-        else:
-            survivors = []
-        rows = survivors + [seq for seq, _ in joined]
-        if not rows:
-            self.reset()
-            return rows
-        width = max(seq.kv_length for seq in rows)
-        headroom = max(seq.remaining_steps for seq in rows)
-        if self._cache is None:
-            self._cache = BatchKv(joined[0][1], row_capacity=len(joined))
-        self._cache.set_width(width, headroom=headroom)
-        if joined:
-            self._cache.add_rows([layers for _, layers in joined], self.max_num_seqs)
-        self._width = width
-        return rows
-
-    def row_kv(self, row: int, length: int, start: int, stop: int) -> torch.Tensor:
-        """The KV of tokens ``[start, stop)`` of batch row ``row``, which holds ``length``
-        tokens: ``[layers, 2, kv heads, stop - start, head dim]``, a copy."""
-        assert self._cache is not None
-        return self._cache.row_kv(row, length, start, stop)
+        return kept + [seq for seq, _ in joined]
 
     def reset(self) -> None:
-        """Release the batch's KV cache (the batch emptied, or its step failed)."""
-        self._cache = None
-        self._width = 0
+        """Forget the batch (its step failed). Its KV is in blocks the scheduler frees."""
 
     def move_kv(self, device: torch.device) -> None:
-        """Move the KV of held sequences."""
-        if self._cache is not None:
-            self._cache.to(device)
+        """Move the pool's KV (every block's, held or cached)."""
+        self.arena.to(device)
 
     def _adapter_names(self, submissions: Iterable[Submission]) -> dict[str, Any]:
         if not self.adapters_loaded:

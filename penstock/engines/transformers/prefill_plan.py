@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import torch
-
 from penstock.engines.transformers.block_manager import (
     BLOCK_SIZE,
     BlockManager,
@@ -26,7 +24,7 @@ from penstock.engines.transformers.block_manager import (
     chain_hashes,
 )
 from penstock.engines.transformers.chunk_pacing import LEAST_CHUNK_TOKENS
-from penstock.engines.transformers.kv_cache import KvPair
+from penstock.engines.transformers.kv_cache import KvArena, KvPair
 from penstock.engines.transformers.model_runner import ModelRunner, Prefilled, PrefillRow
 from penstock.engines.transformers.sampling import TokenChoice
 from penstock.engines.transformers.sequence import Sequence, Submission
@@ -117,9 +115,14 @@ def prefill_groups(
 
 
 def claim_blocks(
-    pool: BlockManager, submission: Submission, tokens: list[int], sequences: list[Sequence]
+    pool: BlockManager,
+    arena: KvArena,
+    submission: Submission,
+    tokens: list[int],
+    sequences: list[Sequence],
 ) -> Claimed:
-    """Hold the blocks of ``tokens`` for ``sequences``; the row to prefill and its match."""
+    """Hold the blocks of ``tokens`` for ``sequences``; the row to prefill (its matched
+    prefix's KV read from ``arena``) and its match."""
     if submission.embed is None:
         match = pool.match(tokens, submission.kv_salt)
     else:
@@ -138,7 +141,11 @@ def claim_blocks(
         submission.cached_tokens = match.tokens
     pool.cached_tokens += match.tokens
     pool.prefill_tokens += len(tokens) - match.tokens
-    return PrefillRow(submission, tokens, sequences, match.kv()), match
+    prefix_kv = None
+    if match.blocks:
+        ids = [block.block_id for block in match.blocks]
+        prefix_kv = arena.read(arena.slots(ids, 0, match.tokens))
+    return PrefillRow(submission, tokens, sequences, prefix_kv), match
 
 
 class Prefiller:
@@ -250,7 +257,7 @@ class Prefiller:
     def _claim(
         self, submission: Submission, tokens: list[int], sequences: list[Sequence]
     ) -> Claimed:
-        return claim_blocks(self.pool, submission, tokens, sequences)
+        return claim_blocks(self.pool, self.runner.arena, submission, tokens, sequences)
 
     def _chunks(self, budget: float, joined: list[Joined], outbox: Outbox) -> float:
         """The next chunks of the rows prefilled over several steps, oldest first, within
@@ -270,25 +277,39 @@ class Prefiller:
         return budget
 
     def _store_computed(self, row: PrefillRow, match: Match) -> None:
-        """Cache the full blocks of a row prefilled over several steps as its chunks fill
-        them: each step copies the blocks of its own chunk, where storing the whole
-        prompt when it ends made that step copy all of its KV at once."""
+        """Write and cache the full blocks of a row prefilled over several steps as its
+        chunks fill them: each step copies the blocks of its own chunk, where writing the
+        whole prompt when it ends made that step copy all of its KV at once."""
         if row.cache is not None:
             layers = [(layer.keys, layer.values) for layer in row.cache.layers]
-            self._store(row, match, layers, row.computed)
+            self._write(row, layers, row.computed // BLOCK_SIZE * BLOCK_SIZE)
+            self._store(row, match, row.computed)
 
-    def _store(self, row: PrefillRow, match: Match, layers: list[KvPair], end: int) -> None:
+    def _write(self, row: PrefillRow, layers: list[KvPair], end: int) -> None:
+        """Write the row's KV (``layers``: from its first token) up to token ``end`` into
+        its blocks, from its first token not written yet: full blocks into the blocks its
+        sequences share, the prompt's last partial block into each one's own."""
+        if not self.runner.keeps_kv_in_pool or end <= row.written:
+            return
+        arena = self.runner.arena
+        shared_end = min(end, len(row.tokens) // BLOCK_SIZE * BLOCK_SIZE)
+        if shared_end > row.written:
+            ids = [block.block_id for block in row.sequences[0].blocks]
+            arena.write_prompt(arena.slots(ids, row.written, shared_end), layers, row.written)
+        if end > shared_end:
+            for seq in row.sequences:
+                ids = [block.block_id for block in seq.blocks]
+                arena.write_prompt(arena.slots(ids, shared_end, end), layers, shared_end)
+        row.written = end
+
+    def _store(self, row: PrefillRow, match: Match, end: int) -> None:
         """Make the row's full blocks among its first ``end`` tokens matchable, those not
-        cached yet (``layers``: the KV of the row's tokens from its first)."""
+        cached yet (their KV written)."""
         first = max(row.stored_blocks, len(match.blocks))
         last = min(end // BLOCK_SIZE, len(match.hashes))
         if last <= first:
             return
-        start, stop = first * BLOCK_SIZE, last * BLOCK_SIZE
-        kv = torch.stack(
-            [torch.stack((k[0, :, start:stop], v[0, :, start:stop])) for k, v in layers]
-        )
-        self.pool.store(row.sequences[0].blocks, match.hashes[:last], row.tokens, kv, first)
+        self.pool.store(row.sequences[0].blocks, match.hashes[:last], row.tokens, first)
         row.stored_blocks = last
 
     def _join(
@@ -296,7 +317,8 @@ class Prefiller:
     ) -> list[Joined]:
         """Cache a prefilled row's new full blocks and take its sequences' first tokens."""
         choices, layers = prefilled
-        self._store(row, match, layers, len(row.tokens))
+        self._write(row, layers, len(row.tokens))
+        self._store(row, match, len(row.tokens))
         joined = []
         for seq, choice in zip(row.sequences, choices, strict=True):
             self._accept(seq, choice, outbox)

@@ -10,12 +10,12 @@ DESIGN.md). The batch changes only at step boundaries: requests admitted in a st
 prefilled within its token budget (``step_tokens``, decode rows included) and join the
 running rows, which decode one token per step until they finish or are cancelled.
 
-KV is counted in blocks of the pool (``kv_capacity_tokens``): a request is admitted when
-the pool has the blocks its prompt needs, and a running row takes a block each time its
-tokens fill the last one, never ``max_tokens`` ahead. A row finding the pool empty
-preempts the request that runs last in admission order (lowest ``priority``, then latest
-arrival): its blocks are freed and it waits again with its tokens, its KV recomputed when
-it is admitted back. A prompt whose leading full blocks are cached computes only the rest.
+KV lives in blocks of the pool (``kv_capacity_tokens``, :mod:`.kv_cache`): a request is
+admitted when the pool has the blocks its prompt needs, and a running row takes a block
+each time its tokens fill the last one, never ``max_tokens`` ahead. A row finding the pool
+empty preempts the request that runs last in admission order (lowest ``priority``, then
+latest arrival): its blocks are freed and it waits again with its tokens, recomputed
+(from its cached blocks on) when admitted back. Cached leading blocks are not computed.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from penstock.engines.transformers.block_manager import BLOCK_SIZE, BlockManager, KvEventRelay
 from penstock.engines.transformers.chunk_pacing import UNPACED_CPU_CHUNK, ChunkPacer
 from penstock.engines.transformers.deterministic import DeterministicRunner, OutgoingChunks
-from penstock.engines.transformers.kv_cache import KvPair
+from penstock.engines.transformers.kv_cache import KvArena, KvPair
 from penstock.engines.transformers.model_runner import ModelRunner, OnRunner
 from penstock.engines.transformers.prefill_plan import (
     Joined,
@@ -49,7 +49,6 @@ from penstock.metrics.forward_pass import ForwardPassMetrics
 
 logger = logging.getLogger(__name__)
 
-KV_BLOCK_SIZE = BLOCK_SIZE
 DEFAULT_STEP_TOKENS = 2048
 # How often a thread with held or frozen requests re-checks them for cancellation.
 _HELD_POLL_S = 0.05
@@ -86,15 +85,25 @@ class BatchScheduler:
         step_tokens: int = DEFAULT_STEP_TOKENS,
         decode_gap_ratio: float | None = None,
         deterministic: bool = False,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
         """``step_tokens``: the tokens one step computes at most, decode rows and prefill
         chunks together (a longer prompt is prefilled over several steps);
         ``decode_gap_ratio``: on the CPU, a step computing prompts while rows decode
         aims at this many times a decode-only step (see :mod:`.chunk_pacing`);
-        ``deterministic``: one sequence per forward pass (see :mod:`.deterministic`)."""
+        ``deterministic``: one sequence per forward pass (see :mod:`.deterministic`);
+        ``kv_dtype``: the pool's (the model's compute dtype)."""
         runner = DeterministicRunner if deterministic else ModelRunner
+        text_config = model.config.get_text_config(decoder=True)
+        arena = KvArena.for_model(text_config, kv_capacity_tokens // BLOCK_SIZE, kv_dtype, device)
         self.runner = runner(
-            model, device, seed=seed, rows=max_num_seqs, vocab=vocab_size, ends=eos_token_ids
+            model,
+            device,
+            seed=seed,
+            rows=max_num_seqs,
+            vocab=vocab_size,
+            ends=eos_token_ids,
+            arena=arena,
         )
         self.outgoing = OutgoingChunks(self.runner)
         self.eos_token_ids = eos_token_ids
@@ -123,7 +132,7 @@ class BatchScheduler:
             accept=self._accept,
             cancel=lambda seq, outbox: self._finish(seq, "cancelled", outbox, last_chunk=None),
             send=self._send,
-            context=context_per_token(model.config.get_text_config(decoder=True)),
+            context=context_per_token(text_config),
         )
         self.step_tokens = step_tokens
         self.pacer = ChunkPacer(decode_gap_ratio if device.type == "cpu" else None)
@@ -510,19 +519,10 @@ class BatchScheduler:
             self._retire(submission)
 
     def _release(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks; while it has a row, the full blocks of its computed
-        tokens are cached first (the next turn of a conversation, or its own recompute
-        after a preemption, then starts with them)."""
-        row = next((i for i, running in enumerate(self._running) if running is seq), None)
+        """Free ``seq``'s blocks, the full ones of its computed tokens cached first."""
         tokens = seq.cacheable_tokens
-        if row is not None and len(tokens) >= BLOCK_SIZE:
-            self.blocks.store_computed(
-                seq.blocks,
-                tokens,
-                seq.submission.kv_salt,
-                seq.kv_epoch,
-                lambda start, stop: self.runner.row_kv(row, len(tokens), start, stop),
-            )
+        if len(tokens) >= BLOCK_SIZE:
+            self.blocks.store_computed(seq.blocks, tokens, seq.submission.kv_salt, seq.kv_epoch)
         self.blocks.free(seq.blocks)
         seq.blocks = []
 
