@@ -514,11 +514,10 @@ class TransformersEngine(
 
     def _install_forward_module(self, scheduler: BatchScheduler) -> None:
         """Point the scheduler at the module to call (call with ``step_lock`` held)."""
+        activations = self.args.cpu_activation_dtype
         if self.bf16_weights:
             # A model reloaded after deep sleep comes back float32.
-            pack_model(
-                self.model, int8=self.int8_weights, activations=self.args.cpu_activation_dtype
-            )
+            pack_model(self.model, int8=self.int8_weights, activations=activations)
             if self.gguf_weights:
                 restore_gguf_blocks(self.model, self.model_path)
         scheduler.model = self.lora.forward_module(self.model)
