@@ -127,8 +127,9 @@ def _add_kv_options(parser: argparse.ArgumentParser) -> None:
     pool.add_argument(
         "--kv-cache-tokens",
         type=_positive_int,
-        help="KV pool size in tokens across all sequences and cached prefixes "
-        "(default: max-num-seqs x max-model-len)",
+        help="KV pool size in tokens across all sequences and cached prefixes, whose keys "
+        "and values are allocated once at that size and used in place "
+        "(default: max-num-seqs x max-model-len, at most a quarter of the device's memory)",
     )
     pool.add_argument(
         "--kv-cache-bytes",

@@ -23,6 +23,7 @@ threads read the counters.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,11 @@ from typing import Any
 
 import torch
 
+from penstock.engines.transformers.args import EngineArgs
+
 BLOCK_SIZE = 16
+# The most of a device's memory the default pool's KV takes.
+POOL_MEMORY_SHARE = 0.25
 
 # (block hashes, the tokens of each block) when blocks become matchable; hashes when
 # they leave the cache; () when the cache is cleared.
@@ -73,6 +78,22 @@ def kv_bytes_per_token(config: object, dtype: torch.dtype) -> int:
     head_dim = int(getattr(config, "head_dim", None) or hidden // max(heads, 1))
     layers = int(getattr(config, "num_hidden_layers", 1))
     return layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def pool_tokens(
+    args: EngineArgs, config: object, dtype: torch.dtype, device: torch.device, context: int
+) -> int:
+    """The pool's size in tokens (``args.kv_pool_tokens``). Its default, ``--max-num-seqs``
+    sequences of ``context`` tokens, is cut to what ``POOL_MEMORY_SHARE`` of ``device``'s
+    memory holds (the pool's KV is allocated at its size), one ``context`` at least."""
+    token_bytes = kv_bytes_per_token(config, dtype)
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fits = int(memory * POOL_MEMORY_SHARE) // max(token_bytes, 1)
+    default = max(min(args.max_num_seqs * context, fits), context)
+    return args.kv_pool_tokens(bytes_per_token=token_bytes, default=default)
 
 
 def chain_hashes(token_ids: Sequence[int], salt: object) -> list[int]:

@@ -57,7 +57,7 @@ from penstock.engines.health import (
     parse_health_check_payload_cli,
 )
 from penstock.engines.transformers.args import EngineArgs, context_length, parse_args
-from penstock.engines.transformers.block_manager import BLOCK_SIZE, kv_bytes_per_token
+from penstock.engines.transformers.block_manager import BLOCK_SIZE, pool_tokens
 from penstock.engines.transformers.constraints import GrammarCompiler
 from penstock.engines.transformers.controls import TransformersControls
 from penstock.engines.transformers.cpu_weights import load_kernel, pack_model
@@ -261,7 +261,10 @@ class TransformersEngine(
         bos = getattr(self.model.generation_config, "bos_token_id", None)
         self._bos_or_eos = bos if isinstance(bos, int) else min(eos, default=0)
         self.grammars = GrammarCompiler(self.model_path, self.vocab_size, eos)
-        kv_tokens = self._kv_pool_tokens(text_config)
+        assert self.dtype is not None and self.device is not None
+        kv_tokens = pool_tokens(
+            self.args, text_config, self.dtype, self.device, self.context_length
+        )
         scheduler = self._start_scheduler(worker_id, eos, kv_tokens)
         logger.info(
             "transformers engine ready: %s on %s (%s%s), context %d, %d sequences, %d KV tokens",
@@ -300,13 +303,6 @@ class TransformersEngine(
                 max_num_seqs=self.args.max_num_seqs,
                 max_num_batched_tokens=self.context_length,
             ),
-        )
-
-    def _kv_pool_tokens(self, text_config: Any) -> int:
-        assert self.dtype is not None
-        return self.args.kv_pool_tokens(
-            bytes_per_token=kv_bytes_per_token(text_config, self.dtype),
-            default=self.args.max_num_seqs * self.context_length,
         )
 
     def _start_scheduler(

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+from penstock.engines.transformers.args import parse_args
 from penstock.engines.transformers.block_manager import (
     BLOCK_SIZE,
     BlockManager,
     PoolExhausted,
     chain_hashes,
+    pool_tokens,
 )
 
 
@@ -148,3 +153,23 @@ def test_kv_computed_before_a_reset_is_never_stored_after_it() -> None:
     manager.free(blocks)
     assert manager.cached_blocks == 0
     assert manager.match(prompt, None).tokens == 0
+
+
+def test_the_default_pool_fits_a_share_of_the_memory_and_one_context_at_least() -> None:
+    def config(hidden: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            num_attention_heads=1, num_key_value_heads=1, hidden_size=hidden, num_hidden_layers=1
+        )
+
+    cpu = torch.device("cpu")
+    args = parse_args(["--max-num-seqs", "4"])
+    assert pool_tokens(args, config(64), torch.float32, cpu, 1000) == 4000
+    # 8 MiB of KV a token: a share of any machine's memory holds fewer than 4,000 tokens.
+    assert pool_tokens(args, config(2**20), torch.float32, cpu, 1000) < 4000
+    assert pool_tokens(args, config(2**30), torch.float32, cpu, 1000) == 1000
+    assert (
+        pool_tokens(
+            parse_args(["--kv-cache-tokens", "64"]), config(2**30), torch.float32, cpu, 1000
+        )
+        == 64
+    )
