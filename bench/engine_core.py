@@ -7,8 +7,9 @@ process: prefix caching, shared prefills, and how many requests decode at once.
 2. Eight separate requests with one 1,000-token prompt, sent at once, then one request
    with ``n=8``: prompt tokens the engine computed (its prefill counter).
 3. Requests of ``max_tokens`` 512 with short answers (each stream closed after
-   ``--short`` tokens): the most requests decoding at once, beside what a reservation of
-   ``prompt + max_tokens`` per request would let run in the same pool.
+   ``--short`` tokens, once every request has its first token): the most requests
+   decoding at once, beside what a reservation of ``prompt + max_tokens`` per request
+   would let run in the same pool.
 4. A stream decoding while a ``--long``-token prompt is prefilled beside it, then while
    that prompt decodes 32 tokens beside it: the stream's median and longest inter-token
    gap in each part, per ``--max-num-batched-tokens`` in ``--budgets`` (and the engine's
@@ -208,9 +209,11 @@ async def decoding_at_once(
 ) -> None:
     engine = await start(model_dir, threads)
     peak = 0
+    answering = 0
+    all_answering = asyncio.Event()
 
     async def short_answer(question: str) -> int:
-        nonlocal peak
+        nonlocal peak, answering
         prompt = chat_ids(tokenizer, [{"role": "user", "content": question}])
         request = {
             **greedy(prompt, 512),
@@ -220,9 +223,13 @@ async def decoding_at_once(
         produced = 0
         try:
             async for chunk in stream:
+                if not produced:
+                    answering += 1
+                    if answering == requests:
+                        all_answering.set()
                 produced += len(chunk["token_ids"])
                 peak = max(peak, usage_of(engine).running)
-                if produced >= short:
+                if produced >= short and all_answering.is_set():
                     break
         finally:
             await stream.aclose()
