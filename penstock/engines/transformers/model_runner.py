@@ -79,7 +79,7 @@ class OnRunner:
 
 
 class ModelRunner:
-    """The model, its decode batch's KV cache, and the forward passes over them."""
+    """The model, the KV pool's arena, and the forward passes over them."""
 
     def __init__(
         self,
