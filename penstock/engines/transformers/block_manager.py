@@ -70,13 +70,18 @@ class Match:
         return len(self.blocks) * BLOCK_SIZE
 
 
-def kv_bytes_per_token(config: object, dtype: torch.dtype) -> int:
-    """Bytes of keys and values one token holds across the layers of a model ``config``."""
+def kv_shape(config: object) -> tuple[int, int, int]:
+    """A model ``config``'s layers, KV heads and head dimension."""
     heads = int(getattr(config, "num_attention_heads", 1))
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     hidden = int(getattr(config, "hidden_size", 0))
     head_dim = int(getattr(config, "head_dim", None) or hidden // max(heads, 1))
-    layers = int(getattr(config, "num_hidden_layers", 1))
+    return int(getattr(config, "num_hidden_layers", 1)), kv_heads, head_dim
+
+
+def kv_bytes_per_token(config: object, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token holds across the layers of a model ``config``."""
+    layers, kv_heads, head_dim = kv_shape(config)
     return layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 

@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from penstock.engines.transformers.block_manager import BLOCK_SIZE
+from penstock.engines.transformers.block_manager import BLOCK_SIZE, kv_shape
 from penstock.engines.transformers.paged_attention import (
     gathered_attention,
     kernel_ready,
@@ -60,11 +60,7 @@ class KvArena:
     def for_model(
         cls, config: object, blocks: int, dtype: torch.dtype, device: torch.device
     ) -> KvArena:
-        heads = int(getattr(config, "num_attention_heads", 1))
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        hidden = int(getattr(config, "hidden_size", 0))
-        head_dim = int(getattr(config, "head_dim", None) or hidden // max(heads, 1))
-        layers = int(getattr(config, "num_hidden_layers", 1))
+        layers, kv_heads, head_dim = kv_shape(config)
         return cls(
             layers=layers,
             blocks=blocks,
