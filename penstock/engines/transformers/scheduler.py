@@ -468,26 +468,11 @@ class BatchScheduler:
         choice: TokenChoice,
         outbox: dict[Submission, list[Any]],
     ) -> None:
-        params = seq.submission.params
-        token = choice.token_id
-        seq.output_ids.append(token)
-        seq.next_token = token
-        if seq.penalties is not None:
-            seq.penalties.record(token)
-        chunk: dict[str, Any] = {"token_ids": [token], "index": seq.index}
-        if choice.logprob is not None:
-            chunk["log_probs"] = [choice.logprob]
-            if choice.top_logprobs is not None:
-                chunk["top_logprobs"] = [choice.top_logprobs]
+        chunk = seq.take(choice)
         chunk["engine_data"] = self._engine_data()
-        if (
-            token in params.stop_token_ids
-            or (not params.ignore_eos and token in self.eos_token_ids)
-            or (seq.constraint is not None and seq.constraint.complete)
-        ):
-            self._finish(seq, "stop", outbox, last_chunk=chunk)
-        elif len(seq.output_ids) >= params.max_tokens:
-            self._finish(seq, "length", outbox, last_chunk=chunk)
+        reason = seq.finish_reason(self.eos_token_ids)
+        if reason is not None:
+            self._finish(seq, reason, outbox, last_chunk=chunk)
         else:
             outbox.setdefault(seq.submission, []).extend(self.outgoing.emit(seq, chunk, last=False))
 

@@ -17,7 +17,12 @@ import torch
 from penstock.engines.context import Context
 from penstock.engines.transformers.block_manager import BLOCK_SIZE, Block
 from penstock.engines.transformers.constraints import SequenceConstraint
-from penstock.engines.transformers.sampling import PenaltyState, RowSampling, SamplingParams
+from penstock.engines.transformers.sampling import (
+    PenaltyState,
+    RowSampling,
+    SamplingParams,
+    TokenChoice,
+)
 
 Deliver = Callable[[list[Any]], None]
 
@@ -141,6 +146,35 @@ class Sequence:
         if submission.grammar is not None:
             constraint = SequenceConstraint(submission.grammar)
         return cls(submission, index, generator, penalties, constraint)
+
+    def take(self, choice: TokenChoice) -> dict[str, Any]:
+        """Append the token ``choice`` picked; its chunk (ids, index, logprobs)."""
+        token = choice.token_id
+        self.output_ids.append(token)
+        self.next_token = token
+        if self.penalties is not None:
+            self.penalties.record(token)
+        chunk: dict[str, Any] = {"token_ids": [token], "index": self.index}
+        if choice.logprob is not None:
+            chunk["log_probs"] = [choice.logprob]
+            if choice.top_logprobs is not None:
+                chunk["top_logprobs"] = [choice.top_logprobs]
+        return chunk
+
+    def finish_reason(self, eos_token_ids: frozenset[int]) -> str | None:
+        """Why the choice ends with the token it took last: ``"stop"`` (a stop or end
+        token, a complete grammar), ``"length"`` (``max_tokens``), or None when it goes on."""
+        params = self.submission.params
+        token = self.output_ids[-1]
+        if (
+            token in params.stop_token_ids
+            or (not params.ignore_eos and token in eos_token_ids)
+            or (self.constraint is not None and self.constraint.complete)
+        ):
+            return "stop"
+        if len(self.output_ids) >= params.max_tokens:
+            return "length"
+        return None
 
     @property
     def remaining_steps(self) -> int:
