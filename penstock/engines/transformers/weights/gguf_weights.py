@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from penstock.engines.transformers import cpu_weights
-from penstock.engines.transformers.cpu_weights import Bf16WeightLinear, DerivedWeightLinear
+from penstock.engines.transformers.weights import cpu_weights
+from penstock.engines.transformers.weights.cpu_weights import Bf16WeightLinear, DerivedWeightLinear
 
 logger = logging.getLogger(__name__)
 

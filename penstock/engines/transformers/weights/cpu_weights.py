@@ -35,8 +35,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from penstock.engines.transformers.bf16_dot_kernel import BF16_DOT_FUNCTIONS, BF16_DOT_SOURCE
-from penstock.engines.transformers.gguf_kernel import GGUF_FUNCTIONS, GGUF_SOURCE
+from penstock.engines.transformers.kernels.bf16_dot_kernel import (
+    BF16_DOT_FUNCTIONS,
+    BF16_DOT_SOURCE,
+)
+from penstock.engines.transformers.kernels.gguf_kernel import GGUF_FUNCTIONS, GGUF_SOURCE
 
 logger = logging.getLogger(__name__)
 
