@@ -2,10 +2,11 @@
 
 Each decode row has one query token; its keys and values are the slots its block table
 names (:mod:`.kv_cache`), never copied into a padded batch. On the CPU a small C++
-kernel, built at first use like :mod:`.cpu_weights`' kernels, computes each row's
-attention per KV head (the query heads sharing it together) in two passes over the
-row's slots: scores, then the softmax-weighted sum of values. It reads each row's own
-tokens only, so rows of very different lengths cost what they hold, with no mask.
+kernel (``paged_attention.cpp``), built at first use like :mod:`.cpu_weights`' kernels,
+computes each row's attention per KV head (the query heads sharing it together) in two
+passes over the row's slots: scores, then the softmax-weighted sum of values. It reads
+each row's own tokens only, so rows of very different lengths cost what they hold, with
+no mask.
 Elsewhere (CUDA, or a CPU where the kernel cannot be built) :func:`gathered_attention`
 copies the rows' slots into a padded batch and calls ``scaled_dot_product_attention``.
 
@@ -23,149 +24,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from penstock.engines.transformers.kernels.loader import load_extension
+
 logger = logging.getLogger(__name__)
 
-_EXTENSION_NAME = "penstock_paged_attention_v5"
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <vector>
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
-static inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float sum = 0;
-#ifdef __AVX512F__
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  sum = _mm512_reduce_add_ps(acc);
-#endif
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-static inline int64_t slot_of(const int32_t* blocks, int64_t token, int64_t block_size) {
-  return static_cast<int64_t>(blocks[token / block_size]) * block_size + token % block_size;
-}
-
-// out = sum over the row's n tokens of weights[t] * values[slot(t)], dim floats each (the
-// values of one KV head, ``stride`` floats apart from slot to slot); 64 floats of out
-// stay in registers while every token is read.
-static inline void weighted_sum(const float* weights, const float* values, int64_t stride,
-                                const int32_t* blocks, int64_t block_size, int64_t n,
-                                int64_t dim, float* out) {
-  int64_t d = 0;
-#ifdef __AVX512F__
-  for (; d + 64 <= dim; d += 64) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t t = 0; t < n; ++t) {
-      const float* value = values + slot_of(blocks, t, block_size) * stride + d;
-      const __m512 w = _mm512_set1_ps(weights[t]);
-      a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(value), a0);
-      a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16), a1);
-      a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 32), a2);
-      a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 48), a3);
-    }
-    _mm512_storeu_ps(out + d, a0);
-    _mm512_storeu_ps(out + d + 16, a1);
-    _mm512_storeu_ps(out + d + 32, a2);
-    _mm512_storeu_ps(out + d + 48, a3);
-  }
-#endif
-  for (; d < dim; ++d) {
-    float sum = 0;
-    for (int64_t t = 0; t < n; ++t)
-      sum += weights[t] * values[slot_of(blocks, t, block_size) * stride + d];
-    out[d] = sum;
-  }
-}
-
-// exp(x) for x <= 0 (scores minus their maximum), within 2 ulp of expf: Cody-Waite
-// range reduction and Cephes' polynomial, branch-free so the loop over a row vectorizes.
-static inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor keys,
-                                     torch::Tensor values, torch::Tensor table,
-                                     torch::Tensor lengths, double scale, int64_t block_size) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat && query.is_contiguous() && query.dim() == 3);
-  TORCH_CHECK(keys.scalar_type() == torch::kFloat && keys.is_contiguous() && keys.dim() == 3);
-  TORCH_CHECK(values.scalar_type() == torch::kFloat && values.is_contiguous());
-  TORCH_CHECK(values.sizes() == keys.sizes());
-  TORCH_CHECK(table.scalar_type() == torch::kInt && table.is_contiguous() && table.dim() == 2);
-  TORCH_CHECK(lengths.scalar_type() == torch::kInt && lengths.is_contiguous());
-  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
-  const int64_t kv_heads = keys.size(1), slots = keys.size(0), width = table.size(1);
-  TORCH_CHECK(keys.size(2) == dim && heads % kv_heads == 0);
-  TORCH_CHECK(table.size(0) == rows && lengths.numel() == rows);
-  const int64_t group = heads / kv_heads;
-  const float* q = query.data_ptr<float>();
-  const float* k = keys.data_ptr<float>();
-  const float* v = values.data_ptr<float>();
-  const int32_t* blocks = table.data_ptr<int32_t>();
-  const int32_t* length = lengths.data_ptr<int32_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK(length[r] >= 1 && length[r] <= width * block_size, "row length out of its table");
-  for (int64_t i = 0; i < rows * width; ++i)
-    TORCH_CHECK(blocks[i] >= 0 && (blocks[i] + 1) * block_size <= slots, "block out of the pool");
-  auto out = torch::empty_like(query);
-  float* o = out.data_ptr<float>();
-  const float s = static_cast<float>(scale);
-  // A task is a row: each of its slots (every KV head's keys, contiguous) is read once
-  // for all its query heads, in slot order.
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t n = length[r];
-      const int32_t* row_blocks = blocks + r * width;
-      const float* row_q = q + r * heads * dim;
-      float* row_o = o + r * heads * dim;
-      scores.resize(heads * n);
-      for (int64_t t = 0; t < n; ++t) {
-        const float* key = k + slot_of(row_blocks, t, block_size) * kv_heads * dim;
-        for (int64_t head = 0; head < heads; ++head)
-          scores[head * n + t] = dot(row_q + head * dim, key + (head / group) * dim, dim) * s;
-      }
-      for (int64_t head = 0; head < heads; ++head) {
-        float* line = scores.data() + head * n;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) top = std::max(top, line[t]);
-        float sum = 0;
-        for (int64_t t = 0; t < n; ++t) line[t] = exp_nonpositive(line[t] - top);
-        for (int64_t t = 0; t < n; ++t) sum += line[t];
-        const float inverse = 1.0f / sum;
-        for (int64_t t = 0; t < n; ++t) line[t] *= inverse;
-      }
-      for (int64_t head = 0; head < heads; ++head)
-        weighted_sum(scores.data() + head * n, v + (head / group) * dim, kv_heads * dim,
-                     row_blocks, block_size, n, dim, row_o + head * dim);
-    }
-  });
-  return out;
-}
-"""
+_EXTENSION_NAME = "penstock_paged_attention"
+_SOURCES = ["paged_attention.cpp"]
 
 _lock = threading.Lock()
 _kernel: Any = None
@@ -186,21 +50,10 @@ def load_attention_kernel(cache_dir: Path) -> str | None:
     with _lock:
         if _kernel is not None or _failure is not None:
             return _failure
-        from torch.utils.cpp_extension import load_inline
-
         flags = _flags()
         name = _EXTENSION_NAME + ("_avx512" if "-mavx512f" in flags else "")
-        build_dir = cache_dir / "torch_extensions" / name
         try:
-            build_dir.mkdir(parents=True, exist_ok=True)
-            kernel = load_inline(
-                name,
-                cpp_sources=_SOURCE,
-                functions=["paged_decode_attention"],
-                extra_cflags=flags,
-                build_directory=str(build_dir),
-                verbose=False,
-            )
+            kernel = load_extension(name, _SOURCES, flags, cache_dir)
         except Exception as exc:
             _failure = f"the paged attention kernel could not be built: {exc}"
             logger.warning("%s; decode attention gathers each row's KV instead", _failure)
