@@ -24,11 +24,11 @@ import torch
 
 from bench.engine_core import start
 from penstock.engines.transformers.args import default_model_cache_dir
-from penstock.engines.transformers.block_manager import BLOCK_SIZE
+from penstock.engines.transformers.core.block_manager import BLOCK_SIZE
+from penstock.engines.transformers.core.kv_cache import KvArena, StepKv
+from penstock.engines.transformers.core.llama_decode import LlamaDecoder
+from penstock.engines.transformers.core.prompt_kv import PromptChunk, PromptKv
 from penstock.engines.transformers.default_model import prepare_default_model
-from penstock.engines.transformers.kv_cache import KvArena, StepKv
-from penstock.engines.transformers.llama_decode import LlamaDecoder
-from penstock.engines.transformers.prompt_kv import PromptChunk, PromptKv
 
 CHUNKS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from safetensors.torch import load_file
 
-from penstock.engines.transformers import cpu_weights, gguf_weights
 from penstock.engines.transformers.args import default_model_cache_dir
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME
+from penstock.engines.transformers.weights import cpu_weights, gguf_weights
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 VARIANTS = (

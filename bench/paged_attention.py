@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
-from penstock.engines.transformers import paged_attention
 from penstock.engines.transformers.args import default_model_cache_dir
-from penstock.engines.transformers.block_manager import BLOCK_SIZE
+from penstock.engines.transformers.core.block_manager import BLOCK_SIZE
+from penstock.engines.transformers.kernels import paged_attention
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 # Row lengths of each case: the kernel reads each row's own tokens, SDPA the longest's.

@@ -114,7 +114,7 @@ def request_bytes(number: int, stream: bool, tokens: int) -> bytes:
 
 def stop_forward_passes() -> None:
     """No simulated forward pass while the rounds run (the constant moved between trees)."""
-    for name in ("penstock.engines.sample_telemetry", "penstock.engines.sample"):
+    for name in ("penstock.engines.samples.telemetry", "penstock.engines.samples.engine"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError:

@@ -1,5 +1,5 @@
 """One NIXL agent over UCX: what embedding transfer (:mod:`penstock.multimodal.transfer`)
-and weight pulls (:mod:`penstock.engines.weight_sync`) share.
+and weight pulls (:mod:`penstock.engines.weights.sync`) share.
 
 The NIXL module is imported on first use (``nixl`` or ``nixl_cu12``/``nixl_cu13``,
 whichever is installed: ``pip install 'penstock[nixl]'``). Agents are created with the UCX

@@ -73,7 +73,7 @@ SUPPORTS_IMAGE_INPUT = "supports_image_input"
 SUPPORTS_AUDIO_INPUT = "supports_audio_input"
 SUPPORTS_PRIORITY = "supports_priority"
 # An engine that constrains its output to ``sampling_options.guided_decoding`` (the kinds
-# of ``penstock.engines.transformers.constraints``); the gateway refuses every output
+# of ``penstock.engines.transformers.features.constraints``); the gateway refuses every output
 # constraint for any other engine.
 SUPPORTS_GUIDED_DECODING = "supports_guided_decoding"
 # An engine that reports vLLM's ``output_options.prompt_logprobs`` on its first chunk

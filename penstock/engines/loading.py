@@ -15,8 +15,8 @@ from penstock.settings import Settings
 BUILTIN_ENGINES: dict[str, str] = {
     "transformers": "penstock.engines.transformers:TransformersEngine",
     "transformers-pooling": "penstock.engines.transformers.pooling:TransformersPoolingEngine",
-    "sample": "penstock.engines.sample:SampleLLMEngine",
-    "sample-diffusion": "penstock.engines.sample_diffusion:SampleDiffusionEngine",
+    "sample": "penstock.engines.samples.engine:SampleLLMEngine",
+    "sample-diffusion": "penstock.engines.samples.diffusion:SampleDiffusionEngine",
     "diffusion": "penstock.engines.diffusion:DiffusersEngine",
 }
 

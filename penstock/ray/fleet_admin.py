@@ -70,7 +70,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from penstock.engines.weight_sync import DEFAULT_GROUP_NAME
+from penstock.engines.weights.sync import DEFAULT_GROUP_NAME
 from penstock.errors import (
     FleetInconsistentError,
     InvalidRequestError,

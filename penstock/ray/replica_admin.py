@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from penstock.engines.weight_sync import DEFAULT_GROUP_NAME
+from penstock.engines.weights.sync import DEFAULT_GROUP_NAME
 from penstock.errors import ConflictError, InternalServerError, InvalidRequestError, PenstockError
 from penstock.ray import require_ray
 from penstock.ray.wire import TRANSACTION_PAUSE_MODE, failed_answer, ok_answer

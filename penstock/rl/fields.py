@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 
 from penstock.engines.controls import ControlRejected, parse_mode, parse_tags
-from penstock.engines.weight_sync import TRUST_FLAG, is_pickled
+from penstock.engines.weights.sync import TRUST_FLAG, is_pickled
 from penstock.errors import InvalidRequestError, RLAdminValidationError
 from penstock.schemas.json_body import NO_BODY, read_json_body
 

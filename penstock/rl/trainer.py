@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from penstock.engines.weight_sync import (
+from penstock.engines.weights.sync import (
     DEFAULT_GROUP_NAME,
     distinct_regions,
     dtype_name,
@@ -204,7 +204,7 @@ class WeightPusher:
         return int(fleet["size"]) if isinstance(fleet, dict) and fleet.get("size") else 1
 
     def destroy_group(self) -> dict[str, Any]:
-        from penstock.engines.weight_sync import destroy_process_group
+        from penstock.engines.weights.sync import destroy_process_group
 
         result = self.post("/destroy_weights_update_group", {"group_name": self.group_name})
         if self.group is not None:

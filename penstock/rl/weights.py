@@ -12,7 +12,7 @@ engine's ``weights_checksum`` and ``reset_weights`` controls.
 * ``reset`` forgets the baseline.
 
 The digests are SHA-256 of each tensor's bytes, so a compare is exact; the algorithm is
-in :mod:`penstock.engines.weight_sync`.
+in :mod:`penstock.engines.weights.sync`.
 """
 
 from __future__ import annotations

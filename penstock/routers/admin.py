@@ -25,7 +25,7 @@ Routes
       ``init_weights_update_group``, ``destroy_weights_update_group``,
       ``get_weight_version``, ``set_weight_version``, ``load_lora``, ``unload_lora``,
       ``weights_checker``, ``get_weights_by_name``); every weight update answers with
-      ``checksum`` (:mod:`penstock.engines.weight_sync` says how it is computed); bodies
+      ``checksum`` (:mod:`penstock.engines.weights.sync` says how it is computed); bodies
       and responses are documented in :mod:`penstock.rl.routes`.
 
 State machine (:mod:`penstock.rl.state`): ``serving``, ``paused(mode)``,

@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import ConfigDict, Field
 
-from penstock.engines.weight_sync import WeightSyncError, lora_file_key
+from penstock.engines.weights.sync import WeightSyncError, lora_file_key
 from penstock.errors import ConflictError, InvalidRequestError, PenstockError, clip
 from penstock.lora.adapters import LoadedAdapters
 from penstock.rl.fields import json_object_body

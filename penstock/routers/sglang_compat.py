@@ -46,7 +46,7 @@ responses:
   names, dtypes, shapes, descriptors, mem_type="DRAM", notify?, flush_cache=true,
   abort_all_requests=false, weight_version?}`` (the engine READs the trainer's registered
   memory over NIXL; not an SGLang route) (all need the paused state; formats in
-  :mod:`penstock.engines.weight_sync`) -> ``{"success": true, "message",
+  :mod:`penstock.engines.weights.sync`) -> ``{"success": true, "message",
   "weight_version", "checksum"}``
 * ``POST /weights_checker {action: snapshot|reset_tensors|compare|checksum|reset,
   baseline?}`` (:mod:`penstock.rl.weights`; a failed compare is a 400 naming the tensors);

@@ -1,6 +1,7 @@
 """Sizes a reader can hold in mind: no module of ``penstock/`` over 600 lines, no function
-over 80 (from its ``def`` to its last line, docstring included). A module that outgrows
-the limit splits by concern; a function splits into named steps."""
+over 80 (from its ``def`` to its last line, docstring included), no folder of more than 24
+modules. A module that outgrows the limit splits by concern; a function splits into named
+steps; a folder groups its modules into subpackages a reader can name."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "penstock"
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
+MAX_FOLDER_MODULES = 24
 
 
 def modules() -> list[Path]:
@@ -34,3 +36,13 @@ def test_no_function_is_over_80_lines() -> None:
                 if lines > MAX_FUNCTION_LINES:
                     long[f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"] = lines
     assert long == {}
+
+
+def test_no_folder_holds_more_than_24_modules() -> None:
+    folders = {path.parent for path in modules()}
+    crowded = {
+        str(folder.relative_to(PACKAGE.parent)): count
+        for folder in folders
+        if (count := len(list(folder.glob("*.py")))) > MAX_FOLDER_MODULES
+    }
+    assert crowded == {}

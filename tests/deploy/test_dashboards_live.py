@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from penstock.engines.sample import write_sample_weights
+from penstock.engines.samples.engine import write_sample_weights
 from tests.deploy.support import PanelQuery, panel_queries, tool
 from tests.support.server import ServerProcess, free_port, start_server
 

@@ -24,7 +24,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     )
 
 from penstock.engines.conformance import run_conformance
-from penstock.engines.sample import SAMPLE_TOKENIZER_DIR
+from penstock.engines.samples.engine import SAMPLE_TOKENIZER_DIR
 from tests.support.server import ServerProcess, running_server, start_server
 
 LLM = "tests.support.dynamo_engines:InstrumentedSampleEngine"

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from penstock.engines.sample import write_sample_weights
+from penstock.engines.samples.engine import write_sample_weights
 from penstock.engines.token_budget import TokenBudget
 from penstock.gateway import token_budget_of
 from penstock.metrics.engine_bridge import EngineMetrics, SnapshotPublisher

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 
-from penstock.engines.sample import SAMPLE_TOKENIZER_DIR
+from penstock.engines.samples.engine import SAMPLE_TOKENIZER_DIR
 from tests.support.server import running_server
 
 ENGINE = "tests.support.doubles:ScriptedEngine"

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from penstock.engines.sample import SAMPLE_TOKENIZER_DIR
+from penstock.engines.samples.engine import SAMPLE_TOKENIZER_DIR
 from tests.support.server import ServerProcess, running_server
 
 MODEL = "sample-model"

@@ -21,7 +21,11 @@ import openai
 import pytest
 import safetensors.numpy
 
-from penstock.engines.sample import SAMPLE_TOKENIZER_DIR, SampleLLMEngine, write_sample_weights
+from penstock.engines.samples.engine import (
+    SAMPLE_TOKENIZER_DIR,
+    SampleLLMEngine,
+    write_sample_weights,
+)
 from tests.support.server import ServerProcess, running_server
 
 MODEL = "sample-model"

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from penstock.engines.sample import write_sample_weights
+from penstock.engines.samples.engine import write_sample_weights
 from tests.support.server import ServerProcess, running_server
 
 MODEL = "sample-model"

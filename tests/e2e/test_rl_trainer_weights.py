@@ -27,7 +27,7 @@ import torch.distributed as dist
 from peft import PeftModel
 from transformers import LlamaForCausalLM
 
-from penstock.engines.weight_sync import (
+from penstock.engines.weights.sync import (
     destroy_process_group,
     dtype_name,
     init_custom_process_group,

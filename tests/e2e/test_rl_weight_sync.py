@@ -25,7 +25,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from penstock.engines.weight_sync import nixl_pull_body
+from penstock.engines.weights.sync import nixl_pull_body
 from penstock.nixl_agent import NixlAgent
 from penstock.rl.trainer import EngineRefused, WeightPusher
 from tests.support.server import ServerProcess, free_port, transformers_server

@@ -11,7 +11,7 @@ from penstock.engines.conformance import ConformanceError, run_conformance
 from penstock.engines.context import Context
 from penstock.engines.contract import GenerateChunk, GenerateRequest
 from penstock.engines.loading import load_engine_class
-from penstock.engines.sample import SampleLLMEngine
+from penstock.engines.samples.engine import SampleLLMEngine
 from tests.support.doubles import CancelSafeScriptedEngine, ScriptedEngine
 
 

@@ -12,8 +12,8 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 
-from penstock.engines.tensor_payloads import decode_payload
-from penstock.engines.weight_sync import UntrustedPayloadError, WeightSyncError
+from penstock.engines.weights.sync import UntrustedPayloadError, WeightSyncError
+from penstock.engines.weights.tensor_payloads import decode_payload
 from penstock.rl.trainer import cuda_ipc_entry
 from tests.support.cuda_payloads import (
     CudaTensorReference,

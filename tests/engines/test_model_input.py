@@ -10,8 +10,8 @@ import pytest
 from penstock.engines.constants import ModelInput
 from penstock.engines.contract import WorkerConfig, model_input_of
 from penstock.engines.host import EngineHost
-from penstock.engines.sample import SampleLLMEngine
-from penstock.engines.sample_diffusion import SampleDiffusionEngine
+from penstock.engines.samples.diffusion import SampleDiffusionEngine
+from penstock.engines.samples.engine import SampleLLMEngine
 from penstock.errors import EngineLoadError
 from tests.support.doubles import NotAnEngine, ScriptedEngine
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from penstock.engines.context import Context
-from penstock.engines.sample import (
+from penstock.engines.samples.engine import (
     KV_BLOCK_SIZE,
     SAMPLE_TOKENIZER_DIR,
     TOTAL_KV_BLOCKS,

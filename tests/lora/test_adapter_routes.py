@@ -11,7 +11,7 @@ import numpy as np
 import safetensors.numpy
 
 from penstock.app.server import build_gateway
-from penstock.engines.sample import SAMPLE_TOKENIZER_DIR, SampleLLMEngine, WorkerConfig
+from penstock.engines.samples.engine import SAMPLE_TOKENIZER_DIR, SampleLLMEngine, WorkerConfig
 from penstock.gateway import Gateway
 from penstock.settings import Settings
 from tests.support.inprocess import asgi_client

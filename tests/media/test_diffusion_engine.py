@@ -15,7 +15,7 @@ from PIL import Image
 
 from penstock.engines.context import Context
 from penstock.engines.diffusion import DiffusersEngine, pipeline
-from penstock.engines.sample_diffusion import SampleDiffusionEngine
+from penstock.engines.samples.diffusion import SampleDiffusionEngine
 from penstock.multimodal.encoding import image_data_url
 from tests.media.pipelines import save_tiny_stable_diffusion, save_tiny_wan
 

@@ -27,7 +27,7 @@ ray = pytest.importorskip(
 )
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from penstock.engines.sample import write_sample_weights  # noqa: E402
+from penstock.engines.samples.engine import write_sample_weights  # noqa: E402
 from tests.support.ray_cluster import fleet_server  # noqa: E402
 from tests.support.server import ServerProcess, free_port  # noqa: E402
 from tests.support.tiny_llm import build_tiny_llama  # noqa: E402

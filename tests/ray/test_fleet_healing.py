@@ -28,7 +28,7 @@ ray = pytest.importorskip(
 )
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from penstock.engines.sample import write_sample_weights  # noqa: E402
+from penstock.engines.samples.engine import write_sample_weights  # noqa: E402
 from penstock.ray.replica_header import REPLICA_HEADER  # noqa: E402
 from tests.support.ray_cluster import fleet_server  # noqa: E402
 

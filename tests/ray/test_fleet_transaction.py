@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from penstock.engines.sample import SampleLLMEngine
+from penstock.engines.samples.engine import SampleLLMEngine
 from penstock.errors import ConflictError
 from penstock.ray.adapters import FleetAdapters
 from penstock.ray.fleet_admin import FleetEngine

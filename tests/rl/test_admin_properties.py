@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from penstock.engines.sample import write_sample_weights
+from penstock.engines.samples.engine import write_sample_weights
 from penstock.gateway import Gateway
 from tests.support.inprocess import asgi_client, start_gateway
 

@@ -8,8 +8,8 @@ import httpx
 import pytest
 import torch
 
-from penstock.engines.sample import write_sample_weights
-from penstock.engines.weight_sync import nixl_pull_body, weights_checksum
+from penstock.engines.samples.engine import write_sample_weights
+from penstock.engines.weights.sync import nixl_pull_body, weights_checksum
 from penstock.nixl_agent import NixlAgent
 from tests.support.inprocess import asgi_client, start_gateway
 

@@ -11,7 +11,11 @@ import pytest
 
 from penstock.engines.context import Context
 from penstock.engines.contract import GenerateChunk
-from penstock.engines.sample import SAMPLE_TOKENIZER_DIR, SampleLLMEngine, write_sample_weights
+from penstock.engines.samples.engine import (
+    SAMPLE_TOKENIZER_DIR,
+    SampleLLMEngine,
+    write_sample_weights,
+)
 from penstock.errors import ConflictError
 from penstock.rl.state import AdminStateMachine
 from penstock.settings import DEFAULT_ADMIN_TIMEOUT_S, Settings

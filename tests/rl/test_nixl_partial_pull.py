@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from penstock.engines.weight_sync import nixl_pull_body
+from penstock.engines.weights.sync import nixl_pull_body
 from penstock.gateway import Gateway
 from penstock.nixl_agent import NixlAgent, nixl_installed
 from tests.support.inprocess import asgi_client, start_gateway

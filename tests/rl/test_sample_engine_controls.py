@@ -12,7 +12,11 @@ import pytest
 import safetensors.numpy
 
 from penstock.engines.context import Context
-from penstock.engines.sample import SAMPLE_TOKENIZER_DIR, SampleLLMEngine, write_sample_weights
+from penstock.engines.samples.engine import (
+    SAMPLE_TOKENIZER_DIR,
+    SampleLLMEngine,
+    write_sample_weights,
+)
 
 
 @pytest.fixture

@@ -11,7 +11,11 @@ from typing import Any
 import pytest
 
 from penstock.engines.context import Context
-from penstock.engines.sample import SAMPLE_TOKENIZER_DIR, SampleLLMEngine, write_sample_weights
+from penstock.engines.samples.engine import (
+    SAMPLE_TOKENIZER_DIR,
+    SampleLLMEngine,
+    write_sample_weights,
+)
 from penstock.errors import ConflictError, InvalidRequestError, ServiceUnavailableError
 from penstock.rl.state import AdminStateMachine
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from penstock.engines.weight_sync import DEFAULT_GROUP_NAME, init_custom_process_group
+from penstock.engines.weights.sync import DEFAULT_GROUP_NAME, init_custom_process_group
 
 SHIFT = 0.25
 

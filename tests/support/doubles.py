@@ -18,7 +18,7 @@ from penstock.engines.contract import (
     LLMEngine,
     WorkerConfig,
 )
-from penstock.engines.sample import SampleLLMEngine
+from penstock.engines.samples.engine import SampleLLMEngine
 
 
 class MarkedSampleEngine(SampleLLMEngine):

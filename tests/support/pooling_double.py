@@ -12,7 +12,7 @@ from typing import Any
 from penstock.engines.context import Context
 from penstock.engines.contract import EngineConfig, GenerateChunk, GenerateRequest, WorkerConfig
 from penstock.engines.pooling import POOLING_RUNTIME_KEY, PoolingCapabilities
-from penstock.engines.sample import SampleLLMEngine
+from penstock.engines.samples.engine import SampleLLMEngine
 
 DIMENSIONS = 4
 

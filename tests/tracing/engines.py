@@ -7,7 +7,7 @@ from typing import Any
 
 from penstock.engines.context import Context
 from penstock.engines.contract import GenerateChunk, GenerateRequest
-from penstock.engines.sample import SampleLLMEngine
+from penstock.engines.samples.engine import SampleLLMEngine
 
 
 class SpanningEngine(SampleLLMEngine):

@@ -21,7 +21,7 @@ import torch
 
 from penstock.engines import controls
 from penstock.engines.controls import Body, Handler
-from penstock.engines.transformers.weights import (
+from penstock.engines.transformers.weights.checkpoint import (
     apply_weight_update,
     plan_weight_update,
     read_safetensors,
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from penstock.engines.transformers.args import EngineArgs
-    from penstock.engines.transformers.lora import AdapterSet
-    from penstock.engines.transformers.scheduler import BatchScheduler, Submission
+    from penstock.engines.transformers.core.scheduler import BatchScheduler, Submission
+    from penstock.engines.transformers.features.lora import AdapterSet
 
 
 class TransformersControls:

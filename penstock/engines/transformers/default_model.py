@@ -133,7 +133,7 @@ def _convert(gguf_path: Path, target: Path) -> None:
 def _keep_gguf_blocks(gguf_path: Path, folder: Path) -> None:
     """Keep the GGUF's blocks beside the checkpoint for ``--cpu-weight-dtype gguf``; the
     checkpoint serves without them, so a failure is only reported."""
-    from penstock.engines.transformers.gguf_weights import write_blocks_file
+    from penstock.engines.transformers.weights.gguf_weights import write_blocks_file
 
     try:
         kept = write_blocks_file(gguf_path, folder)
@@ -151,7 +151,7 @@ def _local_gguf(cache_dir: Path) -> Path | None:
 def add_gguf_blocks(cache_dir: Path) -> None:
     """Give a default model converted before the GGUF blocks were kept its blocks, when
     the GGUF is on this machine (never downloaded for this)."""
-    from penstock.engines.transformers.gguf_weights import BLOCKS_FILE
+    from penstock.engines.transformers.weights.gguf_weights import BLOCKS_FILE
 
     target = converted_model_dir(cache_dir)
     gguf_path = _local_gguf(cache_dir)

@@ -57,43 +57,46 @@ from penstock.engines.health import (
     parse_health_check_payload_cli,
 )
 from penstock.engines.transformers.args import EngineArgs, context_length, parse_args
-from penstock.engines.transformers.block_manager import BLOCK_SIZE, pool_tokens
-from penstock.engines.transformers.constraints import GrammarCompiler
 from penstock.engines.transformers.controls import TransformersControls
-from penstock.engines.transformers.cpu_weights import load_kernel, pack_model
+from penstock.engines.transformers.core.block_manager import BLOCK_SIZE, pool_tokens
+from penstock.engines.transformers.core.llama_decode import LlamaDecoder
+from penstock.engines.transformers.core.sampling import SamplingDefaults, parse_sampling_params
+from penstock.engines.transformers.core.scheduler import (
+    BatchScheduler,
+    StepFailure,
+    Submission,
+)
+from penstock.engines.transformers.core.sequence import request_cache_salt, request_priority
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
-from penstock.engines.transformers.generation_config import load_sampling_defaults
-from penstock.engines.transformers.gguf_weights import decode_from_gguf_blocks, restore_gguf_blocks
-from penstock.engines.transformers.llama_decode import LlamaDecoder
-from penstock.engines.transformers.lora import (
+from penstock.engines.transformers.features.constraints import GrammarCompiler
+from penstock.engines.transformers.features.lora import (
     BASE_ROW,
     AdapterSet,
     LoraAdapter,
     LoraError,
     read_adapter,
 )
-from penstock.engines.transformers.paged_attention import load_attention_kernel
-from penstock.engines.transformers.sampling import SamplingDefaults, parse_sampling_params
-from penstock.engines.transformers.scheduler import (
-    BatchScheduler,
-    StepFailure,
-    Submission,
-)
-from penstock.engines.transformers.sequence import request_cache_salt, request_priority
-from penstock.engines.transformers.sync import WeightSync
-from penstock.engines.transformers.telemetry import TransformersTelemetry
-from penstock.engines.transformers.vision import (
+from penstock.engines.transformers.features.vision import (
     VisionEncoder,
     check_vision_config,
     is_vision_config,
     load_vision_model,
 )
-from penstock.engines.transformers.weight_controls import TransformersWeightControls
-from penstock.engines.transformers.weights import (
+from penstock.engines.transformers.generation_config import load_sampling_defaults
+from penstock.engines.transformers.kernels.paged_attention import load_attention_kernel
+from penstock.engines.transformers.telemetry import TransformersTelemetry
+from penstock.engines.transformers.weights.checkpoint import (
     CheckpointError,
     check_checkpoint_folder,
     load_model,
 )
+from penstock.engines.transformers.weights.cpu_weights import load_kernel, pack_model
+from penstock.engines.transformers.weights.gguf_weights import (
+    decode_from_gguf_blocks,
+    restore_gguf_blocks,
+)
+from penstock.engines.transformers.weights.sync import WeightSync
+from penstock.engines.transformers.weights.weight_controls import TransformersWeightControls
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from penstock.engines.transformers.sampling import SamplingDefaults
+from penstock.engines.transformers.core.sampling import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,10 @@ from penstock.engines.contract import EngineConfig, LLMEngine, LlmRegistration, 
 from penstock.engines.pooling import POOLING_RUNTIME_KEY, PoolingCapabilities, PoolingChunk
 from penstock.engines.transformers.args import _positive_int, context_length
 from penstock.engines.transformers.pooling_config import POOLINGS, Pooling, choose_pooling
-from penstock.engines.transformers.weights import CheckpointError, check_checkpoint_folder
+from penstock.engines.transformers.weights.checkpoint import (
+    CheckpointError,
+    check_checkpoint_folder,
+)
 from penstock.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)

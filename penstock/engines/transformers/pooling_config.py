@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from penstock.engines.transformers.weights import CheckpointError
+from penstock.engines.transformers.weights.checkpoint import CheckpointError
 
 Pooling = Literal["cls", "mean", "last", "max"]
 POOLINGS: tuple[Pooling, ...] = ("cls", "mean", "last", "max")

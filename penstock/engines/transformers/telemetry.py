@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from penstock.engines.transformers.scheduler import KvUsage
-from penstock.engines.transformers.step_metrics import prefix_cache_lines
+from penstock.engines.transformers.core.scheduler import KvUsage
+from penstock.engines.transformers.core.step_metrics import prefix_cache_lines
 from penstock.metrics.forward_pass import ComponentSnapshot, ForwardPassMetrics
 
 if TYPE_CHECKING:
-    from penstock.engines.transformers.scheduler import BatchScheduler
-    from penstock.engines.transformers.vision import VisionEncoder
+    from penstock.engines.transformers.core.scheduler import BatchScheduler
+    from penstock.engines.transformers.features.vision import VisionEncoder
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from penstock.engines.transformers.args import parse_args
-from penstock.engines.transformers.block_manager import (
+from penstock.engines.transformers.core.block_manager import (
     BLOCK_SIZE,
     BlockManager,
     PoolExhausted,

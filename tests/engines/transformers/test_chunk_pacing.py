@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from penstock.engines.transformers.args import parse_args
-from penstock.engines.transformers.chunk_pacing import ChunkPacer
+from penstock.engines.transformers.core.chunk_pacing import ChunkPacer
 
 
 def test_without_pacing_a_step_computes_its_whole_budget() -> None:

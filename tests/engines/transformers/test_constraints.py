@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from penstock.engines.context import Context
 from penstock.engines.transformers import TransformersEngine
-from penstock.engines.transformers.constraints import (
+from penstock.engines.transformers.features.constraints import (
     MAX_SCHEMA_DEPTH,
     parse_guided_decoding,
 )

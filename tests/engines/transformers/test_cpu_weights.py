@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from penstock.engines.transformers import TransformersEngine, cpu_weights
+from penstock.engines.transformers import TransformersEngine
 from penstock.engines.transformers.args import default_model_cache_dir, parse_args
+from penstock.engines.transformers.weights import cpu_weights
 from tests.engines.transformers.conftest import start_engine
 from tests.engines.transformers.helpers import greedy, run, tokens
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from penstock.engines.transformers.core.sampling import SamplingDefaults
 from penstock.engines.transformers.default_model import (
     DEFAULT_MODEL_NAME,
     GGUF_FILE,
@@ -20,7 +21,6 @@ from penstock.engines.transformers.default_model import (
     ensure_default_model,
 )
 from penstock.engines.transformers.generation_config import load_sampling_defaults
-from penstock.engines.transformers.sampling import SamplingDefaults
 
 TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 

@@ -14,9 +14,10 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 from transformers import LlamaForCausalLM
 
-from penstock.engines.transformers import TransformersEngine, cpu_weights, gguf_weights
+from penstock.engines.transformers import TransformersEngine
 from penstock.engines.transformers.args import default_model_cache_dir
-from penstock.engines.transformers.gguf_weights import (
+from penstock.engines.transformers.weights import cpu_weights, gguf_weights
+from penstock.engines.transformers.weights.gguf_weights import (
     BLOCKS_FILE,
     GgufBlockLinear,
     rebuild,

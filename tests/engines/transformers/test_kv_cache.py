@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from penstock.engines.transformers import paged_attention
 from penstock.engines.transformers.args import default_model_cache_dir
-from penstock.engines.transformers.block_manager import BLOCK_SIZE
-from penstock.engines.transformers.kv_cache import KvArena, StepKv
+from penstock.engines.transformers.core.block_manager import BLOCK_SIZE
+from penstock.engines.transformers.core.kv_cache import KvArena, StepKv
+from penstock.engines.transformers.kernels import paged_attention
 
 LAYERS, KV_HEADS, HEADS, DIM = 2, 2, 6, 16
 

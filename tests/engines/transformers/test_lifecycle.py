@@ -10,7 +10,7 @@ from penstock.engines.conformance import run_conformance
 from penstock.engines.context import Context
 from penstock.engines.host import EngineHost
 from penstock.engines.transformers import TransformersEngine
-from penstock.engines.transformers.weights import CheckpointError
+from penstock.engines.transformers.weights.checkpoint import CheckpointError
 from tests.engines.transformers.helpers import run
 
 

@@ -16,12 +16,13 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from penstock.engines.transformers import cpu_weights, paged_attention
 from penstock.engines.transformers.args import default_model_cache_dir
-from penstock.engines.transformers.block_manager import BLOCK_SIZE
+from penstock.engines.transformers.core.block_manager import BLOCK_SIZE
+from penstock.engines.transformers.core.kv_cache import KvArena, StepKv
+from penstock.engines.transformers.core.llama_decode import LlamaDecoder, unsupported_reason
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME
-from penstock.engines.transformers.kv_cache import KvArena, StepKv
-from penstock.engines.transformers.llama_decode import LlamaDecoder, unsupported_reason
+from penstock.engines.transformers.kernels import paged_attention
+from penstock.engines.transformers.weights import cpu_weights
 from tests.engines.transformers.conftest import start_engine
 from tests.engines.transformers.helpers import greedy, hf_greedy, run, tokens
 
@@ -101,7 +102,9 @@ def in_place(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         if failure is not None:
             pytest.skip(failure)
     else:
-        monkeypatch.setattr("penstock.engines.transformers.kv_cache.kernel_ready", lambda: False)
+        monkeypatch.setattr(
+            "penstock.engines.transformers.core.kv_cache.kernel_ready", lambda: False
+        )
     return bool(request.param)
 
 

@@ -13,7 +13,7 @@ import torch
 from penstock.engines.pooling import PoolingCapabilities, pooling_capabilities
 from penstock.engines.transformers.pooling import _batches, pool
 from penstock.engines.transformers.pooling_config import choose_pooling
-from penstock.engines.transformers.weights import CheckpointError
+from penstock.engines.transformers.weights.checkpoint import CheckpointError
 
 ENCODER = SimpleNamespace(architectures=["BertModel"])
 DECODER = SimpleNamespace(architectures=["LlamaForCausalLM"])

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from penstock.engines.context import Context
-from penstock.engines.transformers.block_manager import Match
-from penstock.engines.transformers.chunk_pacing import LEAST_CHUNK_TOKENS
-from penstock.engines.transformers.model_runner import PrefillRow
-from penstock.engines.transformers.prefill_plan import Prefiller, chunk_cost, chunk_end
+from penstock.engines.transformers.core.block_manager import Match
+from penstock.engines.transformers.core.chunk_pacing import LEAST_CHUNK_TOKENS
+from penstock.engines.transformers.core.model_runner import PrefillRow
+from penstock.engines.transformers.core.prefill_plan import Prefiller, chunk_cost, chunk_end
 from tests.engines.transformers.conftest import start_engine
 from tests.engines.transformers.helpers import greedy, hf_greedy, run
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from penstock.engines.transformers.sampling import (
+from penstock.engines.transformers.core.sampling import (
     PenaltyState,
     RowSampling,
     SamplingParams,

@@ -155,7 +155,7 @@ def test_a_llava_folder_updates_from_disk_under_its_loaded_names(tiny_vlm_dir: P
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from penstock.engines.transformers.weights import (
+    from penstock.engines.transformers.weights.checkpoint import (
         apply_weight_update,
         plan_weight_update,
         read_safetensors,

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from penstock.engines.transformers.kv_cache import GatheredCache, KvArena, KvPair, StepKv
-from penstock.engines.transformers.llama_decode import LlamaDecoder
-from penstock.engines.transformers.lora import BASE_ROW
-from penstock.engines.transformers.prompt_kv import PromptChunk, PromptKv
-from penstock.engines.transformers.sampling import TokenChoice, choose_tokens
-from penstock.engines.transformers.sequence import Sequence, Submission
+from penstock.engines.transformers.core.kv_cache import GatheredCache, KvArena, KvPair, StepKv
+from penstock.engines.transformers.core.llama_decode import LlamaDecoder
+from penstock.engines.transformers.core.prompt_kv import PromptChunk, PromptKv
+from penstock.engines.transformers.core.sampling import TokenChoice, choose_tokens
+from penstock.engines.transformers.core.sequence import Sequence, Submission
+from penstock.engines.transformers.features.lora import BASE_ROW
 
 # One prefilled row: the choices of its sequences' first tokens and its KV per layer.
 Prefilled = tuple[list[TokenChoice], list[KvPair]]

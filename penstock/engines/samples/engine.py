@@ -4,9 +4,9 @@ It emits a deterministic rotation of ordinary (non-special) token ids of a real 
 so the whole token pipeline (detokenization, stop strings, logprobs, usage) runs for real.
 
 It also implements the RL admin controls in a simulated but observable way: pause, sleep,
-wake, abort and flush in :mod:`.sample_controls`; weights (one ``token_shift`` tensor),
-their updates, checks and rollback in :mod:`.sample_weights`; the prefix cache, KV events
-and simulated forward passes in :mod:`.sample_telemetry`. Every chunk carries
+wake, abort and flush in :mod:`.controls`; weights (one ``token_shift`` tensor),
+their updates, checks and rollback in :mod:`.weights`; the prefix cache, KV events
+and simulated forward passes in :mod:`.telemetry`. Every chunk carries
 ``engine_data: {"weight_version": v}``. ``--token-budget N`` advertises a ``TokenBudget``
 of ``N`` tokens that the gateway enforces.
 
@@ -50,21 +50,21 @@ from penstock.engines.health import (
     is_probe,
     parse_health_check_payload_cli,
 )
-from penstock.engines.sample_controls import Flight, Hold, SampleLifecycleControls
-from penstock.engines.sample_telemetry import (
+from penstock.engines.samples.controls import Flight, Hold, SampleLifecycleControls
+from penstock.engines.samples.telemetry import (
     KV_BLOCK_SIZE,
     TOTAL_KV_BLOCKS,
     PrefixCache,
     SampleTelemetry,
 )
-from penstock.engines.sample_weights import (
+from penstock.engines.samples.weights import (
     SampleWeightControls,
     SampleWeights,
     load_sample_weights,
     write_sample_weights,
 )
 from penstock.engines.token_budget import TOKEN_BUDGET_RUNTIME_KEY, TokenBudget
-from penstock.engines.weight_sync import NixlPuller
+from penstock.engines.weights.sync import NixlPuller
 
 __all__ = [
     "KV_BLOCK_SIZE",
@@ -77,7 +77,7 @@ __all__ = [
     "write_sample_weights",
 ]
 
-SAMPLE_TOKENIZER_DIR = Path(__file__).parent / "assets" / "sample-tokenizer"
+SAMPLE_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "sample-tokenizer"
 MAX_TOP_LOGPROBS = 20
 
 

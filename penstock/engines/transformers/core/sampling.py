@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from penstock.engines.transformers.constraints import (
+from penstock.engines.transformers.features.constraints import (
     GuidedSpec,
     SequenceConstraint,
     advance_constraints,

@@ -26,7 +26,7 @@ list of ``(name, tensor)`` pairs, or a dict; on the same host its tensors may li
 shared memory: CUDA tensors by IPC handle, CPU tensors by shared-memory file name under
 torch's ``file_system`` sharing strategy) is unpickled only with
 ``--trust-weight-payloads``, since unpickling runs code the sender chose. Decoding is in
-:mod:`penstock.engines.tensor_payloads`.
+:mod:`penstock.engines.weights.tensor_payloads`.
 
 **NIXL pull** (``update_weights_from_nixl``): the trainer registers its tensors with a
 NIXL agent (UCX) and posts ``agent_name``, ``agent_metadata`` (base64 of the agent's

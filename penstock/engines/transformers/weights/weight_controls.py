@@ -21,26 +21,26 @@ import torch
 
 from penstock.engines import controls
 from penstock.engines.controls import Body, ControlRejected, Handler
-from penstock.engines.transformers.cpu_weights import requantize
-from penstock.engines.transformers.lora import LoraError, lora_config, save_adapter
-from penstock.engines.transformers.sync import (
-    checksum_control,
-    randomize_weights,
-    weights_by_name,
-)
-from penstock.engines.transformers.weights import (
+from penstock.engines.transformers.features.lora import LoraError, lora_config, save_adapter
+from penstock.engines.transformers.weights.checkpoint import (
     CheckpointError,
     apply_weight_update,
     plan_weight_update,
     read_safetensors,
 )
-from penstock.engines.weight_sync import TensorSpec, WeightSyncError, lora_file_key
+from penstock.engines.transformers.weights.cpu_weights import requantize
+from penstock.engines.transformers.weights.sync import (
+    checksum_control,
+    randomize_weights,
+    weights_by_name,
+)
+from penstock.engines.weights.sync import TensorSpec, WeightSyncError, lora_file_key
 from penstock.nixl_agent import nixl_installed
 
 if TYPE_CHECKING:
-    from penstock.engines.transformers.scheduler import BatchScheduler
-    from penstock.engines.transformers.sync import WeightSync
-    from penstock.engines.transformers.vision import VisionEncoder
+    from penstock.engines.transformers.core.scheduler import BatchScheduler
+    from penstock.engines.transformers.features.vision import VisionEncoder
+    from penstock.engines.transformers.weights.sync import WeightSync
 
 Snapshot = tuple[dict[str, torch.Tensor], str | None, Path | None]
 

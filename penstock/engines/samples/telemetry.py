@@ -24,7 +24,7 @@ from penstock.metrics.forward_pass import (
 )
 
 if TYPE_CHECKING:
-    from penstock.engines.sample_controls import Flight
+    from penstock.engines.samples.controls import Flight
 
 KV_BLOCK_SIZE = 16
 TOTAL_KV_BLOCKS = 1000

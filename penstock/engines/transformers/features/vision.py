@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from penstock.engines.transformers.weights import CheckpointError
+from penstock.engines.transformers.weights.checkpoint import CheckpointError
 from penstock.memory import CachedEmbedding, MultimodalEmbeddingCacheManager
 from penstock.multimodal import AsyncEncoderCache
 

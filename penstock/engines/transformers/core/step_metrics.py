@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from penstock.engines.transformers.sequence import Sequence, Submission
+from penstock.engines.transformers.core.sequence import Sequence, Submission
 from penstock.metrics.forward_pass import (
     ForwardPassMetrics,
     WelfordAccumulator,

@@ -1,27 +1,24 @@
-"""The AVX-512 kernels that multiply by weights rebuilt from GGUF blocks, bit for bit.
+// The AVX-512 kernels that multiply by weights rebuilt from GGUF blocks, bit for bit.
+//
+// A checkpoint converted from a GGUF (the default model is) holds, in bfloat16, exactly
+// `bfloat16(d * q + m)` (Q4_1: 4-bit `q`, float16 `d` and `m` per 32 weights) or
+// `bfloat16(d * q)` (Q8_0: int8 `q`, float16 `d`): float32 products and sums, rounded
+// to nearest even, as the `gguf` package computes them. These kernels read the blocks
+// (0.75 and 1.125 bytes a weight against bfloat16's 2) and rebuild each weight the same
+// way in registers, then multiply in float32 like the bfloat16 kernel. Only the order of
+// the additions differs from the bfloat16 path, as between any two matmuls.
+//
+// Q4_1 records, one per block of a row: `d`, `m` (float32), then 16 bytes of 4-bit
+// `q` in the order `q4_1_block` reads them; Q8_0 records: `d` (float32) then 32 int8
+// in the order `q8_0_block` reads them (weights/gguf_weights.py packs both).
+//
+// The functions need AVX512-BF16 (`vcvtneps2bf16` rounds to bfloat16 in one
+// instruction); the Python side checks the CPU before calling them. Built on the helpers
+// of cpu_linear.h.
+#pragma once
 
-A checkpoint converted from a GGUF (the default model is) holds, in bfloat16, exactly
-``bfloat16(d * q + m)`` (Q4_1: 4-bit ``q``, float16 ``d`` and ``m`` per 32 weights) or
-``bfloat16(d * q)`` (Q8_0: int8 ``q``, float16 ``d``): float32 products and sums, rounded
-to nearest even, as the ``gguf`` package computes them. These kernels read the blocks
-(0.75 and 1.125 bytes a weight against bfloat16's 2) and rebuild each weight the same
-way in registers, then multiply in float32 like the bfloat16 kernel. Only the order of
-the additions differs from the bfloat16 path, as between any two matmuls.
+#include "cpu_linear.h"
 
-Q4_1 records, one per block of a row: ``d``, ``m`` (float32), then 16 bytes of 4-bit
-``q`` in the order ``q4_1_block`` reads them; Q8_0 records: ``d`` (float32) then 32 int8
-in the order ``q8_0_block`` reads them (:mod:`.gguf_weights` packs both).
-
-The functions need AVX512-BF16 (``vcvtneps2bf16`` rounds to bfloat16 in one
-instruction); the Python side checks the CPU before calling them. Appended to the
-source of :mod:`.cpu_weights`, whose helpers it uses.
-"""
-
-from __future__ import annotations
-
-GGUF_FUNCTIONS = ["q4_1_linear", "q8_0_linear", "cpu_has_avx512_bf16"]
-
-GGUF_SOURCE = r"""
 #define BF16_STEP static inline __attribute__((always_inline, target("avx512bf16")))
 
 constexpr int64_t kQ41Record = 24, kQ80Record = 36;
@@ -174,4 +171,3 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor w) { return block_linea
 
 // y[M, N] = x[M, K] @ w^T, w[N, K / 32 * 36] Q8_0 records; K % 32 == 0.
 torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor w) { return block_linear<false>(x, w); }
-"""

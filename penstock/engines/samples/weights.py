@@ -4,7 +4,7 @@ RL trainer replaces, reads, checks or rolls it back.
 ``update_weights_from_disk {model_path}`` loads a ``.safetensors`` file or a folder holding
 ``model.safetensors`` (see :func:`write_sample_weights`); ``update_weights_from_tensor``
 takes ``serialized_named_tensors`` (base64 safetensors, see
-:mod:`penstock.engines.weight_sync`) or ``named_tensors`` (``{"token_shift": [n]}``);
+:mod:`penstock.engines.weights.sync`) or ``named_tensors`` (``{"token_shift": [n]}``);
 ``update_weights_from_nixl`` (when NIXL is installed) READs ``token_shift`` from the
 trainer's registered memory. A missing file, a missing or extra tensor or a wrong shape is
 refused and the old weights keep serving; every update needs generation held (paused, or
@@ -35,7 +35,7 @@ from penstock.engines.controls import (
     Handler,
     parse_weights_by_name,
 )
-from penstock.engines.weight_sync import (
+from penstock.engines.weights.sync import (
     NixlPuller,
     WeightSyncError,
     check_against,
@@ -47,7 +47,7 @@ from penstock.nixl_agent import nixl_installed
 if TYPE_CHECKING:
     import numpy as np
 
-    from penstock.engines.sample_controls import Hold
+    from penstock.engines.samples.controls import Hold
 
 WEIGHTS_FILE = "model.safetensors"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"

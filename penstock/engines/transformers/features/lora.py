@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from penstock.engines.weight_sync import lora_file_key
+from penstock.engines.weights.sync import lora_file_key
 
 # peft's placeholder name for "no adapter" in ``adapter_names``.
 BASE_ROW = "__base__"
@@ -98,7 +98,7 @@ def lora_config(fields: dict[str, Any]) -> Any:
 
 
 def save_adapter(folder: Path, config: Any, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``tensors`` (named as :func:`~penstock.engines.weight_sync.lora_file_key`
+    """Write ``tensors`` (named as :func:`~penstock.engines.weights.sync.lora_file_key`
     reads them) and ``config`` as
     peft's ``save_pretrained`` does, so the folder loads as any other adapter."""
     from safetensors.torch import save_file

@@ -17,17 +17,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from penstock.engines.transformers.block_manager import (
+from penstock.engines.transformers.core.block_manager import (
     BLOCK_SIZE,
     BlockManager,
     Match,
     chain_hashes,
 )
-from penstock.engines.transformers.chunk_pacing import LEAST_CHUNK_TOKENS
-from penstock.engines.transformers.kv_cache import KvArena, KvPair
-from penstock.engines.transformers.model_runner import ModelRunner, Prefilled, PrefillRow
-from penstock.engines.transformers.sampling import TokenChoice
-from penstock.engines.transformers.sequence import Sequence, Submission
+from penstock.engines.transformers.core.chunk_pacing import LEAST_CHUNK_TOKENS
+from penstock.engines.transformers.core.kv_cache import KvArena, KvPair
+from penstock.engines.transformers.core.model_runner import ModelRunner, Prefilled, PrefillRow
+from penstock.engines.transformers.core.sampling import TokenChoice
+from penstock.engines.transformers.core.sequence import Sequence, Submission
 
 # Prompts prefilled in one forward pass: at most this many tokens, padding included.
 PREFILL_BATCH_TOKENS = 2048

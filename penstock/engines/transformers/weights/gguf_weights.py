@@ -1,8 +1,8 @@
 """Linear layers that decode from the GGUF blocks their bfloat16 weights were converted from.
 
 The default model is converted from a GGUF whose linear weights are Q4_1 and whose tied
-embedding and output layer is Q8_0 (see :mod:`.gguf_kernel`): its bfloat16 checkpoint is,
-weight for weight, those blocks rebuilt. The conversion keeps the blocks beside the
+embedding and output layer is Q8_0 (see ``kernels/gguf_linear.h``): its bfloat16
+checkpoint is, weight for weight, those blocks rebuilt. The conversion keeps the blocks beside the
 checkpoint (:data:`BLOCKS_FILE`, rows in the checkpoint's order: transformers reorders the
 rows of the attention's q and k weights when it reads a GGUF); at start each layer's
 blocks are rebuilt and compared with its bfloat16 weight bit for bit, and only layers
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from penstock.engines.transformers import cpu_weights
-from penstock.engines.transformers.cpu_weights import Bf16WeightLinear, DerivedWeightLinear
+from penstock.engines.transformers.weights import cpu_weights
+from penstock.engines.transformers.weights.cpu_weights import Bf16WeightLinear, DerivedWeightLinear
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def _q4_1_slot_columns() -> torch.Tensor:
 
     The kernel reads word ``w`` of 32 from byte ``2 * (w % 8) + (w >= 16)``, the high
     nibble when ``w // 8`` is odd, and widens the even words into the block's first 16
-    weights and the odd ones into the last 16 (see :mod:`.gguf_kernel`).
+    weights and the odd ones into the last 16 (see ``kernels/gguf_linear.h``).
     """
     columns = torch.empty(32, dtype=torch.long)
     for word in range(32):

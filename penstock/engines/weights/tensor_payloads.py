@@ -2,7 +2,7 @@
 
 An entry is base64 text of a safetensors file, or, on a server started with
 ``--trust-weight-payloads``, of a pickle (the formats are in
-:mod:`penstock.engines.weight_sync`).
+:mod:`penstock.engines.weights.sync`).
 
 **CUDA-IPC payloads** (colocated trainers, as verl and slime drive SGLang): a pickled CUDA
 tensor carries an IPC handle to the sender's GPU memory, which only a process on the same
@@ -22,7 +22,7 @@ import io
 import pickle
 from typing import TYPE_CHECKING, Any
 
-from penstock.engines.weight_sync import (
+from penstock.engines.weights.sync import (
     TRUST_FLAG,
     UntrustedPayloadError,
     WeightSyncError,

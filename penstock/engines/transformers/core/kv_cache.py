@@ -25,8 +25,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from penstock.engines.transformers.block_manager import BLOCK_SIZE, kv_shape
-from penstock.engines.transformers.paged_attention import (
+from penstock.engines.transformers.core.block_manager import BLOCK_SIZE, kv_shape
+from penstock.engines.transformers.kernels.paged_attention import (
     gathered_attention,
     kernel_ready,
     paged_attention,

@@ -40,10 +40,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from penstock.engines.transformers.model_runner import ModelRunner, Prefilled, PrefillRow
-from penstock.engines.transformers.routing import ExpertRecorder
-from penstock.engines.transformers.sampling import TokenChoice, choose_tokens
-from penstock.engines.transformers.sequence import Sequence, Submission
+from penstock.engines.transformers.core.model_runner import ModelRunner, Prefilled, PrefillRow
+from penstock.engines.transformers.core.sampling import TokenChoice, choose_tokens
+from penstock.engines.transformers.core.sequence import Sequence, Submission
+from penstock.engines.transformers.features.routing import ExpertRecorder
 
 Chunk = dict[str, Any]
 

@@ -15,14 +15,14 @@ from typing import Any
 import torch
 
 from penstock.engines.context import Context
-from penstock.engines.transformers.block_manager import BLOCK_SIZE, Block
-from penstock.engines.transformers.constraints import SequenceConstraint
-from penstock.engines.transformers.sampling import (
+from penstock.engines.transformers.core.block_manager import BLOCK_SIZE, Block
+from penstock.engines.transformers.core.sampling import (
     PenaltyState,
     RowSampling,
     SamplingParams,
     TokenChoice,
 )
+from penstock.engines.transformers.features.constraints import SequenceConstraint
 
 Deliver = Callable[[list[Any]], None]
 

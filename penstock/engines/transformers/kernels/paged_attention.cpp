@@ -1,33 +1,5 @@
-"""Decode attention over the KV pool's blocks, read in place.
+// Decode attention over the KV pool's blocks, read in place (see paged_attention.py).
 
-Each decode row has one query token; its keys and values are the slots its block table
-names (:mod:`.kv_cache`), never copied into a padded batch. On the CPU a small C++
-kernel, built at first use like :mod:`.cpu_weights`' kernels, computes each row's
-attention per KV head (the query heads sharing it together) in two passes over the
-row's slots: scores, then the softmax-weighted sum of values. It reads each row's own
-tokens only, so rows of very different lengths cost what they hold, with no mask.
-Elsewhere (CUDA, or a CPU where the kernel cannot be built) :func:`gathered_attention`
-copies the rows' slots into a padded batch and calls ``scaled_dot_product_attention``.
-
-Both compute softmax in float32 with its maximum subtracted first, as
-``scaled_dot_product_attention`` does; only the order of the additions differs.
-"""
-
-from __future__ import annotations
-
-import logging
-import threading
-from pathlib import Path
-from typing import Any
-
-import torch
-import torch.nn.functional as F
-
-logger = logging.getLogger(__name__)
-
-_EXTENSION_NAME = "penstock_paged_attention_v5"
-
-_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -165,88 +137,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor keys,
   });
   return out;
 }
-"""
 
-_lock = threading.Lock()
-_kernel: Any = None
-_failure: str | None = None
-
-
-def _flags() -> list[str]:
-    # The build is cached by name and source: a cache shared with a CPU without AVX-512
-    # must not load a build that uses it.
-    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return ["-O3", "-mavx512f"]
-    return ["-O3"]
-
-
-def load_attention_kernel(cache_dir: Path) -> str | None:
-    """Build or load the CPU kernel; returns why it is unavailable, or None when ready."""
-    global _kernel, _failure
-    with _lock:
-        if _kernel is not None or _failure is not None:
-            return _failure
-        from torch.utils.cpp_extension import load_inline
-
-        flags = _flags()
-        name = _EXTENSION_NAME + ("_avx512" if "-mavx512f" in flags else "")
-        build_dir = cache_dir / "torch_extensions" / name
-        try:
-            build_dir.mkdir(parents=True, exist_ok=True)
-            kernel = load_inline(
-                name,
-                cpp_sources=_SOURCE,
-                functions=["paged_decode_attention"],
-                extra_cflags=flags,
-                build_directory=str(build_dir),
-                verbose=False,
-            )
-        except Exception as exc:
-            _failure = f"the paged attention kernel could not be built: {exc}"
-            logger.warning("%s; decode attention gathers each row's KV instead", _failure)
-            return _failure
-        _kernel = kernel
-        return None
-
-
-def kernel_ready() -> bool:
-    return _kernel is not None
-
-
-def paged_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    table: torch.Tensor,
-    lengths: torch.Tensor,
-    scale: float,
-    block_size: int,
-) -> torch.Tensor:
-    """Each row's attention over its own slots: ``query`` ``[rows, heads, dim]``;
-    ``keys``/``values`` one layer's slots ``[slots, kv heads, dim]``; ``table`` each row's
-    block ids ``[rows, blocks]`` (int32); ``lengths`` its tokens (int32, this step's
-    included). Returns ``[rows, heads, dim]``. Needs :func:`load_attention_kernel`."""
-    assert _kernel is not None
-    return _kernel.paged_decode_attention(query, keys, values, table, lengths, scale, block_size)
-
-
-def gathered_attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    slot_table: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    """The same attention from the rows' slots copied into a padded batch: ``slot_table``
-    ``[rows, columns]`` (right-aligned, padding at a slot of zeros), ``mask`` ``[rows, 1,
-    1, columns]`` or None when no row is padded. Returns ``[rows, heads, dim]``."""
-    rows, heads, dim = query.shape
-    kv_heads = keys.shape[1]
-    gathered_keys = keys[slot_table].transpose(1, 2)
-    gathered_values = values[slot_table].transpose(1, 2)
-    packed = query.view(rows, kv_heads, heads // kv_heads, dim)
-    attended = F.scaled_dot_product_attention(
-        packed, gathered_keys, gathered_values, attn_mask=mask, scale=scale
-    )
-    return attended.reshape(rows, heads, dim)
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention),
+        "paged_decode_attention");
+}

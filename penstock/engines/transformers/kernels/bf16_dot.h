@@ -1,39 +1,32 @@
-"""The AVX512-BF16 kernels that round activations to bfloat16 (``--cpu-activation-dtype``).
+// The AVX512-BF16 kernels that round activations to bfloat16 (`--cpu-activation-dtype`).
+//
+// Lossy, and only on request: each row of x is rounded to bfloat16 once per call, as a GPU
+// running the model in bfloat16 rounds it, and multiplied with `vdpbf16ps` (32 products
+// an instruction, twice float32's FMA). Weights are exactly the ones the float32-activation
+// kernels use: bfloat16 weights as stored, GGUF blocks rebuilt as gguf_linear.h does.
+// A product of two bfloat16 is exact in float32 and the sums are float32, so the rounding
+// of x is the only loss (besides the order of the additions; `vdpbf16ps` also counts
+// subnormal inputs and sums as zero). Greedy tokens may differ from the float32 model's
+// and `generate`'s, and, since a single row stays float32 (below), a request's tokens may
+// depend on how many rows decode beside it (a prompt's prefill, several rows, is rounded).
+// The default, `float32`, uses none of this.
+//
+// `vdpbf16ps` multiplies the two bfloat16 of each 32-bit lane pairwise: a bfloat16 weight
+// row pairs neighbours `(w[k], w[k + 1])`, a rebuilt GGUF block of 32 pairs its weights
+// `i` and `16 + i` (`q4_1_words`), so x is packed the same way before the products.
+// A single row stays float32 (the float32-activation kernels): there rebuilding the weights,
+// not multiplying, bounds the time, and bfloat16 gained nothing (GGUF blocks: 0.93-1.07x per
+// layer of the default model, against 1.7-1.8x at 16 rows), so decode steps at concurrency 1
+// stay exact.
+// Rows of w are taken 4 at a time (rebuilt once into a buffer that stays in L1 for GGUF
+// blocks) while every row of x passes over them, as `widened_row_passes` does.
+//
+// Needs AVX512-BF16; the Python side checks the CPU before calling. Built on the helpers of
+// gguf_linear.h and cpu_linear.h.
+#pragma once
 
-Lossy, and only on request: each row of x is rounded to bfloat16 once per call, as a GPU
-running the model in bfloat16 rounds it, and multiplied with ``vdpbf16ps`` (32 products
-an instruction, twice float32's FMA). Weights are exactly the ones the float32-activation
-kernels use: bfloat16 weights as stored, GGUF blocks rebuilt as :mod:`.gguf_kernel` does.
-A product of two bfloat16 is exact in float32 and the sums are float32, so the rounding
-of x is the only loss (besides the order of the additions; ``vdpbf16ps`` also counts
-subnormal inputs and sums as zero). Greedy tokens may differ from the float32 model's
-and ``generate``'s, and, since a single row stays float32 (below), a request's tokens may
-depend on how many rows decode beside it (a prompt's prefill, several rows, is rounded).
-The default, ``float32``, uses none of this.
+#include "gguf_linear.h"
 
-``vdpbf16ps`` multiplies the two bfloat16 of each 32-bit lane pairwise: a bfloat16 weight
-row pairs neighbours ``(w[k], w[k + 1])``, a rebuilt GGUF block of 32 pairs its weights
-``i`` and ``16 + i`` (``q4_1_words``), so x is packed the same way before the products.
-A single row stays float32 (the float32-activation kernels): there rebuilding the weights,
-not multiplying, bounds the time, and bfloat16 gained nothing (GGUF blocks: 0.93-1.07x per
-layer of the default model, against 1.7-1.8x at 16 rows), so decode steps at concurrency 1
-stay exact.
-Rows of w are taken 4 at a time (rebuilt once into a buffer that stays in L1 for GGUF
-blocks) while every row of x passes over them, as ``widened_row_passes`` does.
-
-Needs AVX512-BF16; the Python side checks the CPU before calling. Appended to the source
-of :mod:`.cpu_weights` after :mod:`.gguf_kernel`'s, whose helpers it uses.
-"""
-
-from __future__ import annotations
-
-BF16_DOT_FUNCTIONS = [
-    "bf16_linear_bf16_activations",
-    "q4_1_linear_bf16_activations",
-    "q8_0_linear_bf16_activations",
-]
-
-BF16_DOT_SOURCE = r"""
 // x[M, K] rounded to bfloat16, two to a 32-bit word: (x[k], x[k + 1]) for bfloat16
 // weights, or (x[b + i], x[b + 16 + i]) in each block of 32 from b for rebuilt blocks.
 __attribute__((target("avx512bf16"))) static std::vector<uint32_t> pack_activations(
@@ -224,4 +217,3 @@ torch::Tensor q4_1_linear_bf16_activations(torch::Tensor x, torch::Tensor w) {
 torch::Tensor q8_0_linear_bf16_activations(torch::Tensor x, torch::Tensor w) {
   return block_linear_bf16_activations<false>(x, w);
 }
-"""

@@ -30,21 +30,21 @@ from typing import Any
 
 import torch
 
-from penstock.engines.transformers.block_manager import BLOCK_SIZE, BlockManager, KvEventRelay
-from penstock.engines.transformers.chunk_pacing import UNPACED_CPU_CHUNK, ChunkPacer
-from penstock.engines.transformers.deterministic import DeterministicRunner, OutgoingChunks
-from penstock.engines.transformers.kv_cache import KvArena, KvPair
-from penstock.engines.transformers.model_runner import ModelRunner, OnRunner
-from penstock.engines.transformers.prefill_plan import (
+from penstock.engines.transformers.core.block_manager import BLOCK_SIZE, BlockManager, KvEventRelay
+from penstock.engines.transformers.core.chunk_pacing import UNPACED_CPU_CHUNK, ChunkPacer
+from penstock.engines.transformers.core.kv_cache import KvArena, KvPair
+from penstock.engines.transformers.core.model_runner import ModelRunner, OnRunner
+from penstock.engines.transformers.core.prefill_plan import (
     Joined,
     NextChunk,
     Prefiller,
     chunk_cost,
     context_per_token,
 )
-from penstock.engines.transformers.sampling import TokenChoice
-from penstock.engines.transformers.sequence import Sequence, Submission, completion_usage
-from penstock.engines.transformers.step_metrics import KvUsage, step_metrics
+from penstock.engines.transformers.core.sampling import TokenChoice
+from penstock.engines.transformers.core.sequence import Sequence, Submission, completion_usage
+from penstock.engines.transformers.core.step_metrics import KvUsage, step_metrics
+from penstock.engines.transformers.features.deterministic import DeterministicRunner, OutgoingChunks
 from penstock.metrics.forward_pass import ForwardPassMetrics
 
 logger = logging.getLogger(__name__)

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from penstock.engines.transformers.cpu_weights import row_linear
-from penstock.engines.transformers.kv_cache import StepKv
-from penstock.engines.transformers.prompt_kv import PromptChunk
+from penstock.engines.transformers.core.kv_cache import StepKv
+from penstock.engines.transformers.core.prompt_kv import PromptChunk
+from penstock.engines.transformers.weights.cpu_weights import row_linear
 
 # Rope types whose frequencies do not depend on the sequence length (transformers'
 # ``dynamic_rope_update`` rewrites ``inv_freq`` per call for "dynamic" and "longrope").

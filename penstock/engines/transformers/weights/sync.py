@@ -1,7 +1,7 @@
 """Weight pushes into the live model: collective broadcast, tensor payloads, NIXL pulls,
 verification.
 
-The wire formats and the checksum are in :mod:`penstock.engines.weight_sync`. Every push
+The wire formats and the checksum are in :mod:`penstock.engines.weights.sync`. Every push
 needs paused generation and is validated whole (names, shapes, dtypes) before the first
 byte is received; a refused push leaves the old weights serving. A broadcast whose
 metadata is valid for the wire but not for this model is still received (into a scratch
@@ -30,9 +30,8 @@ from typing import Any
 import torch
 
 from penstock.engines.controls import WeightsByName, parse_tensor_names
-from penstock.engines.tensor_payloads import decode_payload
-from penstock.engines.transformers.weights import checkpoint_state_dict
-from penstock.engines.weight_sync import (
+from penstock.engines.transformers.weights.checkpoint import checkpoint_state_dict
+from penstock.engines.weights.sync import (
     DEFAULT_GROUP_NAME,
     NixlPuller,
     TensorSpec,
@@ -46,6 +45,7 @@ from penstock.engines.weight_sync import (
     parse_specs,
     weights_checksum,
 )
+from penstock.engines.weights.tensor_payloads import decode_payload
 
 Body = dict[str, Any]
 DEFAULT_INIT_TIMEOUT_S = 30.0
@@ -162,7 +162,7 @@ class WeightSync:
 
     def receive(self, model: torch.nn.Module, body: Body, device: torch.device, lock: Any) -> Body:
         """``update_weights_from_distributed``: validate, then receive into the model."""
-        from penstock.engines.weight_sync import broadcast_specs
+        from penstock.engines.weights.sync import broadcast_specs
 
         group = self._group(body)
         specs = parse_specs(body)
@@ -198,7 +198,7 @@ class WeightSync:
         (one at a time, in ``names`` order), all staged on the CPU before any is returned;
         nothing of the model is written. Specs that ``check`` refuses are still received
         and dropped, so the trainer's collective completes."""
-        from penstock.engines.weight_sync import broadcast_specs
+        from penstock.engines.weights.sync import broadcast_specs
 
         group = self._group(body)
         specs = parse_specs(body)
@@ -304,7 +304,7 @@ def _stage_broadcast(
     """Every tensor of ``specs`` received over the group, held aside (on the CPU when
     ``on_cpu``) until the last arrives; a broadcast that breaks part-way raises, saying
     what arrived and (``lost``) that nothing of it was used."""
-    from penstock.engines.weight_sync import broadcast_specs
+    from penstock.engines.weights.sync import broadcast_specs
 
     staged: dict[str, torch.Tensor] = {}
 
