@@ -168,9 +168,10 @@ def _parse(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     refused = getattr(args, MISPLACED, None)
     if refused:
         serve.error("; ".join(refused))
-    if unknown:
-        serve.error(f"unrecognized arguments: {' '.join(unknown)}; {_unknown_hint(spec, unknown)}")
     given = vars(args)
+    if unknown:
+        typed = _as_typed(own, unknown, given.get(MODEL_TAG))
+        serve.error(f"unrecognized arguments: {' '.join(typed)}; {_unknown_hint(spec, typed)}")
     overrides = {
         key: value
         for key, value in given.items()
@@ -182,6 +183,16 @@ def _parse(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
             serve.error(f"the model is given twice: {model_tag} and --model {overrides['model']}")
         overrides["model"] = model_tag
     return overrides, [*(getattr(args, ENGINE_ARGV, None) or []), *after_dash]
+
+
+def _as_typed(own: list[str], unknown: list[str], model_tag: str | None) -> list[str]:
+    """The unrecognized arguments as typed: the value after an unknown option was taken
+    for the positional MODEL, and belongs back after it."""
+    for index, token in enumerate(own[:-1]):
+        if token in unknown and "=" not in token and own[index + 1] == model_tag:
+            at = unknown.index(token) + 1
+            return [*unknown[:at], own[index + 1], *unknown[at:]]
+    return unknown
 
 
 def _unknown_hint(spec: str, unknown: list[str]) -> str:

@@ -7,6 +7,7 @@ import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from penstock.engines.engine_options import BuiltinEngine
 from penstock.options import DeclaredOption, declared_options
@@ -48,8 +49,13 @@ def resolve_hub_model(settings: Settings, engine: BuiltinEngine | None) -> Setti
             f"'hf download {model}'"
         )
     logger.info("serving %s from the local Hugging Face cache: %s", model, folder)
-    served = settings.served_model_name or model
-    return settings.model_copy(update={"model": str(folder), "served_model_name": served})
+    update: dict[str, Any] = {"model": str(folder)}
+    if settings.served_model_name is None:
+        # The engine is told the name too, so the snapshot's path is no second name.
+        update["served_model_name"] = model
+        if engine.option("--served-model-name") is not None:
+            update["engine_args"] = ["--served-model-name", model, *settings.engine_args]
+    return settings.model_copy(update=update)
 
 
 def _cached_snapshot(repo_id: str, cache_dir: Path) -> Path | None:
