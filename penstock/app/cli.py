@@ -93,15 +93,13 @@ def _parser(spec: str, wants_help: bool) -> tuple[argparse.ArgumentParser, argpa
         help="model path or Hugging Face hub id, as --model",
     )
     add_arguments(serve, Settings, HELP_CONTEXT)
-    taken = _gateway_names()
+    # A class engine's options are its own business, after --.
     if builtin is not None:
+        taken = _gateway_names()
         add_forwarded_options(serve, builtin, taken)
         taken |= {name for option in builtin.options for name in option.names}
-    add_misplaced_options(
-        serve,
-        [*other_engines_options(list(BUILTIN_ENGINES.values()), spec), *vllm_only_options()],
-        taken,
-    )
+        others = other_engines_options(list(BUILTIN_ENGINES.values()), spec)
+        add_misplaced_options(serve, [*others, *vllm_only_options()], taken)
     return parser, serve
 
 

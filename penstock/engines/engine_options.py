@@ -215,17 +215,23 @@ def add_misplaced_options(
 def other_engines_options(
     engines: Sequence[BuiltinEngine], chosen: str
 ) -> Iterable[tuple[str, bool, str]]:
-    """Each option of an engine other than ``chosen``, and why it is refused here."""
+    """Each option of the built-in engines other than ``chosen``, and why it is refused
+    here: the engines it belongs to."""
+    owners: dict[str, tuple[bool, list[str]]] = {}
     for engine in engines:
         if engine.name == chosen:
             continue
         for option in engine.options:
-            reason = (
-                f"is an option of the {engine.name} engine; this server runs the "
-                f"{chosen} engine (--engine {engine.name} to use it)"
-            )
             for name in option.names:
-                yield name, option.kind == "value", reason
+                owners.setdefault(name, (option.kind == "value", []))[1].append(engine.name)
+    for name, (takes_value, names) in owners.items():
+        owner = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        yield (
+            name,
+            takes_value,
+            f"is an option of the {owner} engine{'s' if len(names) > 1 else ''}; this "
+            f"server runs the {chosen} engine (--engine {names[0]} to use it)",
+        )
 
 
 def markdown_table(engines: Sequence[BuiltinEngine]) -> str:
