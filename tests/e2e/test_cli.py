@@ -265,10 +265,14 @@ def test_an_option_of_another_engine_names_the_engine_it_belongs_to(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert serve_error(capsys, "--engine", "sample", "--max-model-len", "4096") == (
-        "penstock serve: error: --max-model-len is an option of the transformers engine; "
-        "this server runs the sample engine (--engine transformers to use it)"
+        "penstock serve: error: --max-model-len is an option of the transformers and "
+        "transformers-pooling engines; this server runs the sample engine (--engine "
+        "transformers to use it)"
     )
-    assert "--delay is an option of the sample engine" in serve_error(capsys, "--delay", "0")
+    assert serve_error(capsys, "--delay", "0").endswith(
+        "--delay is an option of the sample and sample-diffusion engines; this server runs "
+        "the transformers engine (--engine sample to use it)"
+    )
 
 
 def test_a_vllm_option_penstock_lacks_is_refused_by_name(
