@@ -31,7 +31,8 @@ class Option:
     ``choices``: the values the flag takes, or the name of a ``context`` entry holding
     them; unset, a ``Literal`` field's values. ``negatable``: a boolean with ``--no-`` too
     (other booleans are switches that turn a setting on). ``doc``: the README's meaning
-    where it says more than the help line.
+    where it says more than the help line. ``also_env``: another variable read when
+    neither the flag nor the ``PENSTOCK_*`` one is set (vLLM's name for the setting).
     """
 
     help: str
@@ -42,6 +43,7 @@ class Option:
     negatable: bool = False
     env_only: bool = False
     doc: str | None = None
+    also_env: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,18 @@ def declared_options(model: type[BaseModel]) -> Iterator[DeclaredOption]:
             yield DeclaredOption(name, info, option)
 
 
+def with_also_env(
+    model: type[BaseModel], data: dict[str, Any], environ: Mapping[str, str]
+) -> dict[str, Any]:
+    """``data`` with each unset field that declares ``also_env`` read from that variable."""
+    filled = dict(data)
+    for declared in declared_options(model):
+        name = declared.option.also_env
+        if name is not None and declared.field not in filled and environ.get(name, "").strip():
+            filled[declared.field] = environ[name]
+    return filled
+
+
 def add_arguments(
     parser: argparse.ArgumentParser, model: type[BaseModel], context: Mapping[str, Any]
 ) -> None:
@@ -154,7 +168,10 @@ def markdown_table(model: type[BaseModel], context: Mapping[str, Any]) -> str:
             flag = f"`{declared.flag}`, `--no-{declared.flag[2:]}`"
         meaning = (declared.option.doc or declared.option.help).format(**context)
         default = declared.shown_default(context)
-        rows.append(f"| {flag} | `{declared.env_var}` | {_cell(default)} | {_cell(meaning)} |")
+        variables = f"`{declared.env_var}`"
+        if declared.option.also_env is not None:
+            variables += f", `{declared.option.also_env}`"
+        rows.append(f"| {flag} | {variables} | {_cell(default)} | {_cell(meaning)} |")
     return "\n".join(rows) + "\n"
 
 

@@ -7,6 +7,7 @@ Each field declares its flag, help and shown default once (:class:`~penstock.opt
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -15,7 +16,7 @@ from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from penstock.destinations import metadata_upload_root
-from penstock.options import Option
+from penstock.options import Option, with_also_env
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "penstock"
 DEFAULT_ADMIN_TIMEOUT_S = 30.0
@@ -119,9 +120,10 @@ class Settings(BaseSettings):
             default="none, the inference routes are open",
             flag="--api-key",
             metavar="KEY",
-            doc="Bearer keys for the inference routes (`PENSTOCK_API_KEYS=a,b`); with none on "
-            "a non-loopback `--host`, startup logs one WARNING saying anyone who can reach "
-            "the port can use them",
+            doc="Bearer keys for the inference routes (`PENSTOCK_API_KEYS=a,b`, else vLLM's "
+            "`VLLM_API_KEY`); with none on a non-loopback `--host`, startup logs one WARNING "
+            "saying anyone who can reach the port can use them",
+            also_env="VLLM_API_KEY",
         ),
     ] = Field(default_factory=list)
     admin_api_keys: Annotated[
@@ -319,6 +321,13 @@ class Settings(BaseSettings):
     media_max_audio_s: Annotated[
         float, Option("seconds of one audio clip in a request; longer ones get 413")
     ] = Field(600.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _also_env(cls, data: object) -> object:
+        if isinstance(data, dict):
+            return with_also_env(cls, data, os.environ)
+        return data
 
     @field_validator("allowed_media_networks")
     @classmethod

@@ -8,17 +8,13 @@ import importlib
 import io
 from typing import Any
 
+from penstock.engines.builtin_options import BUILTIN_ENGINES as BUILTINS
 from penstock.engines.contract import model_input_of
 from penstock.errors import DisaggregatedWorkerError, EngineLoadError
 from penstock.settings import Settings
 
-BUILTIN_ENGINES: dict[str, str] = {
-    "transformers": "penstock.engines.transformers:TransformersEngine",
-    "transformers-pooling": "penstock.engines.transformers.pooling:TransformersPoolingEngine",
-    "sample": "penstock.engines.samples.engine:SampleLLMEngine",
-    "sample-diffusion": "penstock.engines.samples.diffusion:SampleDiffusionEngine",
-    "diffusion": "penstock.engines.diffusion:DiffusersEngine",
-}
+# Each built-in engine's class, by name.
+BUILTIN_ENGINES: dict[str, str] = {name: engine.target for name, engine in BUILTINS.items()}
 
 
 def load_engine_class(spec: str) -> type[Any]:

@@ -1,4 +1,5 @@
-"""What a server that only streams text leaves unimported (each costs idle memory)."""
+"""What a server that only streams text leaves unimported (each costs idle memory), and
+what ``penstock serve --help`` leaves unimported (it answers at once)."""
 
 from __future__ import annotations
 
@@ -60,4 +61,22 @@ def test_a_text_server_imports_none_of_what_only_media_or_uploads_need() -> None
         """
     result = run_snippet(code)
     assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_serve_help_imports_no_engine_and_no_torch() -> None:
+    code = """
+        import json, sys
+        from penstock.app.cli import main
+
+        try:
+            main(["serve", "--help"])
+        except SystemExit as exited:
+            assert exited.code == 0
+        heavy = {"torch", "transformers", "penstock.engines.transformers.engine"}
+        print(json.dumps(sorted(heavy & set(sys.modules))))
+        """
+    result = run_snippet(code)
+    assert result.returncode == 0, result.stderr
+    assert "--max-model-len" in result.stdout
     assert result.stdout.strip().splitlines()[-1] == "[]"

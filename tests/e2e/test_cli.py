@@ -1,18 +1,21 @@
-"""What ``penstock serve`` tells its operator: help, where jobs live, access log, busy port."""
+"""What ``penstock serve`` tells its operator (help, where jobs live, access log, busy port),
+and the command line a vLLM user types."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import httpx
 import pytest
 
+import penstock
 from penstock.app.cli import main
 from tests.support.server import REPO_ROOT, ServerProcess, running_server
 
@@ -63,22 +66,22 @@ def test_every_gateway_option_has_help_with_its_default(capsys: pytest.CaptureFi
 
 def test_serve_help_lists_the_default_engines_options(capsys: pytest.CaptureFixture[str]) -> None:
     text = serve_help(capsys)
-    engine_section = text.split(f"{ENGINE_HEADING} transformers (pass them after --):\n", 1)[1]
-    options = option_help(textwrap.dedent(engine_section))
-    for flag in ("--device", "--dtype", "--model-cache-dir", "--cpu-threads"):
+    engine_section = text.split(f"{ENGINE_HEADING} transformers (also accepted after --):\n")[1]
+    options = option_help(engine_section)
+    for flag in ("--device", "--dtype", "--model-cache-dir", "--cpu-threads", "--max-model-len"):
         assert any(name.startswith(flag + " ") for name in options), flag
-    assert "usage:" not in engine_section
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in options
 
 
 def test_serve_help_follows_the_chosen_engine(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     text = serve_help(capsys, "--engine", "sample")
-    assert f"{ENGINE_HEADING} sample (pass them after --):" in text
+    assert f"{ENGINE_HEADING} sample (also accepted after --):" in text
     assert "--delay DELAY" in text and "--max-tokens MAX_TOKENS" in text
     assert "--device" not in text
     monkeypatch.setenv("PENSTOCK_ENGINE", "sample-diffusion")
-    assert f"{ENGINE_HEADING} sample-diffusion (pass them after --):" in serve_help(capsys)
+    assert f"{ENGINE_HEADING} sample-diffusion (also accepted after --):" in serve_help(capsys)
 
 
 def test_serve_help_lists_a_class_engines_argparse_options(
@@ -241,3 +244,132 @@ def test_the_server_listens_on_the_port_it_bound_first(tmp_path: Path) -> None:
     with running_server(args, tmp_path) as server:
         assert f"listening on http://127.0.0.1:{server.port}" in server.log()
         assert server.stop(signal.SIGTERM) == 0
+
+
+def serve_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """The one error line ``penstock serve *args`` exits 2 with."""
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", *args])
+    assert exited.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"penstock {penstock.__version__}\n"
+
+
+def test_an_option_of_another_engine_names_the_engine_it_belongs_to(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert serve_error(capsys, "--engine", "sample", "--max-model-len", "4096") == (
+        "penstock serve: error: --max-model-len is an option of the transformers and "
+        "transformers-pooling engines; this server runs the sample engine (--engine "
+        "transformers to use it)"
+    )
+    assert serve_error(capsys, "--delay", "0").endswith(
+        "--delay is an option of the sample and sample-diffusion engines; this server runs "
+        "the transformers engine (--engine sample to use it)"
+    )
+
+
+def test_a_vllm_option_penstock_lacks_is_refused_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = serve_error(capsys, "--tensor-parallel-size", "2", "--max-model-len", "64")
+    assert line.startswith(
+        "penstock serve: error: --tensor-parallel-size is a vLLM option Penstock does not implement"
+    )
+    assert "vLLM option" in serve_error(capsys, "some/model", "--enforce-eager")
+
+
+def test_a_class_engines_options_are_pointed_after_the_double_dash(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    spec = "tests.support.doubles:MarkedSampleEngine"
+    assert serve_error(capsys, "--engine", spec, "--marker", "x").endswith(
+        f"options of the engine {spec} go after --: penstock serve --engine {spec} -- --marker x"
+    )
+
+
+def test_the_model_is_given_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve_error(capsys, "a/model", "--model", "b/model").endswith(
+        "the model is given twice: a/model and --model b/model"
+    )
+
+
+def cache_hub_snapshot(checkpoint: Path, hf_home: Path, repo_id: str) -> None:
+    """``checkpoint`` as the Hugging Face cache under ``hf_home`` keeps a downloaded
+    ``repo_id``: a ref naming a commit, and that commit's snapshot folder."""
+    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(checkpoint, repo / "snapshots" / commit)
+
+
+def hub_env(hf_home: Path) -> dict[str, str]:
+    return {"HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"), "HF_HUB_OFFLINE": "1"}
+
+
+def test_a_vllm_command_line_serves_a_hub_id_from_the_local_cache(tmp_path: Path) -> None:
+    from tests.support.tiny_llm import build_tiny_llama
+
+    checkpoint = build_tiny_llama(tmp_path / "tiny")
+    cache_hub_snapshot(checkpoint, tmp_path / "hf", "org/tiny")
+    vllm_habits = ["--max-model-len", "64", "--max-num-seqs", "2", "--dtype", "float32"]
+    args = ["org/tiny", *vllm_habits, "--no-enable-prefix-caching", "--seed", "1"]
+    env = hub_env(tmp_path / "hf")
+    with running_server([*args, "--cpu-threads", "1"], tmp_path, env=env, ready_timeout=120) as (
+        server
+    ):
+        models = httpx.get(f"{server.base_url}/v1/models").json()["data"]
+        assert [model["id"] for model in models] == ["org/tiny"]
+        tokenized = httpx.post(
+            f"{server.base_url}/tokenize", json={"model": "org/tiny", "prompt": "hi"}
+        )
+        assert tokenized.json()["max_model_len"] == 64
+        prompt = "one two three four five six seven eight nine ten " * 3
+        body = {"model": "org/tiny", "prompt": prompt, "max_tokens": 2}
+        for _ in range(2):
+            usage = httpx.post(f"{server.base_url}/v1/completions", json=body).json()["usage"]
+            assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0
+    assert "serving org/tiny from the local Hugging Face cache" in server.log()
+    assert "(float32), context 64, 2 sequences" in server.log()
+
+
+def test_a_hub_id_missing_from_the_cache_says_how_to_fetch_it(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "penstock", "serve", "org/missing"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **hub_env(tmp_path / "hf")},
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "penstock: error: --model org/missing: not a local folder, and not in the local "
+        f"Hugging Face cache ({tmp_path / 'hf' / 'hub'}); nothing is downloaded here: fetch "
+        "it first with 'hf download org/missing'"
+    )
+
+
+def test_vllm_api_key_guards_the_server_and_a_misnamed_key_is_warned_of(
+    tmp_path: Path,
+) -> None:
+    args = ["--engine", "sample", "--max-tokens", "3", "--delay", "0"]
+    env = {"VLLM_API_KEY": "vllm-key", "PENSTOCK_API_KEY": "misnamed"}
+    with running_server(args, tmp_path, env=env) as server:
+        assert chat(server, "no-key").status_code == 401
+        answered = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            json={"model": "sample-model", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"authorization": "Bearer vllm-key"},
+        )
+        assert answered.status_code == 200
+        assert answered.json()["usage"]["completion_tokens"] == 3
+    [warning] = [line for line in server.log().splitlines() if "PENSTOCK_API_KEY " in line]
+    assert "WARNING" in warning and "is set but not read" in warning

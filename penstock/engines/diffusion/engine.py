@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from penstock.engines import controls
+from penstock.engines.builtin_options import DIFFUSION
 from penstock.engines.constants import ModelInput
 from penstock.engines.context import Context
 from penstock.engines.contract import (
@@ -56,6 +57,7 @@ from penstock.engines.diffusion.pipeline import (
     pipeline_class_for,
 )
 from penstock.engines.diffusion.tiny import TINY_MAX_SEQUENCE_LENGTH, build_tiny_wan_pipeline
+from penstock.engines.engine_options import engine_parser
 from penstock.engines.health import (
     build_raw_health_check_payload,
     parse_health_check_payload_cli,
@@ -91,34 +93,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="penstock serve --engine diffusion --",
-        description="Video and image generation on a local diffusers pipeline.",
-    )
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="local diffusers pipeline folder (default: a tiny random-weight Wan pipeline)",
-    )
-    parser.add_argument("--model-name", default=None, help="name to serve (default: folder)")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument(
-        "--endpoint-types",
-        default=None,
-        help="default: videos,images for video pipelines, images for image pipelines",
-    )
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
-    parser.add_argument("--seed", type=int, default=0, help="weight seed of the tiny pipeline")
-    parser.add_argument("--default-size", default=None, help="video WxH when a request has none")
-    parser.add_argument("--default-image-size", default=None)
-    parser.add_argument("--default-fps", type=int, default=None)
-    parser.add_argument("--default-seconds", type=int, default=None)
-    parser.add_argument("--default-steps", type=int, default=None)
-    parser.add_argument("--max-num-frames", type=int, default=None)
-    parser.add_argument("--max-sequence-length", type=int, default=None)
-    parser.add_argument("--health-check-payload", default=None)
-    return parser
+    return engine_parser(DIFFUSION)
 
 
 def _limit_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from penstock.engines.builtin_options import SAMPLE_DIFFUSION
 from penstock.engines.constants import ModelInput
 from penstock.engines.context import Context
 from penstock.engines.contract import (
@@ -31,6 +32,7 @@ from penstock.engines.contract import (
     RawResponseChunk,
     WorkerConfig,
 )
+from penstock.engines.engine_options import engine_parser
 from penstock.engines.health import (
     build_raw_health_check_payload,
     is_probe,
@@ -46,27 +48,7 @@ _PIXEL_PNG_B64 = base64.b64encode(
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="penstock serve --engine sample-diffusion --",
-        description="Sample image engine: 1x1 PNG answers, no model weights.",
-    )
-    parser.add_argument("--model", "--model-name", dest="model", default="sample-diffusion-model")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--namespace", default="dynamo")
-    parser.add_argument("--component", default="sample")
-    parser.add_argument("--endpoint", default="generate")
-    parser.add_argument("--delay", type=float, default=0.05, help="seconds before each answer")
-    parser.add_argument(
-        "--steps", type=int, default=0, help="simulated denoising steps reported as progress"
-    )
-    parser.add_argument("--endpoint-types", default="images")
-    parser.add_argument("--health-check-payload", default=None)
-    parser.add_argument(
-        "--input-reference",
-        action="store_true",
-        help="take a reference image (input_reference) and answer with it",
-    )
-    return parser
+    return engine_parser(SAMPLE_DIFFUSION)
 
 
 def _image_count(request: RawRequest) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from penstock.engines.builtin_options import SAMPLE
 from penstock.engines.context import Context
 from penstock.engines.contract import (
     CANCEL_SAFE_RUNTIME_KEY,
@@ -44,6 +45,7 @@ from penstock.engines.contract import (
     WorkerConfig,
 )
 from penstock.engines.controls import GET_WEIGHT_VERSION, Body, ControlTable, Handler
+from penstock.engines.engine_options import engine_parser
 from penstock.engines.health import (
     bos_token_id_or,
     build_health_check_payload,
@@ -89,39 +91,7 @@ def _next_loop_turn() -> Generator[None, None, None]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="penstock serve --engine sample --",
-        description="Sample token engine: rotating token ids, no model weights.",
-    )
-    parser.add_argument("--model", "--model-name", dest="model", default="sample-model")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument(
-        "--tokenizer",
-        default=str(SAMPLE_TOKENIZER_DIR),
-        help="folder with tokenizer.json and a chat template (default: the shipped one)",
-    )
-    parser.add_argument("--delay", type=float, default=0.01, help="seconds before each token")
-    parser.add_argument("--max-tokens", type=int, default=16, help="tokens when none asked")
-    parser.add_argument("--context-length", type=int, default=2048)
-    parser.add_argument(
-        "--token-budget",
-        type=int,
-        default=None,
-        help="advertise a TokenBudget of this many tokens (prompt + completion)",
-    )
-    parser.add_argument("--endpoint-types", default="chat,completions")
-    parser.add_argument("--health-check-payload", default=None)
-    parser.add_argument(
-        "--image-input",
-        action="store_true",
-        help="accept image parts and start each reply with the size of every image",
-    )
-    parser.add_argument(
-        "--audio-input",
-        action="store_true",
-        help="accept audio parts and start each reply with the length of every clip",
-    )
-    return parser
+    return engine_parser(SAMPLE)
 
 
 class SampleLLMEngine(
@@ -174,7 +144,7 @@ class SampleLLMEngine(
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[SampleLLMEngine, WorkerConfig]:
         args = _parser().parse_args(argv)
-        tokenizer_dir = Path(args.tokenizer)
+        tokenizer_dir = Path(args.tokenizer or SAMPLE_TOKENIZER_DIR)
         if not (tokenizer_dir / "tokenizer.json").is_file():
             _parser().error(f"--tokenizer {tokenizer_dir}: no tokenizer.json there")
         engine = cls(

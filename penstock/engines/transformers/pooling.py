@@ -14,7 +14,6 @@ left is answered ``cancelled`` once its set of passes is done.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
@@ -26,11 +25,13 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
+from penstock.engines.builtin_options import TRANSFORMERS_POOLING
 from penstock.engines.context import Context
 from penstock.engines.contract import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
+from penstock.engines.engine_options import engine_parser
 from penstock.engines.pooling import POOLING_RUNTIME_KEY, PoolingCapabilities, PoolingChunk
-from penstock.engines.transformers.args import _positive_int, context_length
-from penstock.engines.transformers.pooling_config import POOLINGS, Pooling, choose_pooling
+from penstock.engines.transformers.args import context_length
+from penstock.engines.transformers.pooling_config import Pooling, choose_pooling
 from penstock.engines.transformers.weights.checkpoint import (
     CheckpointError,
     check_checkpoint_folder,
@@ -39,7 +40,6 @@ from penstock.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("auto", "embed", "classify")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,45 +58,7 @@ class PoolingArgs:
 
 def parse_pooling_args(argv: list[str]) -> PoolingArgs:
     """Parse ``argv``; bad options print usage and raise ``SystemExit(2)``."""
-    parser = argparse.ArgumentParser(
-        prog="penstock serve --engine transformers-pooling",
-        description="Serve a local Hugging Face checkpoint for embeddings or classification.",
-    )
-    parser.add_argument("--model", type=Path, required=True, help="checkpoint folder")
-    parser.add_argument("--served-model-name", help="name clients use in 'model'")
-    parser.add_argument(
-        "--task",
-        choices=TASKS,
-        default="auto",
-        help="embed = /v1/embeddings; classify = /classify and /pooling (reward models); "
-        "auto = classify for a *ForSequenceClassification checkpoint, else embed",
-    )
-    parser.add_argument(
-        "--pooling",
-        choices=("auto", *POOLINGS),
-        default="auto",
-        help="how embed pools token states: auto = the checkpoint's sentence-transformers "
-        "config, else last token for *ForCausalLM checkpoints and the first token otherwise",
-    )
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument(
-        "--dtype",
-        choices=("auto", *_DTYPES),
-        default="auto",
-        help="auto = float32 on cpu, the checkpoint's half precision (else bfloat16) on cuda",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=_positive_int,
-        help="longest input in tokens (default: the model's max_position_embeddings)",
-    )
-    parser.add_argument(
-        "--max-batch-tokens",
-        type=_positive_int,
-        default=16384,
-        help="padded tokens in one forward pass (default: 16384)",
-    )
-    parser.add_argument("--cpu-threads", type=_positive_int, help="torch intra-op threads on cpu")
+    parser = engine_parser(TRANSFORMERS_POOLING)
     options = vars(parser.parse_args(argv))
     return PoolingArgs(**{**options, "model": options["model"].expanduser()})
 
