@@ -223,6 +223,7 @@ async def test_describe_is_json_and_draining_wins(
         "sleep_level",
         "updating",
         "target_version",
+        "last_update",
         "weight_version",
         "version_declared",
         "since",
