@@ -435,8 +435,7 @@ class AdminStateMachine:
             if between_steps and "weights" not in self.sleep_tags:
                 return "kv_released"
             raise self.conflict(
-                "the engine is sleeping: wake_up, then pause_generation, before "
-                "updating weights"
+                "the engine is sleeping: wake_up, then pause_generation, before updating weights"
             )
         if self.pause_mode is not None or self.engine_pauses_for_updates:
             return "paused"

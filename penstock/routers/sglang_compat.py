@@ -49,7 +49,8 @@ responses:
   memory over NIXL; not an SGLang route) (all need the paused state, but for the tensor
   push, which SGLang applies between steps: while serving it freezes running requests
   after their step, applies, and continues them on the new weights; while only the KV
-  cache is released it writes the weights; formats in :mod:`penstock.engines.weight_sync`) -> ``{"success": true, "message",
+  cache is released it writes the weights; formats in
+  :mod:`penstock.engines.weight_sync`) -> ``{"success": true, "message",
   "weight_version", "checksum"}``
 * ``POST /weights_checker {action: snapshot|reset_tensors|compare|checksum|reset,
   baseline?}`` (:mod:`penstock.rl.weights`; a failed compare is a 400 naming the tensors);
