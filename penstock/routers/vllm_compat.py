@@ -12,7 +12,10 @@ in the query string wins over the same field in the body:
 * ``POST /wake_up?tags=weights&tags=kv_cache`` (no tags: everything) -> ``{"status":
   "awake"}`` or ``{"status": "partially_awake", "is_sleeping": true, "tags": [still asleep]}``
 * ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``
-* ``POST /reset_prefix_cache`` -> ``{"status": "ok"}``
+* ``POST /reset_prefix_cache`` -> ``{"status": "ok"}``; ``POST /reset_mm_cache`` -> 200, no
+  body (the engine's flush: cached image features and prefixes)
+* ``POST /release_kv_cache_memory`` (paused, awake) -> ``{"status": "kv_cache_released"}``:
+  the KV cache released as a sleep of that tag, the weights kept
 * ``POST /abort_requests {request_ids?}`` (missing or empty: all) -> ``{"status":
   "aborted", "aborted": <count>}``
 * ``GET /weight_info`` -> ``{"weight_version"}``
@@ -49,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 
 from penstock.errors import ConflictError, InvalidRequestError
 from penstock.rl.deltas import held_version, local_folder
@@ -148,6 +151,27 @@ async def is_sleeping(request: Request) -> dict[str, Any]:
 async def reset_prefix_cache(request: Request) -> dict[str, Any]:
     await admin_plane(request).state.run_control("flush_cache", {})
     return {"status": "ok"}
+
+
+@router.post("/reset_mm_cache")
+async def reset_mm_cache(request: Request) -> Response:
+    # vLLM's multimodal cache only saves work, as the engine's cached image features do;
+    # its flush forgets them with the cached prefixes.
+    await admin_plane(request).state.run_control("flush_cache", {})
+    return Response(status_code=200)
+
+
+@router.post("/release_kv_cache_memory")
+async def release_kv_cache_memory(request: Request) -> dict[str, Any]:
+    """vLLM's KV release after a completed pause, the weights kept: ``/wake_up?tags=kv_cache``
+    brings it back; requests the pause froze continue after it and ``/resume``."""
+    state = admin_plane(request).state
+    if state.is_sleeping:
+        raise state.conflict("release_kv_cache_memory needs all memory resident: wake_up first")
+    if not state.is_paused:
+        raise state.conflict("release_kv_cache_memory needs a completed pause first: POST /pause")
+    await state.sleep(1, "keep", ["kv_cache"])
+    return {"status": "kv_cache_released"}
 
 
 @router.post("/abort_requests")
