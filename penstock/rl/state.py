@@ -453,8 +453,12 @@ class AdminStateMachine:
         if applied != "between_steps":
             yield
             return
+
+        async def undo() -> None:
+            await self._restore(RESUME, {})
+
         await self._bounded_call(
-            deadline, update, "control", PAUSE, {"mode": "keep", "clear_cache": False}
+            deadline, update, "control", PAUSE, {"mode": "keep", "clear_cache": False}, undo=undo
         )
         try:
             yield
