@@ -159,19 +159,25 @@ def broadcast_while(
         return answered.result()
 
 
-def packed_buffers(items: list[tuple[str, torch.Tensor]], buffer_bytes: int) -> list[torch.Tensor]:
-    """What vLLM's ``trainer_send_weights(packed=True)`` broadcasts: each tensor's bytes as
-    uint8, in order, dtypes mixed, a buffer sent once its total exceeds ``buffer_bytes``."""
-    buffers: list[torch.Tensor] = []
-    pending: list[torch.Tensor] = []
+def packed_chunks(
+    items: list[tuple[str, torch.Tensor]], buffer_bytes: int
+) -> list[list[torch.Tensor]]:
+    """The tensors of each buffer vLLM's ``trainer_send_weights(packed=True)`` sends: in
+    order, a buffer sent once its byte total exceeds ``buffer_bytes``."""
+    chunks: list[list[torch.Tensor]] = [[]]
     for _, tensor in items:
-        pending.append(tensor.contiguous().reshape(-1).view(torch.uint8))
-        if sum(part.numel() for part in pending) > buffer_bytes:
-            buffers.append(torch.cat(pending))
-            pending = []
-    if pending:
-        buffers.append(torch.cat(pending))
-    return buffers
+        chunks[-1].append(tensor)
+        if sum(t.numel() * t.element_size() for t in chunks[-1]) > buffer_bytes:
+            chunks.append([])
+    return [chunk for chunk in chunks if chunk]
+
+
+def packed_buffers(items: list[tuple[str, torch.Tensor]], buffer_bytes: int) -> list[torch.Tensor]:
+    """Each buffer as broadcast: its tensors' bytes as uint8, concatenated, dtypes mixed."""
+    return [
+        torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in chunk])
+        for chunk in packed_chunks(items, buffer_bytes)
+    ]
 
 
 def assert_serves(admin: httpx.Client, model: LlamaForCausalLM) -> None:
@@ -239,6 +245,8 @@ def test_vllm_packed_broadcast_spans_buffers_of_mixed_dtypes(
             items.append((name, sent))
     buffers = packed_buffers(items, PACKED_SMALL_BYTES)
     assert len(buffers) >= 3
+    chunks = packed_chunks(items, PACKED_SMALL_BYTES)
+    assert any(len({t.dtype for t in chunk}) > 1 for chunk in chunks)
     port = free_port()
     # ``NCCLTrainerInitInfo`` as vLLM's trainer ships it; TRL's async GRPO flow after it.
     init_info = {
