@@ -34,7 +34,7 @@ from tests.support.tiny_llm import build_tiny_llama
 PROMPT = [5, 17, 29, 41]
 GREEDY_TOKENS = 8
 STREAMS = 3
-STREAM_TOKENS = 400
+STREAM_TOKENS = 500
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,8 @@ async def test_verl_pushes_into_an_awake_engine_while_rollouts_stream(
     model = trained(tmp_path, model_dir, seed=5)
     assert engine_greedy(verl) != trainer_greedy(model)
     rollouts = [asyncio.create_task(stream(server.base_url, i)) for i in range(STREAMS)]
-    await asyncio.sleep(1.0)
+    # Rollouts under way (500 tokens each take longer than the push), then verl's sync.
+    await asyncio.sleep(0.3)
     await asyncio.to_thread(push, verl, model)
     assert not all(rollout.done() for rollout in rollouts)
     assert last_update(verl)["applied"] == "between_steps"
