@@ -20,7 +20,12 @@ Rules, whatever route or dialect asked:
   that is every method (disk, distributed broadcast, tensors, NIXL), each publishing its
   ``weight_version`` only once it succeeded (an engine whose update pauses and resumes by
   itself, ``pauses_for_updates``, as a Ray fleet's transaction does, may be updated while
-  serving too);
+  serving too). An update asked for ``between_steps`` (SGLang's tensor push, which needs
+  no pause there) is applied while serving too: the engine freezes its running requests
+  after the step in progress (a ``keep`` pause), the whole update lands, and they
+  continue on the new weights; while sleeping with the weights awake (only the KV cache
+  released) it writes the weights, and the engine stays asleep. ``last_update`` (in
+  ``describe``, so in ``/health``) says how the last one was applied;
 * an operation that fails (the engine refuses or raises) restores the previous state,
   and the engine keeps its previous weights;
 * sleeping while paused in mode ``keep``: the requests the pause froze mid-generation
@@ -134,6 +139,7 @@ class AdminStateMachine:
         self.sleep_level: int | None = None
         self.updating: str | None = None
         self.update_target: str | None = None
+        self.last_update: dict[str, Any] | None = None
         self.weight_version = weight_version
         self.version_declared = weight_version is not None
         self.since = time.time()
@@ -174,6 +180,7 @@ class AdminStateMachine:
             "sleep_level": self.sleep_level,
             "updating": self.updating,
             "target_version": self.update_target,
+            "last_update": self.last_update,
             "weight_version": self.weight_version,
             "version_declared": self.version_declared,
             "since": self.since,
@@ -420,21 +427,57 @@ class AdminStateMachine:
             self._record("wake_up", started)
             return Outcome(True, result)
 
+    def _update_admission(self, between_steps: bool) -> str:
+        """How an update may apply in the current state: ``paused`` (the caller paused, or
+        the engine pauses itself), ``between_steps`` (frozen here for it) or
+        ``kv_released`` (asleep with the weights awake); else a 409 saying what to do."""
+        if self.is_sleeping:
+            if between_steps and "weights" not in self.sleep_tags:
+                return "kv_released"
+            raise self.conflict(
+                "the engine is sleeping: wake_up, then pause_generation, before updating weights"
+            )
+        if self.pause_mode is not None or self.engine_pauses_for_updates:
+            return "paused"
+        if between_steps:
+            return "between_steps"
+        raise self.conflict(
+            "pause generation before updating weights "
+            "(POST /engine/pause_generation, /pause or /pause_generation)"
+        )
+
+    @contextlib.asynccontextmanager
+    async def _frozen_for(self, deadline: float, update: str, applied: str) -> AsyncIterator[None]:
+        """Around an update applied ``between_steps``: running requests frozen after the
+        step in progress, and continued afterwards whatever the update did."""
+        if applied != "between_steps":
+            yield
+            return
+
+        async def undo() -> None:
+            await self._restore(RESUME, {})
+
+        await self._bounded_call(
+            deadline, update, "control", PAUSE, {"mode": "keep", "clear_cache": False}, undo=undo
+        )
+        try:
+            yield
+        finally:
+            await self._restore(RESUME, {})
+
     async def update_weights(
-        self, update: str, body: dict[str, Any], version: str | None, *, param: str | None = None
+        self,
+        update: str,
+        body: dict[str, Any],
+        version: str | None,
+        *,
+        param: str | None = None,
+        between_steps: bool = False,
     ) -> Outcome:
-        """Run a weight update (needs ``paused``); publish ``version`` once it succeeded."""
+        """Run a weight update (needs ``paused``, unless ``between_steps``: see the module);
+        publish ``version`` once it succeeded."""
         async with self._exclusive(update) as deadline:
-            if self.is_sleeping:
-                raise self.conflict(
-                    "the engine is sleeping: wake_up, then pause_generation, before "
-                    "updating weights"
-                )
-            if self.pause_mode is None and not self.engine_pauses_for_updates:
-                raise self.conflict(
-                    "pause generation before updating weights "
-                    "(POST /engine/pause_generation, /pause or /pause_generation)"
-                )
+            applied = self._update_admission(between_steps)
             self.require_support("update", update)
             if update == "update_weights_from_tensor":
                 body = tensor_update_body(body, trusted=self.trust_weight_payloads)
@@ -446,11 +489,12 @@ class AdminStateMachine:
             self._touch()
             started = time.perf_counter()
             try:
-                result = await self._bounded_call(
-                    deadline, update, "update", update, body, param=param, undo=undo
-                )
-                if version is not None:
-                    await self._sync_engine_version(deadline, version, result, undo)
+                async with self._frozen_for(deadline, update, applied):
+                    result = await self._bounded_call(
+                        deadline, update, "update", update, body, param=param, undo=undo
+                    )
+                    if version is not None:
+                        await self._sync_engine_version(deadline, version, result, undo)
             except Exception as exc:
                 if self.metrics is not None:
                     self.metrics.update_failed(update, failure_reason(exc))
@@ -465,6 +509,12 @@ class AdminStateMachine:
                 self._set_version(version)
             elif isinstance(result.get("weight_version"), str):
                 self._set_version(result["weight_version"])
+            self.last_update = {
+                "method": update,
+                "applied": applied,
+                "weight_version": self.weight_version,
+                "at": self.since,
+            }
             return Outcome(True, result)
 
     async def _sync_engine_version(

@@ -17,6 +17,7 @@ responses:
 * ``GET /get_weight_version`` -> ``{"weight_version"}``
 * ``GET|POST /flush_cache`` -> text ``Cache flushed.``
 * ``POST /abort_request {rid?, abort_all=false}`` -> ``{"status": "ok", "aborted": [ids]}``
+  (no ``rid``, or ``""``, with ``abort_all`` false ends nothing, as in SGLang)
 * ``GET|POST /release_memory_occupation {tags?}`` (running requests finish first, within
   the admin timeout; requests frozen by a ``retract``/``in_place`` pause stay frozen and
   continue after ``resume_memory_occupation`` and ``continue_generation``) and
@@ -45,13 +46,17 @@ responses:
   weight_version?}`` and ``POST /update_weights_from_nixl {agent_name, agent_metadata,
   names, dtypes, shapes, descriptors, mem_type="DRAM", notify?, flush_cache=true,
   abort_all_requests=false, weight_version?}`` (the engine READs the trainer's registered
-  memory over NIXL; not an SGLang route) (all need the paused state; formats in
+  memory over NIXL; not an SGLang route) (all need the paused state, but for the tensor
+  push, which SGLang applies between steps: while serving it freezes running requests
+  after their step, applies, and continues them on the new weights; while only the KV
+  cache is released it writes the weights; formats in
   :mod:`penstock.engines.weights.sync`) -> ``{"success": true, "message",
   "weight_version", "checksum"}``
 * ``POST /weights_checker {action: snapshot|reset_tensors|compare|checksum|reset,
   baseline?}`` (:mod:`penstock.rl.weights`; a failed compare is a 400 naming the tensors);
-  ``GET|POST /get_weights_by_name {name, truncate_size=100}`` -> ``{"name", "dtype",
-  "shape", "values"}`` (the first ``truncate_size`` rows)
+  ``GET|POST /get_weights_by_name {name, truncate_size=100}`` -> the first
+  ``truncate_size`` rows as a bare JSON list, as SGLang answers (``/engine/`` adds the
+  name, dtype and shape)
 * ``GET /get_model_info`` -> ``{"model_path", "tokenizer_path", "is_generation",
   "preferred_sampling_params", "weight_version", "has_image_understanding",
   "has_audio_understanding"}``
@@ -72,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from penstock.errors import InvalidRequestError, clip
 from penstock.rl import deltas
@@ -175,7 +180,9 @@ async def update_weights_from_disk(request: Request) -> dict[str, Any]:
     }
 
 
-async def _push(request: Request, update: str, param: str | None) -> dict[str, Any]:
+async def _push(
+    request: Request, update: str, param: str | None, *, between_steps: bool = False
+) -> dict[str, Any]:
     plane = admin_plane(request)
     body = await json_object_body(request)
     weight_version = str_field(body, "weight_version")
@@ -184,7 +191,9 @@ async def _push(request: Request, update: str, param: str | None) -> dict[str, A
     update_body = {k: v for k, v in body.items() if k not in ("abort_all_requests", "flush_cache")}
     if abort_all:
         await _abort_all(plane)
-    outcome = await plane.state.update_weights(update, update_body, weight_version, param=param)
+    outcome = await plane.state.update_weights(
+        update, update_body, weight_version, param=param, between_steps=between_steps
+    )
     if flush and plane.state.supports("control", "flush_cache"):
         await plane.state.run_control("flush_cache", {})
     return {
@@ -202,7 +211,11 @@ async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
 
 @router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(request: Request) -> dict[str, Any]:
-    return await _push(request, "update_weights_from_tensor", "serialized_named_tensors")
+    # SGLang applies a tensor push between scheduler steps, paused or not, and while the
+    # KV cache is released (verl pushes right after resuming only the weights).
+    return await _push(
+        request, "update_weights_from_tensor", "serialized_named_tensors", between_steps=True
+    )
 
 
 @router.post("/update_weights_from_nixl")
@@ -281,7 +294,9 @@ async def pull_weights(request: Request) -> dict[str, Any]:
 
 @router.get("/get_weights_by_name", operation_id="get_weights_by_name_get")
 @router.post("/get_weights_by_name", operation_id="get_weights_by_name_post")
-async def get_weights_by_name(request: Request) -> dict[str, Any]:
+async def get_weights_by_name(request: Request) -> JSONResponse:
+    """SGLang's answer: the parameter's first ``truncate_size`` rows as a bare JSON list
+    (``/engine/get_weights_by_name`` adds the name, dtype and shape)."""
     plane = admin_plane(request)
     body = dict(await json_object_body(request))
     body.update(request.query_params)
@@ -289,7 +304,7 @@ async def get_weights_by_name(request: Request) -> dict[str, Any]:
         body["truncate_size"] = int(body["truncate_size"])
     required_str(body, "name")
     result = await plane.state.run_control("get_weights_by_name", body, param="name")
-    return {k: v for k, v in result.items() if k != "status"}
+    return JSONResponse(result.get("values"))
 
 
 @router.post("/update_weight_version")
@@ -327,6 +342,9 @@ async def abort_request(request: Request) -> dict[str, Any]:
     body = await json_object_body(request)
     if bool_field(body, "abort_all", False):
         return {"status": "ok", "aborted": await _abort_all(plane)}
+    if body.get("rid") in (None, ""):
+        # SGLang aborts the requests whose id is ``rid``: none has the empty id.
+        return {"status": "ok", "aborted": []}
     rid = required_str(body, "rid")
     result = await plane.state.run_control("abort_request", {"request_id": rid})
     return {"status": "ok", "aborted": list(result.get("aborted", []))}

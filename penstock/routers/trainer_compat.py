@@ -24,13 +24,16 @@ Admin routes (the admin key, as every admin dialect):
 
 * ``GET /get_world_size`` (vLLM; SkyRL) and ``GET /get_world_size/`` (TRL) ->
   ``{"world_size": 1}``: one process serves the model
-* ``POST /collective_rpc {method, kwargs?}`` (SkyRL's worker methods) -> ``{"results":
-  [result]}``: ``skyrl_sleep_for_weight_sync {offload_kv}`` and
-  ``skyrl_wake_for_weight_sync {tags}`` (sleep level 1 keeping paused requests; wake the
-  tags), ``skyrl_start_weight_update``, ``update_weights_nccl {update_info}`` and
-  ``skyrl_finish_weight_update`` (vLLM's bucketed broadcast update, see
-  :mod:`penstock.routers.vllm_compat`); ``update_weights_ipc`` (CUDA IPC handles) is
-  refused (below), another method a 400 naming it
+* ``POST /collective_rpc {method, kwargs?}`` (vLLM's and SkyRL's worker methods) ->
+  ``{"results": [result]}``: vLLM's ``check_health`` (503 when the engine fails its
+  checks) and ``reload_weights {weights_path}`` (the checkpoint there, applied between
+  engine steps with no pause, as ``update_weights_from_tensor``),
+  ``skyrl_sleep_for_weight_sync {offload_kv}`` and ``skyrl_wake_for_weight_sync {tags}``
+  (sleep level 1 keeping paused requests; wake the tags), ``skyrl_start_weight_update``,
+  ``update_weights_nccl {update_info}`` and ``skyrl_finish_weight_update`` (vLLM's
+  bucketed broadcast update, see :mod:`penstock.routers.vllm_compat`);
+  ``update_weights_ipc`` (CUDA IPC handles) is refused (below), another method a 400
+  naming it
 * ``POST /reset_prefix_cache/`` (TRL) -> ``{"message"}``; ``POST /close_communicator/``
   -> ``{"message"}`` (no communicator is ever open)
 * ``POST /fetch_weights {target_version, sync_dir?, uri?}`` (SkyRL's delta checkpoints,
@@ -65,7 +68,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
-from penstock.errors import ConflictError, InvalidRequestError, clip
+from penstock.errors import ConflictError, InvalidRequestError, ServiceUnavailableError, clip
 from penstock.rl import deltas
 from penstock.rl.deltas import local_folder
 from penstock.rl.fields import (
@@ -429,7 +432,31 @@ async def _cuda_ipc(request: Request, kwargs: dict[str, Any]) -> Any:
     )
 
 
+async def _check_health(request: Request, kwargs: dict[str, Any]) -> Any:
+    if not request.app.state.gateway.host.health.healthy:
+        raise ServiceUnavailableError("the engine fails its health checks")
+    return None
+
+
+async def _reload_weights(request: Request, kwargs: dict[str, Any]) -> Any:
+    """vLLM's in-place reload from a checkpoint folder, run between engine steps as its
+    worker RPCs are: no pause needed."""
+    path = required_str(kwargs, "weights_path")
+    if not bool_field(kwargs, "is_checkpoint_format", True):
+        raise invalid("kwargs.is_checkpoint_format", "must be true: checkpoints load as saved")
+    await admin_plane(request).state.update_weights(
+        "update_weights_from_disk",
+        {"model_path": path},
+        None,
+        param="kwargs.weights_path",
+        between_steps=True,
+    )
+    return None
+
+
 _RPC_METHODS = {
+    "check_health": _check_health,
+    "reload_weights": _reload_weights,
     "skyrl_sleep_for_weight_sync": _skyrl_sleep,
     "skyrl_wake_for_weight_sync": _skyrl_wake,
     "skyrl_start_weight_update": _skyrl_start,
@@ -443,6 +470,8 @@ _RPC_METHODS = {
 async def collective_rpc(request: Request) -> dict[str, Any]:
     body = await json_object_body(request)
     method = required_str(body, "method")
+    if body.get("args") not in (None, []):
+        raise invalid("args", "must be empty: pass the method's arguments as kwargs")
     run = _RPC_METHODS.get(method)
     if run is None:
         raise invalid(

@@ -12,18 +12,24 @@ in the query string wins over the same field in the body:
 * ``POST /wake_up?tags=weights&tags=kv_cache`` (no tags: everything) -> ``{"status":
   "awake"}`` or ``{"status": "partially_awake", "is_sleeping": true, "tags": [still asleep]}``
 * ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``
-* ``POST /reset_prefix_cache`` -> ``{"status": "ok"}``
+* ``POST /reset_prefix_cache`` -> ``{"status": "ok"}``; ``POST /reset_mm_cache`` -> 200, no
+  body (the engine's flush: cached image features and prefixes)
+* ``POST /release_kv_cache_memory`` (paused, awake) -> ``{"status": "kv_cache_released"}``:
+  the KV cache released as a sleep of that tag, the weights kept
 * ``POST /abort_requests {request_ids?}`` (missing or empty: all) -> ``{"status":
   "aborted", "aborted": <count>}``
 * ``GET /weight_info`` -> ``{"weight_version"}``
 * weight transfer (JSON bodies): ``POST /init_weight_transfer_engine {init_info:
-  {master_address, master_port, rank_offset, world_size, backend?, group_name?}}`` ->
-  ``{"message": "Weight transfer initialized"}``; ``POST /start_weight_update`` (needs the
-  paused state) -> ``{"message": "Weight update started"}``; ``POST /update_weights
-  {update_info: {names, dtype_names, shapes, packed?}}`` (repeatable, one bucket each;
-  ``packed`` is SGLang's ``flattened_bucket``) -> ``{"message": "Weights updated",
-  "checksum"}``, or prime-rl's ``{weight_dir}`` (paused state; the checkpoint in that
-  folder, as ``update_weights_from_disk``) -> ``{"status": "ok", "weight_version"}``;
+  {master_address, master_port, rank_offset, world_size, backend?, group_name?, packed?,
+  packed_buffer_size_bytes?, packed_num_buffers?}}`` -> ``{"message": "Weight transfer
+  initialized"}`` (a second handshake replaces the group the first joined, as vLLM
+  does); ``POST /start_weight_update`` (needs the paused state) -> ``{"message": "Weight
+  update started"}``; ``POST /update_weights {update_info: {names, dtype_names, shapes,
+  packed?}}`` (repeatable, one bucket each; ``packed``, from the bucket or the init, is
+  vLLM's packed broadcast: uint8 buffers of ``packed_buffer_size_bytes``, default 1 GiB,
+  dtypes mixed) -> ``{"message": "Weights updated", "checksum"}``, or prime-rl's
+  ``{weight_dir}`` (paused state; the checkpoint in that folder, as
+  ``update_weights_from_disk``) -> ``{"status": "ok", "weight_version"}``;
   ``POST /finish_weight_update {weight_version?}`` publishes the version
   -> ``{"message": "Weight update finished"}``
 * SkyRL's delta sync (:mod:`penstock.rl.deltas`): ``/init_weight_transfer_engine
@@ -41,13 +47,14 @@ LoRA (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) is in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 
-from penstock.errors import ConflictError
+from penstock.errors import ConflictError, InvalidRequestError
 from penstock.rl.deltas import held_version, local_folder
 from penstock.rl.fields import (
     bool_field,
@@ -146,6 +153,27 @@ async def reset_prefix_cache(request: Request) -> dict[str, Any]:
     return {"status": "ok"}
 
 
+@router.post("/reset_mm_cache")
+async def reset_mm_cache(request: Request) -> Response:
+    # vLLM's multimodal cache only saves work, as the engine's cached image features do;
+    # its flush forgets them with the cached prefixes.
+    await admin_plane(request).state.run_control("flush_cache", {})
+    return Response(status_code=200)
+
+
+@router.post("/release_kv_cache_memory")
+async def release_kv_cache_memory(request: Request) -> dict[str, Any]:
+    """vLLM's KV release after a completed pause, the weights kept: ``/wake_up?tags=kv_cache``
+    brings it back; requests the pause froze continue after it and ``/resume``."""
+    state = admin_plane(request).state
+    if state.is_sleeping:
+        raise state.conflict("release_kv_cache_memory needs all memory resident: wake_up first")
+    if not state.is_paused:
+        raise state.conflict("release_kv_cache_memory needs a completed pause first: POST /pause")
+    await state.sleep(1, "keep", ["kv_cache"])
+    return {"status": "kv_cache_released"}
+
+
 @router.post("/abort_requests")
 async def abort_requests(request: Request) -> dict[str, Any]:
     plane = admin_plane(request)
@@ -162,6 +190,11 @@ async def weight_info(request: Request) -> dict[str, Any]:
 
 
 VLLM_GROUP_NAME = "vllm_weight_transfer"
+# vLLM's packed broadcast: whether buckets are packed, and the buffers' size (the number of
+# buffers only overlaps the trainer's work; the bytes on the wire are the same).
+_PACKED_FIELDS = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
+_PACKED_WIRE = "vllm_packed_wire"
+_JOINED_GROUP = "vllm_joined_group"
 
 
 def _object_field(body: dict[str, Any], field: str) -> dict[str, Any]:
@@ -214,9 +247,19 @@ async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
             raise invalid("init_info.base_model_path", "must name a checkpoint folder")
         setattr(request.app.state, _DELTA_TARGET, target)
         return {"message": "Weight transfer initialized"}
-    await plane.state.run_update(
-        "init_weights_update_group", {"group_name": VLLM_GROUP_NAME, **info}
-    )
+    wire = {key: info[key] for key in _PACKED_FIELDS if key in info}
+    group = {"group_name": VLLM_GROUP_NAME}
+    group.update((k, v) for k, v in info.items() if k not in _PACKED_FIELDS)
+    joined = getattr(request.app.state, _JOINED_GROUP, None)
+    if joined is not None:
+        # vLLM's worker replaces its communicator at every handshake (a restarted trainer).
+        setattr(request.app.state, _JOINED_GROUP, None)
+        with contextlib.suppress(InvalidRequestError):
+            await plane.state.run_update("destroy_weights_update_group", {"group_name": joined})
+    await plane.state.run_update("init_weights_update_group", group)
+    setattr(request.app.state, _JOINED_GROUP, group["group_name"])
+    # vLLM's worker keeps the trainer's wire parameters from the handshake for every bucket.
+    setattr(request.app.state, _PACKED_WIRE, wire)
     return {"message": "Weight transfer initialized"}
 
 
@@ -298,7 +341,8 @@ async def reload_weight_dir(request: Request, body: dict[str, Any]) -> dict[str,
 
 async def receive_bucket(request: Request, info: dict[str, Any]) -> dict[str, Any]:
     """One broadcast bucket (``names``, ``dtype_names``, ``shapes``, ``packed``) of an
-    update opened by :func:`begin_weight_update`."""
+    update opened by :func:`begin_weight_update`; ``packed`` and the buffer size come
+    from the bucket or else from the handshake's ``init_info``."""
     plane = admin_plane(request)
     _require_started(request)
     body: dict[str, Any] = {
@@ -307,8 +351,11 @@ async def receive_bucket(request: Request, info: dict[str, Any]) -> dict[str, An
         "dtypes": info.get("dtype_names", info.get("dtypes")),
         "shapes": info.get("shapes"),
     }
-    if info.get("packed") is True:
-        body["load_format"] = "flattened_bucket"
+    wire = {**getattr(request.app.state, _PACKED_WIRE, {}), **info}
+    if bool_field(wire, "packed", False):
+        body["load_format"] = "packed"
+        if "packed_buffer_size_bytes" in wire:
+            body["packed_buffer_size_bytes"] = wire["packed_buffer_size_bytes"]
     outcome = await plane.state.update_weights("update_weights_from_distributed", body, None)
     return {"message": "Weights updated", "checksum": outcome.engine.get("checksum")}
 

@@ -182,6 +182,33 @@ def test_skyrl_cuda_ipc_is_refused_by_name(admin: httpx.Client) -> None:
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "method"
 
 
+def test_vllm_dev_routes_trainers_call(admin: httpx.Client, tmp_path: Path) -> None:
+    # ``vllm serve`` with VLLM_SERVER_DEV_MODE=1: vLLM's own worker methods over
+    # ``/collective_rpc``, its caches and its KV release.
+    health = {"method": "check_health", "args": [], "kwargs": {}}
+    assert ok(admin.post("/collective_rpc", json=health)) == {"results": [None]}
+    before = generated(admin)
+    reload = {"method": "reload_weights", "kwargs": {"weights_path": weights(tmp_path, "r", 3)}}
+    assert ok(admin.post("/collective_rpc", json=reload)) == {"results": [None]}
+    after = generated(admin)
+    assert after != before and ok(admin.get("/health"))["admin"]["state"] == "serving"
+    assert admin.post("/reset_mm_cache").status_code == 200
+    refused = admin.post("/release_kv_cache_memory")
+    assert refused.status_code == 409 and "pause" in refused.json()["error"]["message"]
+    ok(admin.post("/pause", params={"mode": "keep"}))
+    assert ok(admin.post("/release_kv_cache_memory")) == {"status": "kv_cache_released"}
+    assert ok(admin.get("/is_sleeping"))["is_sleeping"] is True
+    ok(admin.post("/wake_up", params={"tags": "kv_cache"}))
+    ok(admin.post("/resume"))
+    assert generated(admin) == after
+    ok(
+        admin.post(
+            "/collective_rpc",
+            json={**reload, "kwargs": {"weights_path": weights(tmp_path, "s", 0)}},
+        )
+    )
+
+
 def test_skyrl_tokenizes_one_text_at_a_time(admin: httpx.Client) -> None:
     body = {"model": MODEL, "prompt": "hello", "add_special_tokens": True}
     tokens = ok(admin.post("/tokenize", json=body))["tokens"]

@@ -3,10 +3,12 @@ a real ``penstock serve --engine transformers`` on the tiny Llama, and this proc
 the trainer (torch, a gloo group, a second checkpoint with other weights).
 
 SkyRL's broadcast (``/init_weight_transfer_engine``, then ``/collective_rpc`` with
-``update_weights_nccl`` buckets, packed) and AReaL's (``/areal_init_weights_update_group``
-with the port in digits, ``/areal_set_update_weight_meta``, ``/areal_update_weights_xccl``)
-each change the served weights: afterwards the greedy tokens of ``/inference/v1/generate``
-are the trainer's own, and its logprobs are the trainer's ``log_softmax``. AReaL's LoRA
+``update_weights_nccl`` buckets, packed as vLLM packs them), vLLM's packed broadcast cut
+into many buffers of mixed dtypes (a second handshake, then TRL's async GRPO calls) and
+AReaL's (``/areal_init_weights_update_group`` with the port in digits,
+``/areal_set_update_weight_meta``, ``/areal_update_weights_xccl``) each change the
+served weights: afterwards the greedy tokens of ``/inference/v1/generate`` are the
+trainer's own, and its logprobs are the trainer's ``log_softmax``. AReaL's LoRA
 broadcast (``/areal_set_update_weight_meta_lora``, ``/areal_update_weights_lora_xccl``)
 serves the trainer's adapter: its greedy tokens are peft's own.
 """
@@ -41,6 +43,11 @@ PROMPT = [5, 17, 29, 41]
 TOKENS = 6
 VLLM_GROUP = "vllm_weight_transfer"
 XCCL_LORA = "/areal_update_weights_lora_xccl"
+# vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES, and a buffer small enough to cut the tiny Llama
+# (about 0.5 MB) into many broadcasts.
+PACKED_DEFAULT_BYTES = 1024 * 1024 * 1024
+PACKED_SMALL_BYTES = 48 * 1024
+MIXED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +159,27 @@ def broadcast_while(
         return answered.result()
 
 
+def packed_chunks(
+    items: list[tuple[str, torch.Tensor]], buffer_bytes: int
+) -> list[list[torch.Tensor]]:
+    """The tensors of each buffer vLLM's ``trainer_send_weights(packed=True)`` sends: in
+    order, a buffer sent once its byte total exceeds ``buffer_bytes``."""
+    chunks: list[list[torch.Tensor]] = [[]]
+    for _, tensor in items:
+        chunks[-1].append(tensor)
+        if sum(t.numel() * t.element_size() for t in chunks[-1]) > buffer_bytes:
+            chunks.append([])
+    return [chunk for chunk in chunks if chunk]
+
+
+def packed_buffers(items: list[tuple[str, torch.Tensor]], buffer_bytes: int) -> list[torch.Tensor]:
+    """Each buffer as broadcast: its tensors' bytes as uint8, concatenated, dtypes mixed."""
+    return [
+        torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in chunk])
+        for chunk in packed_chunks(items, buffer_bytes)
+    ]
+
+
 def assert_serves(admin: httpx.Client, model: LlamaForCausalLM) -> None:
     tokens, logprobs = engine_rollout(admin)
     expected_tokens, expected_logprobs = trainer_rollout(model)
@@ -193,11 +221,64 @@ def test_skyrl_broadcast_changes_the_served_weights(
             "packed": True,
         }
         bucket = {"method": "update_weights_nccl", "kwargs": {"update_info": update_info}}
-        flat = torch.cat([t.reshape(-1) for _, t in items])
-        answer = broadcast_while(group, [flat], lambda: admin.post("/collective_rpc", json=bucket))
+        buffers = packed_buffers(items, PACKED_DEFAULT_BYTES)
+        answer = broadcast_while(group, buffers, lambda: admin.post("/collective_rpc", json=bucket))
         assert answer.status_code == 200, answer.text
         finish = admin.post("/collective_rpc", json={"method": "skyrl_finish_weight_update"})
         assert finish.status_code == 200
+    finally:
+        assert admin.post("/resume").status_code == 200
+        destroy_process_group(group)
+    assert_serves(admin, model)
+
+
+def test_vllm_packed_broadcast_spans_buffers_of_mixed_dtypes(
+    admin: httpx.Client, model_dir: Path, tmp_path: Path
+) -> None:
+    model = trained(tmp_path, model_dir, seed=8)
+    items = []
+    with torch.no_grad():
+        for index, (name, tensor) in enumerate(model.state_dict().items()):
+            sent = tensor.detach().to(MIXED_DTYPES[index % len(MIXED_DTYPES)]).contiguous()
+            # The trainer's model holds what it sends: the engine casts back to float32.
+            tensor.copy_(sent.float())
+            items.append((name, sent))
+    buffers = packed_buffers(items, PACKED_SMALL_BYTES)
+    assert len(buffers) >= 3
+    chunks = packed_chunks(items, PACKED_SMALL_BYTES)
+    assert any(len({t.dtype for t in chunk}) > 1 for chunk in chunks)
+    port = free_port()
+    # ``NCCLTrainerInitInfo`` as vLLM's trainer ships it; TRL's async GRPO flow after it.
+    init_info = {
+        "master_address": "127.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 2,
+        "packed": True,
+        "packed_buffer_size_bytes": PACKED_SMALL_BYTES,
+        "packed_num_buffers": 2,
+    }
+    group, joined = with_rank_zero(
+        port,
+        VLLM_GROUP,
+        lambda: admin.post("/init_weight_transfer_engine", json={"init_info": init_info}),
+    )
+    assert joined.status_code == 200, joined.text
+    try:
+        assert admin.post("/pause", params={"mode": "keep"}).status_code == 200
+        started = admin.post("/start_weight_update", json={"is_checkpoint_format": True})
+        assert started.status_code == 200, started.text
+        update_info = {
+            "names": [name for name, _ in items],
+            "dtype_names": [dtype_name(t.dtype) for _, t in items],
+            "shapes": [list(t.shape) for _, t in items],
+            "packed": True,
+        }
+        answer = broadcast_while(
+            group, buffers, lambda: admin.post("/update_weights", json={"update_info": update_info})
+        )
+        assert answer.status_code == 200, answer.text
+        assert admin.post("/finish_weight_update").status_code == 200
     finally:
         assert admin.post("/resume").status_code == 200
         destroy_process_group(group)

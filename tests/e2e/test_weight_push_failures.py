@@ -187,8 +187,8 @@ def pickled(tensors: list[tuple[str, torch.Tensor]], strategy: str) -> str:
 def test_a_trusted_pickled_payload_updates_the_weights(
     server: ServerProcess, pusher: WeightPusher
 ) -> None:
-    current = pusher.http.get("/get_weights_by_name", params={"name": "lm_head.weight"})
-    vocab, hidden = current.json()["shape"]
+    current = pusher.post("/engine/get_weights_by_name", {"name": "lm_head.weight"})
+    vocab, hidden = current["shape"]
     head = torch.linspace(-1.0, 1.0, vocab * hidden).reshape(vocab, hidden)
     pusher.pause("retract")
     try:
@@ -219,5 +219,5 @@ def test_a_trusted_pickled_payload_updates_the_weights(
         "/get_weights_by_name", params={"name": "lm_head.weight", "truncate_size": 2}
     ).json()
     # SGLang's slice: the parameter's first rows.
-    assert [pytest.approx(row) for row in served["values"]] == head[:2].tolist()
+    assert [pytest.approx(row) for row in served] == head[:2].tolist()
     assert greedy(server)["meta_info"]["weight_version"] == "pickled"

@@ -53,7 +53,7 @@ async def served_values(client: httpx.AsyncClient) -> dict[str, Any]:
     for name in NAMES:
         read = await client.post("/get_weights_by_name", json={"name": name})
         assert read.status_code == 200, read.text
-        values[name] = read.json()["values"]
+        values[name] = read.json()
     return values
 
 

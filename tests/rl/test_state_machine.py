@@ -111,6 +111,36 @@ async def test_weight_updates_need_the_paused_state(
         )
 
 
+async def test_an_update_between_steps_freezes_running_requests_and_continues_them(
+    machine: AdminStateMachine, engine: SampleLLMEngine, tmp_path: Path
+) -> None:
+    write_sample_weights(tmp_path, 5)
+    running = asyncio.create_task(tokens(engine, max_tokens=60))
+    await asyncio.sleep(0.05)
+    update = {"model_path": str(tmp_path)}
+    await machine.update_weights("update_weights_from_disk", update, "v5", between_steps=True)
+    assert not running.done()
+    assert machine.name == "serving"
+    assert (await engine.engine_control("is_paused", {}))["is_paused"] is False
+    assert machine.describe()["last_update"]["applied"] == "between_steps"
+    assert len(await running) == 60
+    assert await tokens(engine) == [engine.token_at(step, 0, 5) for step in range(3)]
+
+
+async def test_an_update_between_steps_writes_awake_weights_of_a_sleeping_engine(
+    machine: AdminStateMachine, tmp_path: Path
+) -> None:
+    write_sample_weights(tmp_path, 4)
+    update = {"model_path": str(tmp_path)}
+    await machine.sleep(1, "abort", ["kv_cache", "weights"])
+    with pytest.raises(ConflictError, match="sleeping"):
+        await machine.update_weights("update_weights_from_disk", update, None, between_steps=True)
+    await machine.wake_up(["weights"])
+    await machine.update_weights("update_weights_from_disk", update, "v4", between_steps=True)
+    assert machine.name == "sleeping" and machine.weight_version == "v4"
+    assert machine.describe()["last_update"]["applied"] == "kv_released"
+
+
 async def test_update_publishes_the_version_and_swaps_the_weights(
     machine: AdminStateMachine, engine: SampleLLMEngine, published: Published, tmp_path: Path
 ) -> None:
@@ -227,6 +257,7 @@ async def test_describe_is_json_and_draining_wins(
         "sleep_level",
         "updating",
         "target_version",
+        "last_update",
         "weight_version",
         "version_declared",
         "since",

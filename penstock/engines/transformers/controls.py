@@ -6,7 +6,8 @@ freezes them with their KV. A sleep holds generation like a pause and releases i
 at level 1 released weights and KV move to the host, at level 2 the weights are dropped
 (``wake_up`` reloads the checkpoint last read from disk), at level 0 nothing moves. A
 wake restores the tags it names; generation runs again once no tag is released, and the
-sleep's own pause ends with it. ``abort_request`` cancels the named requests, or every one
+sleep's own pause ends with it. ``flush_cache`` forgets the cached prefixes and image
+features (both only save work). ``abort_request`` cancels the named requests, or every one
 in flight (``abort_all``); they end with what they produced and ``finish_reason``
 ``"cancelled"``, which the gateway reports as ``"abort"``.
 """
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from penstock.engines.transformers.args import EngineArgs
     from penstock.engines.transformers.core.scheduler import BatchScheduler, Submission
     from penstock.engines.transformers.features.lora import AdapterSet
+    from penstock.engines.transformers.features.vision import VisionEncoder
 
 
 class TransformersControls:
@@ -46,6 +48,7 @@ class TransformersControls:
     dtype: torch.dtype | None
     scheduler: BatchScheduler | None
     lora: AdapterSet
+    vision: VisionEncoder | None
     _load_model: Callable[..., Any]
     _weights_source: Path | None
     _require_scheduler: Callable[[], BatchScheduler]
@@ -180,6 +183,8 @@ class TransformersControls:
         # Cached prefixes are forgotten; KV of running sequences stays. The allocator's
         # idle blocks go back to the device.
         await asyncio.to_thread(self._require_scheduler().reset_prefix_cache)
+        if self.vision is not None:
+            self.vision.forget()
         gc.collect()
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()

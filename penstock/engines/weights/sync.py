@@ -16,7 +16,11 @@ already speaks to them joins the same way. ``gloo`` works on the CPU, ``nccl`` n
 **Broadcast protocol** (``update_weights_from_distributed``): after the HTTP call, rank 0
 broadcasts each listed tensor in order, as declared (``names``/``dtypes``/``shapes``);
 with ``load_format: "flattened_bucket"`` all listed tensors share one dtype and travel as
-one 1-D tensor, concatenated in ``names`` order.
+one 1-D tensor, concatenated in ``names`` order. With ``load_format: "packed"`` (vLLM's
+packed broadcast, ``packed_tensor.py``) each tensor's raw bytes are concatenated in
+``names`` order, dtypes mixed, and cut into buffers: a buffer closes once its running
+total exceeds ``packed_buffer_size_bytes`` (default 1 GiB), so it ends with the tensor
+that crossed the limit; each buffer travels as one ``uint8`` broadcast.
 
 **Tensor payloads** (``update_weights_from_tensor``): each entry of
 ``serialized_named_tensors`` is base64 text of a safetensors file (the default and the
@@ -56,6 +60,8 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+# vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES: both ends must cut buffers at the same size.
+DEFAULT_PACKED_BUFFER_BYTES = 1024 * 1024 * 1024
 DEFAULT_NIXL_NOTIFY = "penstock-weights"
 NIXL_MEM_TYPES = ("DRAM", "VRAM")
 TRUST_FLAG = "--trust-weight-payloads"
@@ -250,6 +256,45 @@ def destroy_process_group(group: Any) -> None:
     dist.destroy_process_group(group)
 
 
+def spec_bytes(spec: TensorSpec) -> int:
+    return _numel(spec.shape) * parse_dtype(spec.dtype).itemsize
+
+
+def packed_buffers(specs: list[TensorSpec], buffer_bytes: int) -> list[list[TensorSpec]]:
+    """vLLM's cut of a packed broadcast: tensors join a buffer in order until its byte
+    total exceeds ``buffer_bytes``; the tensor that crossed it is the buffer's last."""
+    buffers: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    total = 0
+    for spec in specs:
+        current.append(spec)
+        total += spec_bytes(spec)
+        if total > buffer_bytes:
+            buffers.append(current)
+            current, total = [], 0
+    if current:
+        buffers.append(current)
+    return buffers
+
+
+def _receive_packed(
+    group: Any, specs: list[TensorSpec], device: torch.device, buffer_bytes: int, sink: Any
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    for chunk in packed_buffers(specs, buffer_bytes):
+        sizes = [spec_bytes(spec) for spec in chunk]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        dist.broadcast(buffer, src=0, group=group)
+        for spec, part in zip(chunk, buffer.split(sizes), strict=True):
+            dtype = parse_dtype(spec.dtype)
+            # A view as a wider dtype needs an aligned offset: mixed dtypes may break it.
+            if part.storage_offset() % dtype.itemsize:
+                part = part.clone()
+            sink(spec, part.view(dtype).view(spec.shape))
+
+
 def broadcast_specs(
     group: Any,
     specs: list[TensorSpec],
@@ -257,11 +302,16 @@ def broadcast_specs(
     device: torch.device,
     flattened: bool,
     sink: Any,
+    packed_bytes: int | None = None,
 ) -> None:
-    """Receive ``specs`` from rank 0; ``sink(spec, tensor)`` takes each one as it lands."""
+    """Receive ``specs`` from rank 0; ``sink(spec, tensor)`` takes each one as it lands.
+    ``packed_bytes`` receives vLLM's packed buffers of that size (see the module)."""
     import torch
     import torch.distributed as dist
 
+    if packed_bytes is not None:
+        _receive_packed(group, specs, device, packed_bytes, sink)
+        return
     if flattened:
         dtypes = {spec.dtype for spec in specs}
         if len(dtypes) != 1:

@@ -33,6 +33,7 @@ from penstock.engines.controls import WeightsByName, parse_tensor_names
 from penstock.engines.transformers.weights.checkpoint import checkpoint_state_dict
 from penstock.engines.weights.sync import (
     DEFAULT_GROUP_NAME,
+    DEFAULT_PACKED_BUFFER_BYTES,
     NixlPuller,
     TensorSpec,
     WeightSyncError,
@@ -166,27 +167,18 @@ class WeightSync:
 
         group = self._group(body)
         specs = parse_specs(body)
-        load_format = body.get("load_format")
-        if load_format not in (None, "direct", "flattened_bucket"):
-            raise WeightSyncError(
-                f"'load_format' must be direct or flattened_bucket; got {load_format!r}"
-            )
-        flattened = load_format == "flattened_bucket"
+        layout = _layout(body)
         live = checkpoint_state_dict(model)
         try:
             check_against(specs, live)
         except WeightSyncError:
             # Drain what the trainer is already sending, so its collective completes.
             broadcast_specs(
-                group.handle,
-                specs,
-                device=device,
-                flattened=flattened,
-                sink=lambda spec, tensor: None,
+                group.handle, specs, device=device, sink=lambda spec, tensor: None, **layout
             )
             raise
         staged = _stage_broadcast(
-            group.handle, specs, device, flattened=flattened, on_cpu=False, lost="none was applied"
+            group.handle, specs, device, on_cpu=False, lost="none was applied", **layout
         )
         written = _swap_in(staged, live, lock)
         return self._done(written, "distributed")
@@ -292,6 +284,19 @@ def _swap_in(
     return {name: live[name] for name in staged}
 
 
+def _layout(body: Body) -> dict[str, Any]:
+    """How a broadcast's tensors travel (``load_format``), as ``broadcast_specs`` takes it."""
+    load_format = body.get("load_format")
+    if load_format not in (None, "direct", "flattened_bucket", "packed"):
+        raise WeightSyncError(
+            f"'load_format' must be direct, flattened_bucket or packed; got {load_format!r}"
+        )
+    packed_bytes = None
+    if load_format == "packed":
+        packed_bytes = _int(body, "packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_BYTES, low=1)
+    return {"flattened": load_format == "flattened_bucket", "packed_bytes": packed_bytes}
+
+
 def _stage_broadcast(
     handle: Any,
     specs: list[TensorSpec],
@@ -300,6 +305,7 @@ def _stage_broadcast(
     flattened: bool,
     on_cpu: bool,
     lost: str,
+    packed_bytes: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of ``specs`` received over the group, held aside (on the CPU when
     ``on_cpu``) until the last arrives; a broadcast that breaks part-way raises, saying
@@ -312,7 +318,9 @@ def _stage_broadcast(
         staged[spec.name] = tensor.cpu() if on_cpu else tensor
 
     try:
-        broadcast_specs(handle, specs, device=device, flattened=flattened, sink=stage)
+        broadcast_specs(
+            handle, specs, device=device, flattened=flattened, sink=stage, packed_bytes=packed_bytes
+        )
     except Exception as exc:
         raise WeightSyncError(
             f"the broadcast broke after {len(staged)} of {len(specs)} tensors arrived "
