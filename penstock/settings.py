@@ -496,6 +496,14 @@ class Settings(BaseSettings):
             default="off, safetensors payloads only; pickled ones get 400",
         ),
     ] = False
+    weights_dir: Annotated[
+        Path | None,
+        Option(
+            "folder the local checkpoints of delta pulls (/pull_weights, /fetch_weights) must "
+            "lie in",
+            default="any new or empty folder outside the system's",
+        ),
+    ] = None
 
     # --ray: the engine as a Ray Serve deployment of replicas, this process the ingress.
     ray: Annotated[
