@@ -190,6 +190,13 @@ class Settings(BaseSettings):
         Option("ignore unknown request fields instead of rejecting them", default="reject, 400"),
     ] = False
     max_n: Annotated[int, Option("largest n a request may ask for")] = 16
+    scheduling_policy: Annotated[
+        Literal["fcfs", "priority"],
+        Option(
+            "fcfs: requests run in arrival order and a non-zero priority is a 400; priority: "
+            "lower priority values first, none passed over by two batches of later ones",
+        ),
+    ] = "fcfs"
     max_stop_sequences: Annotated[
         int, Option("most stop sequences one request may give; more get 400", env_only=True)
     ] = 16
