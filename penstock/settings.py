@@ -192,6 +192,13 @@ class Settings(BaseSettings):
         Option("ignore unknown request fields instead of rejecting them", default="reject, 400"),
     ] = False
     max_n: Annotated[int, Option("largest n a request may ask for")] = 16
+    scheduling_policy: Annotated[
+        Literal["fcfs", "priority"],
+        Option(
+            "fcfs: requests run in arrival order and a non-zero priority is a 400; priority: "
+            "lower priority values first, none passed over by two batches of later ones",
+        ),
+    ] = "fcfs"
     max_stop_sequences: Annotated[
         int, Option("most stop sequences one request may give; more get 400", env_only=True)
     ] = 16
@@ -505,6 +512,14 @@ class Settings(BaseSettings):
             default="off, safetensors payloads only; pickled ones get 400",
         ),
     ] = False
+    weights_dir: Annotated[
+        Path | None,
+        Option(
+            "folder the local checkpoints of delta pulls (/pull_weights, /fetch_weights) must "
+            "lie in",
+            default="any new or empty folder outside the system's",
+        ),
+    ] = None
 
     # --ray: the engine as a Ray Serve deployment of replicas, this process the ingress.
     ray: Annotated[

@@ -44,6 +44,9 @@ _INTERNAL = "Internal server error"
 # into one frame (0.5 ms: ~15 chunks per stream batch at full speed, against ~2 when each
 # turn sent one; each frame and each batch costs both ends).
 FRAME_INTERVAL_S = 0.0005
+# A connection that has not shown the fleet's token by then is closed: a peer of the fleet
+# sends it first thing.
+HELLO_TIMEOUT_S = 10.0
 
 
 class ChunkBatcher:
@@ -96,12 +99,24 @@ StreamSource = Callable[[str, dict[str, Any], tuple[str, str] | None], AsyncIter
 
 
 class StreamServer:
-    """The replica's data plane port: serves each connection's streams from ``source``."""
+    """The replica's data plane port: serves each connection's streams from ``source``.
 
-    def __init__(self, source: StreamSource, token: str, label: str) -> None:
+    A connection must open with the fleet's token (within ``hello_timeout_s``) before
+    anything else it sends is read beyond a short frame (:class:`FrameProtocol`'s limits).
+    """
+
+    def __init__(
+        self,
+        source: StreamSource,
+        token: str,
+        label: str,
+        *,
+        hello_timeout_s: float = HELLO_TIMEOUT_S,
+    ) -> None:
         self.source = source
         self.token = token
         self.label = label
+        self.hello_timeout_s = hello_timeout_s
         self.connections: set[_ReplicaConnection] = set()
         self._server: asyncio.Server | None = None
 
@@ -146,6 +161,14 @@ class _ReplicaConnection:
         self._ready: dict[int, _Stream] = {}
         self._scheduled = False
         self._last_flush = 0.0
+        self._hello_timer = asyncio.get_running_loop().call_later(
+            server.hello_timeout_s, self._refuse_silent
+        )
+
+    def _refuse_silent(self) -> None:
+        if not self._greeted:
+            logger.warning("%s: closed a data connection that sent no token", self._label)
+            self.protocol.close()
 
     def _on_frame(self, frame: list[Any]) -> None:
         kind = frame[0]
@@ -153,6 +176,7 @@ class _ReplicaConnection:
             # Only an ingress of this fleet (it holds the token) may open streams.
             self._greeted = kind == HELLO and hmac.compare_digest(str(frame[1]), self._server.token)
             if self._greeted:
+                self._hello_timer.cancel()
                 self.protocol.trust()
             else:
                 logger.warning("%s: refused a data connection without the token", self._label)
@@ -244,6 +268,7 @@ class _ReplicaConnection:
             self.protocol.send_now(BATCH, [], rest)
 
     def _on_lost(self, exc: Exception | None) -> None:
+        self._hello_timer.cancel()
         self._server.connections.discard(self)
         self._ready.clear()
         for stream in self._streams.values():

@@ -27,7 +27,7 @@ from typing import Any, cast
 import msgspec
 
 from penstock import errors
-from penstock.errors import PenstockError
+from penstock.errors import PayloadTooLargeError, PenstockError
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,11 @@ ADDRESS_KEY = "data_address"
 # Ray; a replica unpickles only once the connection has shown the fleet's token.
 _PICKLED = 1
 _LENGTH = 4
+# The longest frame either end accepts: a request with its decoded media, or a batch of
+# chunks, stays far below it. A peer declaring more is closed on before its body is read.
+MAX_FRAME_BYTES = 1 << 30
+# The longest frame of a peer not yet known to be of this fleet: its HELLO, the token.
+MAX_UNTRUSTED_FRAME_BYTES = 4096
 
 
 def _pickled(value: Any) -> msgspec.msgpack.Ext:
@@ -118,6 +123,9 @@ class FrameProtocol(asyncio.Protocol):
 
     ``trusted``: whether pickled values from the peer are unpickled from the start (the
     ingress, which connected to the address Ray gave it); else once :meth:`trust` is called.
+    Until then a frame is at most ``MAX_UNTRUSTED_FRAME_BYTES``, after it
+    ``MAX_FRAME_BYTES``: a peer declaring a longer one is closed on, nothing of its body
+    kept.
     ``on_writable``: called when the socket's send buffer, full before, drains.
     """
 
@@ -166,8 +174,10 @@ class FrameProtocol(asyncio.Protocol):
         # The view is released before the buffer is cut, whatever a frame raised.
         with memoryview(received) as view:
             try:
-                while end - start >= _LENGTH:
+                while end - start >= _LENGTH and not self.closed:
                     size = int.from_bytes(view[start : start + _LENGTH], "big")
+                    if size > self._frame_limit:
+                        raise ValueError(f"a frame of {size} bytes declared")
                     if end - start - _LENGTH < size:
                         break
                     start += _LENGTH
@@ -177,7 +187,14 @@ class FrameProtocol(asyncio.Protocol):
             except (ValueError, msgspec.DecodeError) as exc:
                 logger.warning("closing a data plane connection: %s", exc)
                 self.close()
-        del received[:start]
+        if self.closed:
+            received.clear()
+        else:
+            del received[:start]
+
+    @property
+    def _frame_limit(self) -> int:
+        return MAX_FRAME_BYTES if self._trusted else MAX_UNTRUSTED_FRAME_BYTES
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._on_lost(exc)
@@ -199,6 +216,7 @@ class FrameProtocol(asyncio.Protocol):
         if self.closed:
             return
         body = _ENCODER.encode(frame)
+        _check_length(len(body))
         self._pending.append(len(body).to_bytes(_LENGTH, "big") + body)
         if len(self._pending) == 1:
             asyncio.get_running_loop().call_soon(self._flush)
@@ -208,6 +226,7 @@ class FrameProtocol(asyncio.Protocol):
         error encoding it is raised before anything is written."""
         buffer = bytearray(_LENGTH)
         _ENCODER.encode_into(frame, buffer, _LENGTH)
+        _check_length(len(buffer) - _LENGTH)
         buffer[:_LENGTH] = (len(buffer) - _LENGTH).to_bytes(_LENGTH, "big")
         if not self.closed:
             assert self._transport is not None
@@ -222,3 +241,10 @@ class FrameProtocol(asyncio.Protocol):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+
+
+def _check_length(size: int) -> None:
+    if size > MAX_FRAME_BYTES:
+        raise PayloadTooLargeError(
+            f"a data plane frame of {size} bytes is over the limit of {MAX_FRAME_BYTES}"
+        )

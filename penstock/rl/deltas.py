@@ -24,6 +24,12 @@ Checksums: ``xxh3-128`` (the ``xxhash`` module),
 ``sha256``, ``adler32`` and ``blake3`` (with the ``blake3`` module). Folders are local
 paths only: a remote URI is a 400 naming the field.
 
+The checkpoint folder is this server's: one it created, or found empty (it marks it with
+its state folder); a folder holding anything else is a 400, and a new seed removes only
+files an earlier seed wrote there. It is never the served model's folder (nor inside or
+above it), a system folder, the root or a home folder, and with ``--weights-dir`` it lies
+inside that folder (:func:`checkpoint_folder`).
+
 A state file beside the checkpoint records the version it holds. While a version is being
 applied the file says so; an apply that fails (a checksum that does not match, a missing
 payload, a patch of the wrong size) leaves the copy marked unfinished, and the next pull
@@ -144,11 +150,93 @@ def local_folder(value: str, field: str) -> Path:
     return Path(value.removeprefix("file://"))
 
 
+# Folders of the system a checkpoint is never written in; the scratch ones within them are
+# allowed.
+_SYSTEM_FOLDERS = tuple(
+    Path(name)
+    for name in (
+        "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
+        "/run", "/sbin", "/sys", "/usr", "/var",
+    )
+)  # fmt: skip
+_SCRATCH_FOLDERS = (Path("/var/tmp"),)
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def checkpoint_folder(
+    value: str, field: str, *, apart_from: list[Path], allowed: Path | None
+) -> Path:
+    """``value`` as a folder this server may keep a local checkpoint in (resolved): a 400
+    naming ``field`` when it is at, inside or above a folder of ``apart_from`` (the served
+    model's own), outside ``allowed`` (the operator's ``--weights-dir``) when one is set,
+    else in a system folder, or the root or a home folder itself."""
+    folder = local_folder(value, field).expanduser().resolve()
+
+    def refuse(reason: str) -> InvalidRequestError:
+        return InvalidRequestError(f"'{field}' {reason}", param=field, code="invalid_value")
+
+    for kept in apart_from:
+        kept = kept.expanduser().resolve()
+        if _within(folder, kept) or _within(kept, folder):
+            raise refuse(f"must lie apart from the served model's checkpoint {kept}: {folder}")
+    if allowed is not None:
+        if not _within(folder, allowed.expanduser().resolve()):
+            raise refuse(f"must lie inside the server's --weights-dir {allowed}: {folder}")
+        return folder
+    system = any(_within(folder, root) for root in _SYSTEM_FOLDERS) and not any(
+        _within(folder, scratch) for scratch in _SCRATCH_FOLDERS
+    )
+    if system or folder == Path(folder.anchor) or folder == Path.home().resolve():
+        raise refuse(f"names a system folder, which this server never writes in: {folder}")
+    return folder
+
+
+# What reading a malformed publication raises (a field missing or of the wrong type, bytes
+# that are not what they claim to be); :func:`_published` makes each a refusal.
+_MALFORMED = (ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError)
+# safetensors' own bound on a header: a longer one is not a safetensors file.
+_MAX_HEADER_BYTES = 100_000_000
+
+
+@contextmanager
+def _published(what: object) -> Iterator[None]:
+    """Refuse (400 ``invalid_weights``) the weights ``what`` names when reading them fails
+    on their contents, rather than fail the request with a 500."""
+    try:
+        yield
+    except DeltaRefused:
+        raise
+    except (*_MALFORMED, struct.error) as exc:
+        raise DeltaRefused(f"{what} is malformed: {type(exc).__name__}: {exc}") from exc
+
+
+def _read_file(path: Path, size: int = -1, offset: int = 0) -> bytes:
+    """``size`` bytes of ``path`` from ``offset`` (all when -1); an unreadable file, or
+    one shorter than that, is a refusal."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(offset)
+            data = handle.read(size)
+    except OSError as exc:
+        raise DeltaRefused(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if size >= 0 and len(data) != size:
+        raise DeltaRefused(f"{path} ends before the {size} bytes it should hold at {offset}")
+    return data
+
+
 def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
     """The data offset and the JSON header of a safetensors file."""
-    with path.open("rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        return 8 + length, json.loads(handle.read(length))
+    with _published(path):
+        (length,) = struct.unpack("<Q", _read_file(path, 8))
+        if length > _MAX_HEADER_BYTES:
+            raise DeltaRefused(f"{path} declares a header of {length} bytes")
+        header = json.loads(_read_file(path, length, 8))
+        if not isinstance(header, dict):
+            raise DeltaRefused(f"{path} has no safetensors header")
+        return 8 + length, header
 
 
 def _read_tensor_bytes(path: Path, key: str) -> bytes:
@@ -156,10 +244,22 @@ def _read_tensor_bytes(path: Path, key: str) -> bytes:
     info = header.get(key)
     if info is None:
         raise DeltaRefused(f"{path.name} holds no tensor {key!r}")
-    begin, end = info["data_offsets"]
-    with path.open("rb") as handle:
-        handle.seek(start + begin)
-        return handle.read(end - begin)
+    with _published(path):
+        begin, end = (int(offset) for offset in info["data_offsets"])
+        if not 0 <= begin <= end:
+            raise DeltaRefused(f"{path.name}: the offsets of {key!r} are out of order")
+        return _read_file(path, end - begin, start + begin)
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; a missing, unreadable or malformed one is a refusal."""
+    if not path.is_file():
+        raise DeltaRefused(f"no {path.name} in {path.parent}")
+    with _published(path):
+        value = json.loads(_read_file(path))
+    if not isinstance(value, dict):
+        raise DeltaRefused(f"{path} holds no JSON object")
+    return value
 
 
 def _patched(region: np.ndarray, patch: TensorPatch) -> None:
@@ -169,7 +269,12 @@ def _patched(region: np.ndarray, patch: TensorPatch) -> None:
     import zstandard
 
     size = region.nbytes
-    raw = zstandard.ZstdDecompressor().decompress(patch.compressed, max_output_size=size * 5 + 4)
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(
+            patch.compressed, max_output_size=size * 5 + 4
+        )
+    except zstandard.ZstdError as exc:
+        raise DeltaRefused(f"the patch of {patch.name!r} is not zstd data: {exc}") from exc
     data = np.frombuffer(raw, dtype=np.uint8)
     if patch.encoding == "xor":
         if data.size != size:
@@ -191,14 +296,33 @@ def _patched(region: np.ndarray, patch: TensorPatch) -> None:
 class LocalCheckpoint:
     """A checkpoint folder on this host and the version it holds."""
 
-    def __init__(self, weights: Path) -> None:
+    def __init__(self, weights: Path, field: str | None = None) -> None:
         self.weights = weights
         self.state_dir = weights / STATE_DIR
+        self._field = field
+
+    def _claim(self) -> None:
+        """Make the folder this server's: created when missing; one found must be empty
+        or already hold this server's state."""
+        if self.weights.exists() and not self.weights.is_dir():
+            raise DeltaRefused(f"{self.weights} is not a folder", param=self._field)
+        if (
+            self.weights.is_dir()
+            and not self.state_dir.is_dir()
+            and any(True for _ in self.weights.iterdir())
+        ):
+            raise DeltaRefused(
+                f"{self.weights} holds files this server did not write: name a new or empty "
+                "folder for the local checkpoint",
+                param=self._field,
+                code="invalid_value",
+            )
+        self.state_dir.mkdir(parents=True, exist_ok=True)
 
     @contextmanager
     def locked(self) -> Iterator[None]:
         """Held across a whole pull: engines of one host share the folder."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._claim()
         with (self.state_dir / "lock").open("w") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
@@ -206,37 +330,48 @@ class LocalCheckpoint:
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
-    def version(self) -> int | None:
-        """The version held, or None: nothing copied yet, or an apply that never finished."""
+    def _state(self) -> dict[str, Any]:
         try:
             state = json.loads((self.state_dir / "state.json").read_text())
         except (FileNotFoundError, ValueError):
-            return None
+            return {}
+        return state if isinstance(state, dict) else {}
+
+    def version(self) -> int | None:
+        """The version held, or None: nothing copied yet, or an apply that never finished."""
+        state = self._state()
         if not state.get("complete"):
             return None
         return int(state["version"])
 
-    def _record(self, version: int, *, complete: bool) -> None:
+    def _written(self) -> set[str]:
+        """The names of the files a seed wrote into the folder."""
+        return {str(name) for name in self._state().get("files", [])}
+
+    def _record(self, version: int, *, complete: bool, files: set[str] | None = None) -> None:
         path = self.state_dir / "state.json"
+        written = self._written() if files is None else files
+        state = {"version": version, "complete": complete, "files": sorted(written)}
         staged = path.with_suffix(".tmp")
-        staged.write_text(json.dumps({"version": version, "complete": complete}))
+        staged.write_text(json.dumps(state))
         staged.replace(path)
 
     def seed(self, source: Path, version: int) -> None:
-        """Make the folder a copy of the checkpoint files in ``source`` (others removed)."""
+        """Make the folder a copy of the checkpoint files in ``source``: the files an
+        earlier seed wrote that ``source`` lacks are removed, nothing else."""
         if not source.is_dir():
             raise DeltaRefused(f"no checkpoint folder at {source}")
-        self._record(version, complete=False)
         files = [entry for entry in source.iterdir() if entry.is_file()]
         names = {entry.name for entry in files}
-        for entry in self.weights.iterdir():
-            if entry.is_file() and entry.name not in names:
-                entry.unlink()
+        written = self._written()
+        self._record(version, complete=False, files=written | names)
+        for name in written - names:
+            (self.weights / name).unlink(missing_ok=True)
         for entry in files:
             staged = self.weights / f".{entry.name}.partial"
             shutil.copyfile(entry, staged)
             staged.replace(self.weights / entry.name)
-        self._record(version, complete=True)
+        self._record(version, complete=True, files=names)
 
     def apply(self, version: int, patches: list[TensorPatch], *, skip_absent: bool) -> list[str]:
         """Patch the tensors in place; returns the names absent from the checkpoint that
@@ -302,7 +437,9 @@ def _slime_metadata(folder: Path) -> dict[str, Any] | None:
     index = folder / SLIME_INDEX
     if not index.is_file():
         return None
-    metadata = json.loads(index.read_text()).get("metadata") or {}
+    metadata = _json_object(index).get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise DeltaRefused(f"the metadata of {index} is not an object")
     return metadata if "delta_encoding" in metadata else None
 
 
@@ -342,7 +479,7 @@ def pull_slime(local: Path, base: Path, source: Path, target: int) -> PullReport
         )
     if target > 0 and not source.is_dir():
         raise DeltaRefused(f"'source_dir' is not a folder: {source}", param="source_dir")
-    checkpoint = LocalCheckpoint(local)
+    checkpoint = LocalCheckpoint(local, "local_checkpoint_dir")
     with checkpoint.locked():
         held = checkpoint.version()
         # A copy ahead of the target (a restarted run) starts again below it.
@@ -360,15 +497,17 @@ def pull_slime(local: Path, base: Path, source: Path, target: int) -> PullReport
         applied, patched = [], 0
         for version in range(start + 1, target + 1):
             folder = _slime_version_dir(source, version)
-            metadata = _slime_metadata(folder)
-            if metadata is None:
-                raise DeltaRefused(f"{folder} is a full checkpoint below the target")
-            if int(metadata.get("base_version", -1)) != version - 1:
-                raise DeltaRefused(
-                    f"{folder} builds on version {metadata.get('base_version')}, not {version - 1}"
-                )
-            patches = _slime_patches(folder, metadata)
-            checkpoint.apply(version, patches, skip_absent=False)
+            with _published(folder):
+                metadata = _slime_metadata(folder)
+                if metadata is None:
+                    raise DeltaRefused(f"{folder} is a full checkpoint below the target")
+                if int(metadata.get("base_version", -1)) != version - 1:
+                    raise DeltaRefused(
+                        f"{folder} builds on version {metadata.get('base_version')}, "
+                        f"not {version - 1}"
+                    )
+                patches = _slime_patches(folder, metadata)
+                checkpoint.apply(version, patches, skip_absent=False)
             applied.append(version)
             patched += len(patches)
         return PullReport(target, seeded, applied, patched, [])
@@ -381,7 +520,9 @@ def _skyrl_patches(folder: Path, manifest: dict[str, Any]) -> list[TensorPatch]:
         digest = record.get("checksum", record.get("sha256"))
         default = "xxh3-128" if "checksum" in record else "sha256"
         algorithm = record.get("checksum_algorithm", default)
-        payload = folder / record["payload_file"]
+        payload = (folder / str(record["payload_file"])).resolve()
+        if folder.resolve() not in payload.parents:
+            raise DeltaRefused(f"payload file {record['payload_file']!r} is outside {folder}")
         if not payload.is_file():
             raise DeltaRefused(f"payload file missing: {payload}")
         compressed = _read_tensor_bytes(payload, record["payload_key"])
@@ -393,9 +534,7 @@ def fetch_skyrl(
     local_root: Path, base: Path, sync_dir: Path | None, uri: Path | None, target: int
 ) -> PullReport:
     """SkyRL's ``/fetch_weights``: bring ``<local_root>/weights`` to version ``target``."""
-    weights = local_root / "weights"
-    weights.mkdir(parents=True, exist_ok=True)
-    checkpoint = LocalCheckpoint(weights)
+    checkpoint = LocalCheckpoint(local_root / "weights")
     with checkpoint.locked():
         held = checkpoint.version()
         seeded = None
@@ -415,18 +554,19 @@ def fetch_skyrl(
                 folder = sync_dir / f"delta-{version:08d}"
             else:
                 raise DeltaRefused("sync_dir is needed to reach the target", param="sync_dir")
-            try:
-                manifest = json.loads((folder / SKYRL_MANIFEST).read_text())
-            except FileNotFoundError as exc:
-                raise DeltaRefused(f"no {SKYRL_MANIFEST} in {folder}") from exc
-            if int(manifest["version"]) != version or int(manifest["base_version"]) != version - 1:
-                raise DeltaRefused(
-                    f"{folder} is version {manifest['version']} on {manifest['base_version']}; "
-                    f"expected {version} on {version - 1}"
-                )
-            patches = _skyrl_patches(folder, manifest)
-            # SkyRL leaves out tensors the checkpoint does not store (tied weights).
-            skipped += checkpoint.apply(version, patches, skip_absent=True)
+            with _published(folder):
+                manifest = _json_object(folder / SKYRL_MANIFEST)
+                if (int(manifest["version"]), int(manifest["base_version"])) != (
+                    version,
+                    version - 1,
+                ):
+                    raise DeltaRefused(
+                        f"{folder} is version {manifest['version']} on "
+                        f"{manifest['base_version']}; expected {version} on {version - 1}"
+                    )
+                patches = _skyrl_patches(folder, manifest)
+                # SkyRL leaves out tensors the checkpoint does not store (tied weights).
+                skipped += checkpoint.apply(version, patches, skip_absent=True)
             applied.append(version)
             patched += len(patches)
         return PullReport(target, seeded, applied, patched, skipped)

@@ -279,10 +279,15 @@ async def pull_weights(request: Request) -> dict[str, Any]:
     """slime's delta disk sync: patch the host-local checkpoint up to ``target_version``
     (:mod:`penstock.rl.deltas`); slime reloads it with ``/update_weights_from_disk``."""
     body = await json_object_body(request)
-    local = local_folder(required_str(body, "local_checkpoint_dir"), "local_checkpoint_dir")
+    base = Path(str(_model_facts(request)["model_path"]))
+    local = deltas.checkpoint_folder(
+        required_str(body, "local_checkpoint_dir"),
+        "local_checkpoint_dir",
+        apart_from=[base],
+        allowed=request.app.state.gateway.settings.weights_dir,
+    )
     source = local_folder(required_str(body, "source_dir"), "source_dir")
     target = version_number(body, "target_version")
-    base = Path(str(_model_facts(request)["model_path"]))
     # The folder's file lock orders pulls of one folder, of this process and others.
     report = await asyncio.to_thread(deltas.pull_slime, local, base, source, target)
     return {

@@ -55,7 +55,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 
 from penstock.errors import ConflictError, InvalidRequestError
-from penstock.rl.deltas import held_version, local_folder
+from penstock.rl.deltas import checkpoint_folder, held_version, local_folder
 from penstock.rl.fields import (
     bool_field,
     int_field,
@@ -237,12 +237,16 @@ async def init_weight_transfer_engine(request: Request) -> dict[str, Any]:
     info = _object_field(await json_object_body(request), "init_info")
     if "local_checkpoint_dir" in info or "base_model_path" in info:
         # SkyRL's delta backend: no group to join; later fetches patch a local copy.
-        base = required_str(info, "base_model_path")
-        local = required_str(info, "local_checkpoint_dir")
-        target = DeltaTarget(
-            local_folder(base, "init_info.base_model_path"),
-            local_folder(local, "init_info.local_checkpoint_dir"),
+        base = local_folder(required_str(info, "base_model_path"), "init_info.base_model_path")
+        config = request.app.state.gateway.host.engine_config
+        served = [Path(config.model)] if config is not None and config.model else []
+        local = checkpoint_folder(
+            required_str(info, "local_checkpoint_dir"),
+            "init_info.local_checkpoint_dir",
+            apart_from=[base, *served],
+            allowed=request.app.state.gateway.settings.weights_dir,
         )
+        target = DeltaTarget(base, local)
         if not await asyncio.to_thread(target.base.is_dir):
             raise invalid("init_info.base_model_path", "must name a checkpoint folder")
         setattr(request.app.state, _DELTA_TARGET, target)

@@ -52,6 +52,14 @@ def check_common_limits(body: SamplingFields, settings: Settings, model: ServedM
         raise InvalidRequestError(
             f"The model '{body.model}' generates media; use its media endpoint", param="model"
         )
+    if body.priority and settings.scheduling_policy != "priority":
+        # As vLLM: a priority is honoured only where the operator chose priority scheduling.
+        raise InvalidRequestError(
+            f"priority {body.priority} needs priority scheduling, which this server does not "
+            "use (--scheduling-policy priority): leave priority at 0",
+            param="priority",
+            code="unsupported_parameter",
+        )
     if body.priority and not engine_capability(model, SUPPORTS_PRIORITY):
         raise InvalidRequestError(
             f"The model '{body.model}' does not schedule by priority: leave priority at 0",

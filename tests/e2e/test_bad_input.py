@@ -61,7 +61,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
         ({"stream_options": {"include_usage": True}}, None, ["stream_options"]),
         ({"frobnicate": 1, "zap": 2}, "frobnicate", ["frobnicate", "zap"]),
         ({"top_logprobs": 3}, None, ["logprobs"]),
-        ({"priority": 1}, "priority", ["does not schedule by priority"]),
+        ({"priority": 1}, "priority", ["--scheduling-policy priority"]),
         ({"response_format": {"type": "json_object"}}, "response_format", ["can't honour"]),
         (
             {

@@ -23,7 +23,12 @@ SYSTEM = "Answer in one short line and name the shelf. " * 8
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model_dir: Path = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
     with transformers_server(
-        model_dir, tmp_path_factory.mktemp("serve"), "--admin-api-key", ADMIN_KEY
+        model_dir,
+        tmp_path_factory.mktemp("serve"),
+        "--admin-api-key",
+        ADMIN_KEY,
+        "--scheduling-policy",
+        "priority",
     ) as process:
         yield process
 

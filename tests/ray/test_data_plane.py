@@ -7,13 +7,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from penstock.errors import InvalidRequestError, ReplicaLostError
 from penstock.ray.batching import StreamServer
 from penstock.ray.routing import set_rotation
 from penstock.ray.streams import FleetStreams
-from penstock.ray.wire import ADDRESS_KEY, WINDOW, entry_error
+from penstock.ray.wire import ADDRESS_KEY, HELLO, MAX_FRAME_BYTES, WINDOW, entry_error
 
 TOKEN = "fleet-token"
 
@@ -198,6 +199,89 @@ def test_a_chunk_that_cannot_be_sent_fails_its_own_stream_only() -> None:
         assert [c["token_ids"] for c in good] == [[1], [2]] and good[0]["int_keys"] == {7: 0.5}
         error = entry_error(bad[-1])
         assert error is not None and error.status_code == 500
+        await server.close()
+
+    asyncio.run(scenario())
+
+
+async def closed_by_server(reader: asyncio.StreamReader) -> bool:
+    """Whether the server ends the connection: EOF (or a reset) before a generous wait
+    runs out; the wait only keeps a server that never closes from hanging the test."""
+    try:
+        while await asyncio.wait_for(reader.read(65536), 10):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        pass
+    return True
+
+
+def frame(*fields: Any) -> bytes:
+    body = msgspec.msgpack.encode(list(fields))
+    return len(body).to_bytes(4, "big") + body
+
+
+async def declare_and_send(writer: asyncio.StreamWriter, size: int, sent: int) -> None:
+    """Declare a frame of ``size`` bytes, then send ``sent`` bytes of its body, as far as
+    the server keeps the connection open."""
+    writer.write(size.to_bytes(4, "big"))
+    chunk = b"\x00" * (1 << 20)
+    try:
+        for _ in range(sent // len(chunk)):
+            writer.write(chunk)
+            await writer.drain()
+    except ConnectionError:
+        pass
+
+
+def test_a_peer_without_the_token_declaring_a_huge_frame_is_closed_on_unread() -> None:
+    async def scenario() -> None:
+        source = Source(5)
+        server = StreamServer(source, TOKEN, "replica r0")
+        host, port = (await server.start("127.0.0.1")).rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        sending = asyncio.ensure_future(declare_and_send(writer, 0x7FFFFFFF, 64 << 20))
+        assert await closed_by_server(reader)
+        await sending
+        assert not server.connections and source.produced == {}
+        writer.close()
+        await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_of_the_fleet_declaring_a_frame_over_the_limit_is_closed_on() -> None:
+    async def scenario() -> None:
+        server = StreamServer(Source(5), TOKEN, "replica r0")
+        host, port = (await server.start("127.0.0.1")).rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(frame(HELLO, TOKEN))
+        sending = asyncio.ensure_future(declare_and_send(writer, MAX_FRAME_BYTES + 1, 8 << 20))
+        assert await closed_by_server(reader)
+        await sending
+        assert not server.connections
+        writer.close()
+        await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_that_never_shows_the_token_is_closed_on() -> None:
+    async def scenario() -> None:
+        server = StreamServer(Source(5), TOKEN, "replica r0", hello_timeout_s=0.2)
+        host, port = (await server.start("127.0.0.1")).rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        assert await closed_by_server(reader)
+        assert not server.connections
+        writer.close()
+        # A peer of the fleet that greets at once keeps its connection past the timeout.
+        streams = FleetStreams(TOKEN, "hello-test", 8, lambda name: 0)
+        streams.update({"r0": {ADDRESS_KEY: f"{host}:{port}"}})
+        assert len(await collect(streams, "greeted")) == 5
+        await asyncio.sleep(0.4)
+        assert len(await collect(streams, "later")) == 5
+        assert len(server.connections) == 1
         await server.close()
 
     asyncio.run(scenario())

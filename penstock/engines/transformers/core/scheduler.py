@@ -343,7 +343,19 @@ class BatchScheduler:
         self._cond.notify_all()
 
     def _admissible_locked(self) -> bool:
-        return bool(self._waiting) and (not self._paused or self._waiting[0].drain)
+        return self._next_locked() is not None
+
+    def _next_locked(self) -> Submission | None:
+        """The waiting request to admit next: the first in admission order, unless an
+        earlier arrival has been passed over by two batches' worth (``max_num_seqs``) of
+        later ones (of a lower ``priority`` value); that one goes first: none starves."""
+        if not self._waiting:
+            return None
+        head = self._waiting[0]
+        if self._paused:
+            return head if head.drain else None
+        oldest = min(self._waiting, key=lambda s: s.arrival)
+        return oldest if oldest.passed_over >= 2 * self.max_num_seqs else head
 
     def _admit_locked(self) -> list[Submission]:
         """The waiting requests, in order, whose rows and prompt blocks fit; the blocks the
@@ -353,15 +365,16 @@ class BatchScheduler:
         free = self.blocks.free_blocks - sum(
             1 for seq in self._running if len(seq.blocks) * BLOCK_SIZE <= seq.kv_length
         )
-        while self._admissible_locked():
-            head = self._waiting[0]
+        while (head := self._next_locked()) is not None:
             head_rows = sum(1 for seq in head.sequences if not seq.finished) or head.params.n
             if rows + head_rows > self.max_num_seqs:
                 break
             needed = head.blocks_to_start()
             if needed > free:
                 break
-            self._waiting.pop(0)
+            self._waiting.remove(head)
+            for waiting in self._waiting:
+                waiting.passed_over += waiting.arrival < head.arrival
             rows += head_rows
             free -= needed
             self._admitted.append(head)

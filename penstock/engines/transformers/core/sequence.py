@@ -53,6 +53,8 @@ class Submission:
     # vLLM's ``priority``: lower runs first; equal priorities run in arrival order.
     priority: int = 0
     arrival: int = 0
+    # Requests of a lower priority admitted while it waited, though they arrived later.
+    passed_over: int = 0
     # Its choices once prefilled; kept through a preemption, which recomputes their KV.
     sequences: list[Sequence] = field(default_factory=list)
     # Prompt tokens whose KV came from the prefix cache at the first prefill.
