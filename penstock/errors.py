@@ -119,6 +119,15 @@ class OverloadedError(PenstockError):
     default_code = "overloaded"
 
 
+class NotInstalledError(PenstockError):
+    """The request needs an optional package this installation lacks; the message says
+    what to install."""
+
+    status_code = 501
+    error_type = "not_implemented"
+    default_code = "not_installed"
+
+
 class ServiceUnavailableError(PenstockError):
     status_code = 503
     error_type = "service_unavailable"

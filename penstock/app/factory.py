@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
-from fastapi.telemetry import TelemetryConfig
 from prometheus_fastapi_instrumentator.routing import get_route_name
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -178,12 +178,13 @@ class GatewayApp(FastAPI):
         await stack(scope, receive, send)
 
 
-_NO_FASTAPI_TELEMETRY: TelemetryConfig = {
-    "tracing": False,
-    "metrics": False,
-    "logs": False,
-    "operation_spans": False,
-}
+def _fastapi_telemetry_off() -> dict[str, Any]:
+    """The keyword that turns FastAPI's own telemetry off, where it has one (0.142 and
+    later; vLLM 0.32 holds FastAPI below 0.137)."""
+    if importlib.util.find_spec("fastapi.telemetry") is None:
+        return {}
+    off = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
+    return {"telemetry": off}
 
 
 def create_app(gateway: Gateway) -> FastAPI:
@@ -228,7 +229,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         redoc_url="/redoc" if public else None,
         # Penstock traces requests itself (``--otlp-endpoint``); FastAPI's telemetry would
         # look up the global OpenTelemetry providers on every request.
-        telemetry=_NO_FASTAPI_TELEMETRY,
+        **_fastapi_telemetry_off(),
     )
     if not public:
         _add_keyed_docs(app)

@@ -11,10 +11,13 @@ from typing import Any
 from penstock.engines.builtin_options import BUILTIN_ENGINES as BUILTINS
 from penstock.engines.contract import model_input_of
 from penstock.errors import DisaggregatedWorkerError, EngineLoadError
+from penstock.extras import VIDEO_INSTALL
 from penstock.settings import Settings
 
 # Each built-in engine's class, by name.
 BUILTIN_ENGINES: dict[str, str] = {name: engine.target for name, engine in BUILTINS.items()}
+# Built-in engines whose packages an extra installs: the command that installs them.
+ENGINE_EXTRAS: dict[str, str] = {"diffusion": VIDEO_INSTALL}
 
 
 def load_engine_class(spec: str) -> type[Any]:
@@ -31,6 +34,12 @@ def load_engine_class(spec: str) -> type[Any]:
     module_name, _, class_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if spec not in ENGINE_EXTRAS or not exc.name or exc.name.startswith("penstock"):
+            raise EngineLoadError(f"cannot import engine module '{module_name}': {exc}") from exc
+        raise EngineLoadError(
+            f"the {spec} engine needs {exc.name}, which is not installed: {ENGINE_EXTRAS[spec]}"
+        ) from exc
     except Exception as exc:
         raise EngineLoadError(f"cannot import engine module '{module_name}': {exc}") from exc
     try:

@@ -10,6 +10,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
+from penstock.extras import S3_INSTALL
 from penstock.lora.once import OnceLock
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -119,79 +120,65 @@ class HfCacheSource:
         return folder
 
 
-S3_INSTALL_HINT = "pip install 'penstock[s3]'"
-
-
 class S3Source:
-    """``s3://bucket/prefix``: every object under the prefix, fetched with boto3 (the
-    ``s3`` extra, imported on first use).
+    """``s3://bucket/prefix``: every object under the prefix, fetched through fsspec's s3fs
+    (the ``s3`` extra, imported on first use), the stack s3:// media stores and metadata
+    uploads use too.
 
-    The client is built on first use from the usual AWS environment (credentials,
+    The filesystem is built on first use from the usual AWS environment (credentials,
     region, ``AWS_ENDPOINT_URL`` for S3-compatible stores) unless one is given.
     """
 
-    def __init__(self, client: Any = None) -> None:
-        self._client: OnceLock[Any] = OnceLock()
-        if client is not None:
-            self._client.get_or_init(lambda: client)
+    def __init__(self, filesystem: Any = None) -> None:
+        self._filesystem: OnceLock[Any] = OnceLock()
+        if filesystem is not None:
+            self._filesystem.get_or_init(lambda: filesystem)
 
-    def client(self) -> Any:
+    def filesystem(self) -> Any:
         def build() -> Any:
+            import fsspec
+
             try:
-                import boto3
+                # Not fsspec's shared instance: that one keeps the environment of its day.
+                return fsspec.filesystem("s3", skip_instance_cache=True)
             except ImportError as exc:
                 raise ImportError(
-                    f"s3:// LoRA adapters need boto3, which is not installed: {S3_INSTALL_HINT}"
+                    f"s3:// LoRA adapters need s3fs, which is not installed: {S3_INSTALL}"
                 ) from exc
-            return boto3.client("s3")
 
-        return self._client.get_or_init(build)
+        return self._filesystem.get_or_init(build)
 
     @staticmethod
-    def location_of(lora_uri: str) -> tuple[str, str]:
+    def location_of(lora_uri: str) -> str:
+        """``bucket/prefix/`` of ``lora_uri``, as s3fs names it."""
         parts = urlsplit(lora_uri)
         bucket, prefix = parts.netloc, parts.path.strip("/")
         if not bucket or not prefix:
             raise ValueError(f"s3 URI must look like s3://bucket/prefix, got '{lora_uri}'")
-        return bucket, prefix + "/"
+        return f"{bucket}/{prefix}/"
 
-    def _keys(self, bucket: str, prefix: str, limit: int | None = None) -> list[str]:
-        keys: list[str] = []
-        token: str | None = None
-        while True:
-            kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
-            if token:
-                kwargs["ContinuationToken"] = token
-            if limit is not None:
-                kwargs["MaxKeys"] = limit
-            page = self.client().list_objects_v2(**kwargs)
-            keys += [item["Key"] for item in page.get("Contents", [])]
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token or limit is not None:
-                return keys
+    def _keys(self, location: str) -> list[str]:
+        return [key for key in self.filesystem().find(location) if key.startswith(location)]
 
     async def exists(self, lora_uri: str) -> bool:
-        bucket, prefix = self.location_of(lora_uri)
-        return bool(await asyncio.to_thread(self._keys, bucket, prefix, 1))
+        return bool(await asyncio.to_thread(self._keys, self.location_of(lora_uri)))
 
     def _download(self, lora_uri: str, dest_path: Path) -> Path:
-        bucket, prefix = self.location_of(lora_uri)
+        location = self.location_of(lora_uri)
         dest_path.parent.mkdir(parents=True, exist_ok=True)
         # Fetch into a sibling temp folder and rename, so a half-downloaded adapter is
         # never mistaken for a cached one.
         staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=dest_path.parent))
         try:
-            for key in self._keys(bucket, prefix):
-                relative = PurePosixPath(key[len(prefix) :])
-                if not relative.parts or key.endswith("/"):
+            for key in self._keys(location):
+                relative = PurePosixPath(key[len(location) :])
+                if not relative.parts:
                     continue
                 if ".." in relative.parts:
                     raise ValueError(f"refusing S3 key outside the adapter prefix: {key}")
                 target = staging.joinpath(*relative.parts)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                body = self.client().get_object(Bucket=bucket, Key=key)["Body"]
-                with target.open("wb") as out:
-                    shutil.copyfileobj(body, out)
+                self.filesystem().get_file(key, str(target))
             if dest_path.exists():
                 shutil.rmtree(dest_path)
             staging.rename(dest_path)

@@ -28,6 +28,7 @@ from penstock.errors import (
     UrlValidationError,
     clip,
 )
+from penstock.extras import VIDEO_INSTALL, import_optional
 from penstock.http import HttpClient, UrlValidationPolicy, env
 from penstock.multimodal.budget import REQUEST_MEDIA, RequestMedia
 from penstock.multimodal.image_loader import ImageLoader, decode_image_bytes
@@ -99,6 +100,7 @@ class MediaInputs:
     def audio(self) -> AudioLoader:
         # PyAV is imported with the first clip, not with the server.
         if self._audio is None:
+            import_optional("av", needed_for="decoding audio", install=VIDEO_INSTALL)
             from penstock.multimodal.audio_loader import AudioLoader
 
             self._audio = AudioLoader(

@@ -31,6 +31,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from penstock import extras
 from penstock.errors import InvalidRequestError
 from penstock.schemas.openai import Tool
 
@@ -225,7 +226,7 @@ _PYTHON_UNICODE_ESCAPE = '"u" ([0-9A-Ca-cE-Fe-f] [A-Fa-f0-9] | [Dd] [0-7]) [A-Fa
 def _python_literal(schema_text: str) -> Format:
     """A grammar of the Python literals that read back as JSON valid against the schema:
     xgrammar's compact JSON grammar of it, respelled where Python differs."""
-    import xgrammar
+    xgrammar = extras.xgrammar()
 
     try:
         grammar = xgrammar.Grammar.from_json_schema(

@@ -22,7 +22,17 @@ LAYERS: list[set[str]] = [
     {"engines"},
     {"preprocess", "multimodal"},
     {"http", "memory", "nixl_agent"},
-    {"schemas", "metrics", "tracing", "errors", "settings", "options", "destinations", "__init__"},
+    {
+        "schemas",
+        "metrics",
+        "tracing",
+        "errors",
+        "settings",
+        "options",
+        "destinations",
+        "extras",
+        "__init__",
+    },
 ]
 
 

@@ -101,7 +101,8 @@ def test_the_ray_profile_runs_a_gateway_on_a_ray_cluster_with_jobs_in_postgresql
     nodes = [services[name] for name in ("ray-head", "ray-worker", "gateway-ray")]
     assert len({node["image"] for node in nodes}) == 1
     for node in nodes:
-        assert set(node["build"]["args"]["PENSTOCK_EXTRAS"].split(",")) == {"postgres", "ray"}
+        extras = set(node["build"]["args"]["PENSTOCK_EXTRAS"].split(","))
+        assert extras == {"video", "postgres", "ray"}
     assert "--head" in services["ray-head"]["entrypoint"]
     assert "--address=ray-head:6379" in services["ray-worker"]["entrypoint"]
     gateway = services["gateway-ray"]

@@ -1,94 +1,47 @@
-"""No AWS client (and so no credential lookup) until an ``s3://`` adapter is actually used."""
+"""No S3 filesystem (and so no credential lookup) until an ``s3://`` adapter is actually
+used; then s3fs fetches it from a loopback endpoint with dummy credentials."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
-from xml.sax.saxutils import escape
 
-import boto3
+import fsspec
 import pytest
 
 from penstock.lora import LoRAManager
-from tests.support.file_server import serving
+from tests.support.fake_s3 import aws_environment, fake_s3_endpoint
+
+pytest.importorskip("s3fs", reason="the s3 extra (s3fs) is not installed")
 
 ADAPTER_FILES = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"weights"}
 BUCKET = "bucket"
 PREFIX = "loras/math/"
 
 
-class FakeS3(BaseHTTPRequestHandler):
-    """Path-style ListObjectsV2 and GetObject over one bucket holding one adapter."""
-
-    objects = {PREFIX + name: data for name, data in ADAPTER_FILES.items()}
-
-    def do_GET(self) -> None:
-        url = urlsplit(self.path)
-        bucket, _, key = url.path.lstrip("/").partition("/")
-        if bucket != BUCKET:
-            return self._send(404, b"")
-        if not key:
-            prefix = parse_qs(url.query).get("prefix", [""])[0]
-            keys = [k for k in self.objects if k.startswith(prefix)]
-            contents = "".join(
-                f"<Contents><Key>{escape(k)}</Key><Size>{len(self.objects[k])}</Size></Contents>"
-                for k in keys
-            )
-            listing = (
-                '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult>'
-                f"<Name>{BUCKET}</Name><Prefix>{escape(prefix)}</Prefix>"
-                f"<KeyCount>{len(keys)}</KeyCount><IsTruncated>false</IsTruncated>"
-                f"{contents}</ListBucketResult>"
-            )
-            return self._send(200, listing.encode(), "application/xml")
-        if key not in self.objects:
-            return self._send(404, b"")
-        return self._send(200, self.objects[key], "application/octet-stream")
-
-    def _send(self, status: int, body: bytes, kind: str = "text/plain") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        return
-
-
 @pytest.fixture
-def s3_endpoint() -> Iterator[str]:
-    with serving(FakeS3) as url:
+def s3_endpoint(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[str]:
+    objects = {PREFIX + name: data for name, data in ADAPTER_FILES.items()}
+    with fake_s3_endpoint(BUCKET, objects) as (url, _):
+        for name, value in aws_environment(url, tmp_path).items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
         yield url
 
 
-async def test_the_s3_client_is_built_only_when_an_s3_adapter_is_loaded(
+async def test_the_s3_filesystem_is_built_only_when_an_s3_adapter_is_loaded(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, s3_endpoint: str
 ) -> None:
-    # Explicit dummy credentials and no config files or instance metadata to fall back on.
-    for name, value in {
-        "AWS_ENDPOINT_URL": s3_endpoint,
-        "AWS_ACCESS_KEY_ID": "dummy",
-        "AWS_SECRET_ACCESS_KEY": "dummy",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_CONFIG_FILE": str(tmp_path / "no-config"),
-        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-credentials"),
-        "HF_HUB_CACHE": str(tmp_path / "hub"),
-    }.items():
-        monkeypatch.setenv(name, value)
-    built: list[tuple[Any, ...]] = []
-    real_client = boto3.client
+    built: list[str] = []
+    real_filesystem = fsspec.filesystem
 
-    def counting_client(*args: Any, **kwargs: Any) -> Any:
-        built.append(args)
-        return real_client(*args, **kwargs)
+    def counting_filesystem(protocol: str, **kwargs: Any) -> Any:
+        built.append(protocol)
+        return real_filesystem(protocol, **kwargs)
 
-    monkeypatch.setattr(boto3, "client", counting_client)
+    monkeypatch.setattr(fsspec, "filesystem", counting_filesystem)
 
     manager = LoRAManager(tmp_path / "cache")
     local = tmp_path / "local adapter"
@@ -104,14 +57,21 @@ async def test_the_s3_client_is_built_only_when_an_s3_adapter_is_loaded(
     fetched = tmp_path / "cache" / "s3__bucket_loras_math_"
     assert result["local_path"] == str(fetched)
     assert {p.name: p.read_bytes() for p in fetched.iterdir()} == ADAPTER_FILES
-    assert built == [("s3",)]
+    assert built == ["s3"]
 
 
-async def test_without_boto3_an_s3_adapter_fails_naming_the_extra_to_install(
+async def test_a_missing_s3_prefix_is_not_found(tmp_path: Path, s3_endpoint: str) -> None:
+    result = await LoRAManager(tmp_path / "cache").download_lora(f"s3://{BUCKET}/loras/other")
+    assert result == {"status": "error", "message": f"LoRA not found at s3://{BUCKET}/loras/other"}
+
+
+async def test_without_s3fs_an_s3_adapter_fails_naming_the_extra_to_install(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    # A None entry makes ``import boto3`` fail as it does where boto3 is not installed.
-    monkeypatch.setitem(sys.modules, "boto3", None)
+    # A None entry makes ``import s3fs`` fail as it does where s3fs is not installed, and
+    # fsspec forgets the class an earlier test may have imported.
+    monkeypatch.setitem(sys.modules, "s3fs", None)
+    monkeypatch.delitem(sys.modules["fsspec.registry"]._registry, "s3", raising=False)
     result = await LoRAManager(tmp_path).download_lora(f"s3://{BUCKET}/{PREFIX}")
     assert result["status"] == "error"
     assert "pip install 'penstock[s3]'" in result["message"]

@@ -1,17 +1,15 @@
-"""LoRAManager: file://, hf:// (local cache only), s3:// (boto3, stubbed), custom sources."""
+"""LoRAManager: file://, hf:// (local cache only), s3:// (s3fs, against a loopback
+endpoint), custom sources."""
 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import threading
 from pathlib import Path
 
-import boto3
+import fsspec
 import pytest
-from botocore.response import StreamingBody
-from botocore.stub import Stubber
 
 from penstock.lora import (
     LoRAInfo,
@@ -21,6 +19,7 @@ from penstock.lora import (
     default_cache_root,
     uri_to_cache_key,
 )
+from tests.support.fake_s3 import fake_s3_endpoint
 
 ADAPTER_FILES = {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"weights"}
 
@@ -93,30 +92,29 @@ async def test_hf_uri_reads_the_local_hub_cache_and_never_downloads(
 
 
 async def test_s3_uri_downloads_every_object_under_the_prefix(tmp_path: Path) -> None:
-    client = boto3.client(
-        "s3", region_name="us-east-1", aws_access_key_id="k", aws_secret_access_key="s"
-    )
-    keys = [f"loras/math/{name}" for name in ADAPTER_FILES]
-    listing = {"Contents": [{"Key": key} for key in keys], "IsTruncated": False, "KeyCount": 2}
-    with Stubber(client) as stub:
-        stub.add_response(
-            "list_objects_v2", listing, {"Bucket": "bucket", "Prefix": "loras/math/", "MaxKeys": 1}
+    pytest.importorskip("s3fs", reason="the s3 extra (s3fs) is not installed")
+    objects = {f"loras/math/{name}": data for name, data in ADAPTER_FILES.items()}
+    objects["loras/mathematics/adapter_config.json"] = b"another adapter"
+    with fake_s3_endpoint("bucket", objects) as (url, handler):
+        filesystem = fsspec.filesystem(
+            "s3",
+            endpoint_url=url,
+            key="dummy",
+            secret="dummy",
+            client_kwargs={"region_name": "us-east-1"},
+            skip_instance_cache=True,
         )
-        stub.add_response("list_objects_v2", listing, {"Bucket": "bucket", "Prefix": "loras/math/"})
-        for key, data in zip(keys, ADAPTER_FILES.values(), strict=True):
-            body = StreamingBody(io.BytesIO(data), len(data))
-            stub.add_response("get_object", {"Body": body}, {"Bucket": "bucket", "Key": key})
         manager = LoRAManager(tmp_path / "cache")
-        manager.register_custom_source("s3", S3Source(client))
+        manager.register_custom_source("s3", S3Source(filesystem))
         result = await manager.download_lora("s3://bucket/loras/math")
-        stub.assert_no_pending_responses()
-    local = tmp_path / "cache" / "s3__bucket_loras_math"
-    assert result == {"status": "success", "local_path": str(local)}
-    assert {p.name: p.read_bytes() for p in local.iterdir()} == ADAPTER_FILES
-    assert manager.is_cached("s3://bucket/loras/math")
-    # Cached now: no S3 call is made (the stubber would raise on an unexpected one).
-    with Stubber(client):
+        local = tmp_path / "cache" / "s3__bucket_loras_math"
+        assert result == {"status": "success", "local_path": str(local)}
+        assert {p.name: p.read_bytes() for p in local.iterdir()} == ADAPTER_FILES
+        assert manager.is_cached("s3://bucket/loras/math")
+        # Cached now: no S3 call is made.
+        calls = len(handler.requests)
         assert (await manager.download_lora("s3://bucket/loras/math"))["status"] == "success"
+        assert len(handler.requests) == calls
 
 
 class DictSource:

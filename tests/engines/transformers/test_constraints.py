@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from penstock.engines.context import Context
+from penstock.engines.engine_errors import engine_exception_to_error
 from penstock.engines.transformers import TransformersEngine
 from penstock.engines.transformers.features.constraints import (
     MAX_SCHEMA_DEPTH,
     parse_guided_decoding,
 )
+from penstock.errors import NotInstalledError
+from penstock.extras import XGRAMMAR_INSTALL
 from tests.engines.transformers.helpers import greedy, run
 
 SCHEMA: dict[str, Any] = {
@@ -72,6 +76,16 @@ async def test_a_regex_that_cannot_compile_fails_before_any_token(
 ) -> None:
     with pytest.raises(ValueError, match=r"guided_decoding\.regex is not supported"):
         await run(engine, sampled({"regex": "(["}, n=1, seed=0))
+
+
+async def test_without_xgrammar_a_constrained_request_is_a_501_naming_the_install(
+    engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A None entry makes ``import xgrammar`` fail as it does where it is not installed.
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    with pytest.raises(NotInstalledError, match=re.escape(XGRAMMAR_INSTALL)) as raised:
+        await run(engine, sampled({"regex": "[xy]{2}"}, n=1, seed=0))
+    assert engine_exception_to_error(raised.value).status_code == 501
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from penstock.engines.transformers.core.kv_cache import GatheredCache, KvArena, KvPair, StepKv
 from penstock.engines.transformers.core.llama_decode import LlamaDecoder
@@ -32,6 +33,18 @@ from penstock.engines.transformers.core.prompt_kv import PromptChunk, PromptKv
 from penstock.engines.transformers.core.sampling import TokenChoice, choose_tokens
 from penstock.engines.transformers.core.sequence import Sequence, Submission
 from penstock.engines.transformers.features.lora import BASE_ROW
+
+# transformers after 5.19 names a model's ``past_key_values`` (its argument and its
+# output) ``cache``; vLLM 0.32 holds 5.19, beside which Penstock installs.
+_CACHE_NAME = (
+    "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+)
+
+
+def cache_argument(cache: Any) -> dict[str, Any]:
+    """The keyword that gives a model ``cache`` as its KV, in this transformers' name."""
+    return {_CACHE_NAME: cache}
+
 
 # One prefilled row: the choices of its sequences' first tokens and its KV per layer.
 Prefilled = tuple[list[TokenChoice], list[KvPair]]
@@ -190,7 +203,7 @@ class ModelRunner:
             input_ids=token_ids.unsqueeze(1),
             attention_mask=(columns >= (width - 1 - positions).unsqueeze(1)).long(),
             position_ids=positions.unsqueeze(1),
-            cache=GatheredCache(step, self._layer_count),
+            **cache_argument(GatheredCache(step, self._layer_count)),
             use_cache=True,
             **self._adapter_names(seq.submission for seq in rows),
         )
@@ -203,7 +216,7 @@ class ModelRunner:
         longest = max(len(row.tokens) - row.prefix_length for row in rows)
         output = self.model(
             **self._prefill_inputs(rows, longest),
-            cache=self._prefix_cache(rows[0]),
+            **cache_argument(self._prefix_cache(rows[0])),
             use_cache=True,
             logits_to_keep=1,
             **self._adapter_names(row.submission for row in rows),
@@ -219,7 +232,7 @@ class ModelRunner:
         output = self.model(
             input_ids=torch.tensor([row.tokens[start:end]], device=self.device),
             position_ids=torch.arange(start, end, device=self.device).unsqueeze(0),
-            cache=cache,
+            **cache_argument(cache),
             use_cache=True,
             logits_to_keep=1,
             **self._adapter_names([row.submission]),
@@ -254,7 +267,7 @@ class ModelRunner:
                 layer.keys[index : index + 1, :, first:],
                 layer.values[index : index + 1, :, first:],
             )
-            for layer in output.cache.layers
+            for layer in getattr(output, _CACHE_NAME).layers
         ]
         return self._first_tokens(row, output.logits[index : index + 1, -1, :], layers)
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from penstock import extras
+
 # What a schema may weigh before compiling is refused: its JSON text, and its nesting.
 MAX_SPEC_CHARS = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
@@ -124,7 +126,8 @@ class GrammarCompiler:
     """Compiles :class:`GuidedSpec` s against one tokenizer, cached; thread-safe.
 
     The tokenizer's table is built on the first constrained request, so a server that
-    never sees one never loads xgrammar.
+    never sees one never loads xgrammar, and one without it installed answers each
+    constrained request with a 501 saying how to install it.
     """
 
     def __init__(self, tokenizer_path: Path, vocab_size: int, end_ids: frozenset[int]) -> None:
@@ -152,8 +155,9 @@ class GrammarCompiler:
 
     def _xgrammar_compiler(self) -> Any:
         if self._compiler is None:
-            import xgrammar
             from transformers import AutoTokenizer
+
+            xgrammar = extras.xgrammar()
 
             tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path, local_files_only=True)
             info = xgrammar.TokenizerInfo.from_huggingface(
@@ -164,7 +168,7 @@ class GrammarCompiler:
 
 
 def _compile(compiler: Any, spec: GuidedSpec) -> Any:
-    import xgrammar
+    xgrammar = extras.xgrammar()
 
     where = f"sampling_options.guided_decoding.{spec.kind}"
     try:
@@ -202,7 +206,7 @@ def _strings_well_formed(ebnf: str) -> str:
 def _structural_tag(text: str) -> Any:
     """vLLM's structural tag (``structures`` of begin/schema/end, ``triggers``) as
     xgrammar's; any other shape goes to xgrammar as it is."""
-    import xgrammar
+    xgrammar = extras.xgrammar()
 
     try:
         value = json.loads(text)
@@ -228,9 +232,7 @@ class SequenceConstraint:
     __slots__ = ("_matcher",)
 
     def __init__(self, compiled: Any) -> None:
-        import xgrammar
-
-        self._matcher = xgrammar.GrammarMatcher(compiled)
+        self._matcher = extras.xgrammar().GrammarMatcher(compiled)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)

@@ -40,7 +40,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from penstock.engines.transformers.core.model_runner import ModelRunner, Prefilled, PrefillRow
+from penstock.engines.transformers.core.model_runner import (
+    ModelRunner,
+    Prefilled,
+    PrefillRow,
+    cache_argument,
+)
 from penstock.engines.transformers.core.sampling import TokenChoice, choose_tokens
 from penstock.engines.transformers.core.sequence import Sequence, Submission
 from penstock.engines.transformers.features.routing import ExpertRecorder
@@ -200,7 +205,7 @@ class DeterministicRunner(ModelRunner):
                 output = self.model(
                     input_ids=torch.tensor([[seq.next_token]], device=self.device),
                     position_ids=torch.tensor([[seq.kv_length]], device=self.device),
-                    cache=self._caches[seq],
+                    **cache_argument(self._caches[seq]),
                     use_cache=True,
                     **self._adapter_names([seq.submission]),
                 )

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from penstock.engines.weights.sync import lora_file_key
+from penstock.extras import LORA_INSTALL
 
 # peft's placeholder name for "no adapter" in ``adapter_names``.
 BASE_ROW = "__base__"
@@ -44,6 +45,14 @@ class LoraAdapter:
     tensors: dict[str, torch.Tensor]
 
 
+def _require_peft() -> None:
+    """``LoraError`` naming the extra where peft, which only LoRA needs, is not installed."""
+    try:
+        import peft  # noqa: F401
+    except ImportError as exc:
+        raise LoraError(f"LoRA adapters need peft, which is not installed: {LORA_INSTALL}") from exc
+
+
 def _weights_file(folder: Path) -> Path:
     for name in ADAPTER_WEIGHT_FILES:
         if (folder / name).is_file():
@@ -53,6 +62,7 @@ def _weights_file(folder: Path) -> Path:
 
 def read_adapter(name: str, key: str, folder: Path) -> LoraAdapter:
     """Read a folder written by peft's ``save_pretrained``; ``LoraError`` says what is wrong."""
+    _require_peft()
     from peft import LoraConfig, PeftConfig, load_peft_weights
 
     if not folder.exists():
@@ -84,6 +94,7 @@ def read_adapter(name: str, key: str, folder: Path) -> LoraAdapter:
 
 def lora_config(fields: dict[str, Any]) -> Any:
     """peft's ``LoraConfig`` from a trainer's ``{r, lora_alpha, target_modules, bias}``."""
+    _require_peft()
     from peft import LoraConfig
 
     try:
