@@ -24,7 +24,7 @@ from penstock.schemas.fields import refuse_unknown, refuse_unsupported
 from penstock.schemas.openai import ChatMessage, NonNegativeInt
 from penstock.schemas.unicode import JSONValue, RequestModel
 from penstock.serving.limits import body_size, check_prompt_length, check_token_ids
-from penstock.serving.prompts import off_loop, render_and_tokenize, with_bos
+from penstock.serving.prompts import off_loop, render_and_tokenize
 
 router = APIRouter(tags=["tokenize"])
 
@@ -104,11 +104,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         text = body.prompt or ""
         check_prompt_length(settings, model, pre, len(text), param)
         tokens = await off_loop(gateway, None, len(text), pre.encode, text)
-    add_bos = body.add_special_tokens
-    if add_bos is None:
-        add_bos = body.prompt is not None
-    if add_bos:
-        tokens = with_bos(pre, tokens)
+    # vLLM's defaults: a prompt gets what the tokenizer adds around an input, messages
+    # (whose template writes its own special tokens) nothing.
+    add_special = body.add_special_tokens
+    if add_special is None:
+        add_special = body.prompt is not None
+    if add_special:
+        tokens = pre.with_special_tokens(tokens)
     token_strs = await off_loop(gateway, None, len(tokens), _token_strs, pre, tokens)
     return {
         "count": len(tokens),

@@ -321,7 +321,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: PositiveInt | None = None
     suffix: str | None = None
-    # Text prompts: the tokenizer's BOS token first, by default as in vLLM.
+    # Text prompts: the special tokens the tokenizer puts around an input (a BOS for
+    # Llama 3, none for SmolLM2), as vLLM and Hugging Face add them.
     add_special_tokens: bool = True
     unsupported: ClassVar[dict[str, Any]] = {
         **VLLM_UNSUPPORTED,

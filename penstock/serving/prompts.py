@@ -252,7 +252,7 @@ async def completion_prompts(
         size = sum(len(text) for text in texts)
         encoded = await off_loop(gateway, deadline, size, _encode_all, pre, texts)
         if body.add_special_tokens:
-            encoded = [with_bos(pre, ids) for ids in encoded]
+            encoded = [pre.with_special_tokens(ids) for ids in encoded]
         if any(not ids for ids in encoded):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         for ids in encoded:
@@ -265,14 +265,6 @@ async def completion_prompts(
     size = sum(len(ids) for ids in id_prompts)
     await off_loop(gateway, deadline, size, _check_all_token_ids, id_prompts, model)
     return id_prompts
-
-
-def with_bos(preprocessor: Preprocessor, token_ids: list[int]) -> list[int]:
-    """``token_ids`` led by the tokenizer's BOS token, when it has one and they lack it."""
-    bos = preprocessor.bos_token_id
-    if bos is None or token_ids[:1] == [bos]:
-        return token_ids
-    return [bos, *token_ids]
 
 
 def _encode_all(preprocessor: Preprocessor, texts: list[str]) -> list[list[int]]:

@@ -58,11 +58,26 @@ def lenient(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def with_bos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    """A server whose tokenizer names a BOS token (``<|im_start|>``, id 1)."""
+    """A server whose tokenizer puts a BOS token (``<|im_start|>``, id 1) before an input,
+    as Llama 3's does."""
     folder = Path(shutil.copytree(SAMPLE_TOKENIZER_DIR, tmp_path_factory.mktemp("bos") / "tok"))
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "bos_token": "<|im_start|>"}))
+    tokenizer_path = folder / "tokenizer.json"
+    tokenizer = json.loads(tokenizer_path.read_text())
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {
+            "<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}
+        },
+    }
+    tokenizer_path.write_text(json.dumps(tokenizer))
     args = ["--engine", "sample", "--tokenizer", str(folder)]
     with running_server(args, tmp_path_factory.mktemp("bos-serve")) as running:
         with httpx.Client(base_url=running.base_url, timeout=60) as http:
