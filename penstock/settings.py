@@ -138,7 +138,7 @@ class Settings(BaseSettings):
     # Paths reachable without an inference key. Listed here, not implied by a prefix.
     auth_exempt_paths: Annotated[
         CsvList, Option("paths reachable without an inference key", env_only=True)
-    ] = Field(default_factory=lambda: ["/health", "/live", "/metrics", "/version"])
+    ] = Field(default_factory=lambda: ["/health", "/live", "/ping", "/metrics", "/version"])
 
     max_body_mb: Annotated[float, Option("larger request bodies get 413")] = 45.0
     max_concurrency: Annotated[
@@ -187,8 +187,12 @@ class Settings(BaseSettings):
 
     allow_unknown_fields: Annotated[
         bool,
-        Option("ignore unknown request fields instead of rejecting them", default="reject, 400"),
-    ] = False
+        Option(
+            "ignore request fields no API defines, as vLLM does (logged, named in the "
+            "x-penstock-ignored-fields header); --no-allow-unknown-fields refuses them (400)",
+            negatable=True,
+        ),
+    ] = True
     max_n: Annotated[int, Option("largest n a request may ask for")] = 16
     max_stop_sequences: Annotated[
         int, Option("most stop sequences one request may give; more get 400", env_only=True)

@@ -140,7 +140,8 @@ async def chat_prompt(
             messages,
             add_generation_prompt=body.add_generation_prompt,
             tools=tools,
-            chat_template_kwargs=body.chat_template_kwargs,
+            chat_template_kwargs=body.template_kwargs,
+            add_special_tokens=body.add_special_tokens,
         )
 
     async def prompt_and_media() -> tuple[list[int], dict[str, Any] | None]:
@@ -216,9 +217,11 @@ def render_and_tokenize(
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """The conversation's token ids; the rendered text passes the length bound first, so
-    what the messages alone don't show (tools, tool-call arguments) can't slip past it."""
+    what the messages alone don't show (tools, tool-call arguments) can't slip past it.
+    ``add_special_tokens``: the tokenizer's own around them too (off for chat in vLLM)."""
     text = preprocessor.render_chat(
         messages,
         add_generation_prompt=add_generation_prompt,
@@ -226,7 +229,8 @@ def render_and_tokenize(
         chat_template_kwargs=chat_template_kwargs,
     )
     check_prompt_length(settings, model, preprocessor, len(text), "messages")
-    return preprocessor.encode(text)
+    token_ids = preprocessor.encode(text)
+    return preprocessor.with_special_tokens(token_ids) if add_special_tokens else token_ids
 
 
 async def completion_prompts(

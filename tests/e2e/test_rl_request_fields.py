@@ -43,7 +43,7 @@ SLIME_SAMPLING = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    args = ["--engine", "sample", "--admin-api-key", ADMIN_KEY]
+    args = ["--engine", "sample", "--admin-api-key", ADMIN_KEY, "--no-allow-unknown-fields"]
     with running_server(args, tmp_path_factory.mktemp("fields")) as running:
         yield running
 
@@ -266,6 +266,15 @@ def test_add_special_tokens_puts_the_bos_token_first(with_bos: httpx.Client) -> 
 
     assert prompt_tokens() == prompt_tokens(add_special_tokens=False) + 1
     assert prompt_tokens() == prompt_tokens(add_special_tokens=True)
+
+    # Chat: the template writes its own special tokens; asked, the tokenizer's come too.
+    def chat_prompt_tokens(**fields: Any) -> int:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 1, **fields}
+        response = with_bos.post("/v1/chat/completions", json=body)
+        return int(response.json()["usage"]["prompt_tokens"])
+
+    assert chat_prompt_tokens() == len(chat)
+    assert chat_prompt_tokens(add_special_tokens=True) == len(chat) + 1
 
 
 def test_allow_unknown_fields_reaches_every_depth(lenient: httpx.Client) -> None:
