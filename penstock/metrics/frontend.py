@@ -78,28 +78,7 @@ class FrontendMetrics:
         self.queued = hot.gauge(
             f"{PREFIX}queued_requests", "Requests waiting for a first token", ["model"]
         )
-        # Counted at vLLM's bounds too, which its families show (``metrics.vllm``).
-        self.duration = hot.histogram(
-            f"{PREFIX}request_duration_seconds",
-            "Request duration",
-            ["model"],
-            buckets=log_buckets(1.0, 512, 10),
-            finer=VLLM_REQUEST_LATENCY_BUCKETS,
-        )
-        self.ttft = hot.histogram(
-            f"{PREFIX}time_to_first_token_seconds",
-            "Time to first token",
-            ["model"],
-            buckets=log_buckets(0.001, 480, 18),
-            finer=VLLM_TIME_TO_FIRST_TOKEN_BUCKETS,
-        )
-        self.itl = hot.histogram(
-            f"{PREFIX}inter_token_latency_seconds",
-            "Latency between tokens",
-            ["model"],
-            buckets=log_buckets(0.001, 2.0, 13),
-            finer=VLLM_INTER_TOKEN_LATENCY_BUCKETS,
-        )
+        self._latency_families(hot)
         self.input_tokens = hot.histogram(
             f"{PREFIX}input_sequence_tokens",
             "Prompt tokens per request",
@@ -145,6 +124,30 @@ class FrontendMetrics:
         self._versions: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._versions_lock = threading.Lock()
         r.register(VllmFamilies(self))
+
+    def _latency_families(self, hot: PlainFamilies) -> None:
+        # Counted at vLLM's bounds too, which its families show (``metrics.vllm``).
+        self.duration = hot.histogram(
+            f"{PREFIX}request_duration_seconds",
+            "Request duration",
+            ["model"],
+            buckets=log_buckets(1.0, 512, 10),
+            finer=VLLM_REQUEST_LATENCY_BUCKETS,
+        )
+        self.ttft = hot.histogram(
+            f"{PREFIX}time_to_first_token_seconds",
+            "Time to first token",
+            ["model"],
+            buckets=log_buckets(0.001, 480, 18),
+            finer=VLLM_TIME_TO_FIRST_TOKEN_BUCKETS,
+        )
+        self.itl = hot.histogram(
+            f"{PREFIX}inter_token_latency_seconds",
+            "Latency between tokens",
+            ["model"],
+            buckets=log_buckets(0.001, 2.0, 13),
+            finer=VLLM_INTER_TOKEN_LATENCY_BUCKETS,
+        )
 
     def models(self) -> list[tuple[str, ModelMetrics]]:
         """Every model's children so far (read from any thread)."""
