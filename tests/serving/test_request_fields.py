@@ -29,8 +29,14 @@ def test_reasoning_effort_reaches_the_chat_template_as_vllm_passes_it() -> None:
 
 def test_the_ignored_fields_header_is_ascii_and_taken_once() -> None:
     assert ignored_fields_header() is None
+    refuse_or_ignore(["x" * 5000], allowed=True)
+    bounded = ignored_fields_header()
+    assert bounded is not None and bounded[1] == b"x" * 1024
     refuse_or_ignore(["colour", "messages[0].\u00e9t\u00e9\n"], allowed=True)
     refuse_or_ignore(["colour"], allowed=True)
     header = ignored_fields_header()
     assert header == (b"x-penstock-ignored-fields", b"colour, messages[0].\\xe9t\\xe9?")
     assert ignored_fields_header() is None
+    refuse_or_ignore(["x" * 5000], allowed=True)
+    bounded = ignored_fields_header()
+    assert bounded is not None and bounded[1] == b"x" * 1024
