@@ -140,7 +140,7 @@ class Settings(BaseSettings):
     # Paths reachable without an inference key. Listed here, not implied by a prefix.
     auth_exempt_paths: Annotated[
         CsvList, Option("paths reachable without an inference key", env_only=True)
-    ] = Field(default_factory=lambda: ["/health", "/live", "/metrics", "/version"])
+    ] = Field(default_factory=lambda: ["/health", "/live", "/ping", "/metrics", "/version"])
 
     max_body_mb: Annotated[float, Option("larger request bodies get 413")] = 45.0
     max_concurrency: Annotated[
@@ -189,8 +189,12 @@ class Settings(BaseSettings):
 
     allow_unknown_fields: Annotated[
         bool,
-        Option("ignore unknown request fields instead of rejecting them", default="reject, 400"),
-    ] = False
+        Option(
+            "ignore request fields no API defines, as vLLM does (logged, named in the "
+            "x-penstock-ignored-fields header); --no-allow-unknown-fields refuses them (400)",
+            negatable=True,
+        ),
+    ] = True
     max_n: Annotated[int, Option("largest n a request may ask for")] = 16
     scheduling_policy: Annotated[
         Literal["fcfs", "priority"],

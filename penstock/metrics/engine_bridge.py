@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from penstock.metrics.forward_pass import ForwardPassMetrics
 from penstock.metrics.frontend import log_buckets
+from penstock.metrics.vllm import watch_kv_usage
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,9 @@ class SnapshotPublisher:
 
     def __init__(self, ranks: list[int], model: str, registry: CollectorRegistry) -> None:
         self.ranks = set(ranks)
+        # The latest usage of each rank, by the rank's label, shown by vLLM's name too.
+        self.latest_usage: dict[str, float] = {}
+        watch_kv_usage(registry, self.kv_usage)
         self._lock = threading.Lock()
         labels = ["model", "dp_rank"]
         self._model = model
@@ -212,6 +216,9 @@ class SnapshotPublisher:
         if scheduled.num_decode_requests:
             families.decode_tokens.inc(scheduled.num_decode_requests)
 
+    def kv_usage(self) -> list[tuple[str, str, float]]:
+        return [(self._model, rank, usage) for rank, usage in list(self.latest_usage.items())]
+
     def publish(self, rank: int, snapshot: Any) -> None:
         if rank not in self.ranks:
             logger.warning("snapshot for undeclared dp rank %s ignored", rank)
@@ -221,6 +228,7 @@ class SnapshotPublisher:
             self.used.labels(*labels).set(snapshot.kv_used_blocks)
             self.total.labels(*labels).set(snapshot.kv_total_blocks)
             self.usage.labels(*labels).set(snapshot.gpu_cache_usage)
+            self.latest_usage[labels[1]] = snapshot.gpu_cache_usage
             if snapshot.kv_cache_hit_rate is not None:
                 self.hit_rate.labels(*labels).set(snapshot.kv_cache_hit_rate)
 

@@ -22,6 +22,12 @@ from prometheus_client import (
 )
 
 from penstock.metrics.plain import PlainCounter, PlainFamilies, PlainGauge, PlainHistogram
+from penstock.metrics.vllm import VllmFamilies
+from penstock.metrics.vllm_buckets import (
+    VLLM_INTER_TOKEN_LATENCY_BUCKETS,
+    VLLM_REQUEST_LATENCY_BUCKETS,
+    VLLM_TIME_TO_FIRST_TOKEN_BUCKETS,
+)
 
 PREFIX = "penstock_frontend_"
 MAX_WEIGHT_VERSIONS = 8
@@ -72,24 +78,7 @@ class FrontendMetrics:
         self.queued = hot.gauge(
             f"{PREFIX}queued_requests", "Requests waiting for a first token", ["model"]
         )
-        self.duration = hot.histogram(
-            f"{PREFIX}request_duration_seconds",
-            "Request duration",
-            ["model"],
-            buckets=log_buckets(1.0, 512, 10),
-        )
-        self.ttft = hot.histogram(
-            f"{PREFIX}time_to_first_token_seconds",
-            "Time to first token",
-            ["model"],
-            buckets=log_buckets(0.001, 480, 18),
-        )
-        self.itl = hot.histogram(
-            f"{PREFIX}inter_token_latency_seconds",
-            "Latency between tokens",
-            ["model"],
-            buckets=log_buckets(0.001, 2.0, 13),
-        )
+        self._latency_families(hot)
         self.input_tokens = hot.histogram(
             f"{PREFIX}input_sequence_tokens",
             "Prompt tokens per request",
@@ -104,6 +93,11 @@ class FrontendMetrics:
         )
         self.output_tokens_total = hot.counter(
             f"{PREFIX}output_tokens", "Completion tokens streamed", ["model"]
+        )
+        self.finished_choices = hot.counter(
+            f"{PREFIX}finished_choices",
+            "Choices finished, by how: stop, length, abort or error",
+            ["model", "finish_reason"],
         )
         r.register(hot)
         self.context_length = Gauge(
@@ -129,6 +123,35 @@ class FrontendMetrics:
         self._per_model: dict[str, ModelMetrics] = {}
         self._versions: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._versions_lock = threading.Lock()
+        r.register(VllmFamilies(self))
+
+    def _latency_families(self, hot: PlainFamilies) -> None:
+        # Counted at vLLM's bounds too, which its families show (``metrics.vllm``).
+        self.duration = hot.histogram(
+            f"{PREFIX}request_duration_seconds",
+            "Request duration",
+            ["model"],
+            buckets=log_buckets(1.0, 512, 10),
+            finer=VLLM_REQUEST_LATENCY_BUCKETS,
+        )
+        self.ttft = hot.histogram(
+            f"{PREFIX}time_to_first_token_seconds",
+            "Time to first token",
+            ["model"],
+            buckets=log_buckets(0.001, 480, 18),
+            finer=VLLM_TIME_TO_FIRST_TOKEN_BUCKETS,
+        )
+        self.itl = hot.histogram(
+            f"{PREFIX}inter_token_latency_seconds",
+            "Latency between tokens",
+            ["model"],
+            buckets=log_buckets(0.001, 2.0, 13),
+            finer=VLLM_INTER_TOKEN_LATENCY_BUCKETS,
+        )
+
+    def models(self) -> list[tuple[str, ModelMetrics]]:
+        """Every model's children so far (read from any thread)."""
+        return list(self._per_model.items())
 
     def for_model(self, model: str) -> ModelMetrics:
         children = self._per_model.get(model)

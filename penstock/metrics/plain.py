@@ -8,6 +8,10 @@ changed by the event loop alone, so :class:`PlainFamilies` hands out children th
 to Python numbers, and folds what they gathered into real prometheus_client families
 each time its registry is collected. The exposition is prometheus_client's own.
 
+A plain histogram may count in finer buckets than its family shows (``finer``): another
+view of the same observations with other bounds (:mod:`penstock.metrics.vllm`) is then
+read off its counts exactly, with no second observation.
+
 Guarantees: children are updated from one thread (the event loop); collection may run
 on any thread, and sees every update made before it began.
 """
@@ -63,13 +67,15 @@ class PlainSummary:
 
 
 class PlainHistogram:
-    __slots__ = ("bounds", "counts", "sum")
+    __slots__ = ("bounds", "counts", "shown", "sum")
 
     def __init__(self, bounds: Sequence[float]) -> None:
         # The upper bounds, +Inf last; ``counts[i]`` is what fell in bucket i alone.
         self.bounds = list(bounds)
         self.counts = [0] * len(self.bounds)
         self.sum = 0.0
+        # The family's bucket of each of these (the same index unless it counts finer).
+        self.shown = list(range(len(self.bounds)))
 
     def observe(self, amount: float) -> None:
         self.sum += amount
@@ -89,9 +95,12 @@ PlainChild = PlainCounter | PlainGauge | PlainSummary | PlainHistogram
 class PlainFamily:
     """One family: its children by label values, each with its prometheus_client child."""
 
-    def __init__(self, owner: PlainFamilies, metric: MetricWrapperBase) -> None:
+    def __init__(
+        self, owner: PlainFamilies, metric: MetricWrapperBase, finer: tuple[float, ...] = ()
+    ) -> None:
         self._owner = owner
         self.metric = metric
+        self._finer = finer
         self._children: dict[tuple[str, ...], Any] = {}
 
     def labels(self, *values: str) -> Any:
@@ -101,9 +110,13 @@ class PlainFamily:
             # The prometheus_client child exists from the first use, so its ``_created``
             # is the plain child's.
             target = self.metric.labels(*values) if values else self.metric
-            child = self._owner._add_child(target)
+            child = self._owner._add_child(target, self._finer)
             self._children[values] = child
         return child
+
+    def children(self) -> list[tuple[tuple[str, ...], Any]]:
+        """Each child with its label values, as of now (read from any thread)."""
+        return list(self._children.items())
 
 
 class PlainFamilies(Collector):
@@ -133,18 +146,23 @@ class PlainFamilies(Collector):
         labelnames: Sequence[str] = (),
         *,
         buckets: Sequence[float],
+        finer: Sequence[float] = (),
     ) -> PlainFamily:
+        """``finer``: bounds the children count at too, beside ``buckets``."""
         metric = Histogram(name, documentation, labelnames, buckets=buckets, registry=None)
-        return self._family(metric)
+        return self._family(metric, tuple(finer))
 
-    def _family(self, metric: MetricWrapperBase) -> PlainFamily:
+    def _family(self, metric: MetricWrapperBase, finer: tuple[float, ...] = ()) -> PlainFamily:
         self._families.append(metric)
-        return PlainFamily(self, metric)
+        return PlainFamily(self, metric, finer)
 
-    def _add_child(self, target: Any) -> PlainChild:
+    def _add_child(self, target: Any, finer: tuple[float, ...]) -> PlainChild:
         child: PlainChild
         if isinstance(target, Histogram):
-            child = PlainHistogram(target._upper_bounds)
+            shown = target._upper_bounds
+            child = PlainHistogram(sorted({*shown, *finer}))
+            # Per counted bucket, the shown bucket it falls in.
+            child.shown = [bisect_left(shown, bound) for bound in child.bounds]
             folded = [0.0] * (len(child.bounds) + 1)
         elif isinstance(target, Summary):
             child = PlainSummary()
@@ -176,9 +194,10 @@ def _fold(child: PlainChild, target: Any, folded: list[float]) -> None:
         # ``folded`` holds each bucket's count, then the sum.
         counts = list(child.counts)
         total = child.sum
+        shown = child.shown
         for bucket, count in enumerate(counts):
             if count != folded[bucket]:
-                target._buckets[bucket].inc(count - folded[bucket])
+                target._buckets[shown[bucket]].inc(count - folded[bucket])
                 folded[bucket] = count
         if total != folded[-1]:
             target._sum.inc(total - folded[-1])

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from tokenizers import Tokenizer
 
 from penstock.errors import InvalidRequestError, PreprocessorLoadError
 from penstock.preprocess.chat_template import (
@@ -44,6 +45,7 @@ class Preprocessor:
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.model_max_length: int | None = files.model_max_length
         self.bos_token_id: int | None = self._special_token_id("bos_token")
+        self._added_before, self._added_after = _post_processor_tokens(self._tokenizer)
         self.eos_token_ids: list[int] = _unique(
             [
                 *([eos] if (eos := self._special_token_id("eos_token")) is not None else []),
@@ -82,6 +84,14 @@ class Preprocessor:
         if len(text) > RELEASE_GIL_SIZE:
             return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def with_special_tokens(self, token_ids: list[int]) -> list[int]:
+        """``token_ids`` with the special tokens the tokenizer's post-processor puts around
+        one input (``add_special_tokens=True`` in Hugging Face): a BOS for Llama 3, none for
+        SmolLM2 or Qwen. What vLLM and ``AutoTokenizer`` make of a text prompt."""
+        if not self._added_before and not self._added_after:
+            return token_ids
+        return [*self._added_before, *token_ids, *self._added_after]
 
     def encode_inputs(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text with the special tokens the tokenizer adds around an
@@ -171,6 +181,19 @@ class Preprocessor:
     def _special_token_id(self, key: str) -> int | None:
         token = self._special_tokens.get(key)
         return None if token is None else self._tokenizer.token_to_id(token)
+
+
+def _post_processor_tokens(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the post-processor adds before and after one input, read off one probe."""
+    encoding = tokenizer.encode("a", add_special_tokens=True)
+    ids, added = encoding.ids, encoding.special_tokens_mask
+    before = 0
+    while before < len(ids) and added[before]:
+        before += 1
+    after = len(ids)
+    while after > before and added[after - 1]:
+        after -= 1
+    return ids[:before], ids[after:]
 
 
 def _compile_templates(files: TokenizerFiles) -> dict[str, jinja2.Template]:

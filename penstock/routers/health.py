@@ -1,11 +1,11 @@
-"""Liveness and readiness."""
+"""Liveness and readiness, and vLLM's ``/ping`` and ``/load``."""
 
 from __future__ import annotations
 
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from penstock import __version__ as penstock_version
 
@@ -47,3 +47,18 @@ async def health(request: Request) -> JSONResponse:
     if gateway.fleet is not None:
         body["fleet"] = gateway.fleet.describe_fleet()
     return JSONResponse(body, status_code=200 if readiness.ready else 503)
+
+
+@router.get("/ping")
+@router.post("/ping")
+async def ping(request: Request) -> Response:
+    """vLLM's (and SageMaker's) ping: an empty 200 when ``/health`` is 200, else 503."""
+    ready = request.app.state.gateway.readiness().ready
+    return Response(status_code=200 if ready else 503)
+
+
+@router.get("/load")
+async def load(request: Request) -> dict[str, int]:
+    """vLLM's ``server_load``: the engine requests being served now, queued ones included."""
+    gateway = request.app.state.gateway
+    return {"server_load": round(sum(m.active.value for _, m in gateway.metrics.models()))}

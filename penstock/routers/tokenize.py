@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, model_validator
+from starlette.responses import Response
 
 from penstock.errors import InvalidRequestError
 from penstock.gateway import ServedModel
@@ -23,8 +24,14 @@ from penstock.preprocess import Preprocessor
 from penstock.schemas.fields import refuse_unknown, refuse_unsupported
 from penstock.schemas.openai import ChatMessage, NonNegativeInt
 from penstock.schemas.unicode import JSONValue, RequestModel
-from penstock.serving.limits import body_size, check_prompt_length, check_token_ids
-from penstock.serving.prompts import off_loop, render_and_tokenize, with_bos
+from penstock.serving.framing import json_response
+from penstock.serving.limits import (
+    body_size,
+    check_prompt_length,
+    check_token_ids,
+    default_model_name,
+)
+from penstock.serving.prompts import off_loop, render_and_tokenize
 
 router = APIRouter(tags=["tokenize"])
 
@@ -42,7 +49,8 @@ class TokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="allow")
     __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
-    model: str
+    # Left out or empty: the served model, as in vLLM.
+    model: str = ""
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
@@ -63,7 +71,7 @@ class TokenizeRequest(RequestModel):
 class DetokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str = ""
     tokens: list[NonNegativeInt] = Field(default_factory=list)
 
 
@@ -76,11 +84,11 @@ def _preprocessor(model: ServedModel, param: str) -> Preprocessor:
 
 
 @router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     gateway = request.app.state.gateway
     refuse_unsupported(body, TOKENIZE_UNSUPPORTED)
     refuse_unknown(body, gateway.settings.allow_unknown_fields)
-    model = gateway.resolve(body.model)
+    model = gateway.resolve(body.model or default_model_name(gateway))
     param = "prompt" if body.prompt is not None else "messages"
     pre = _preprocessor(model, param)
     settings = gateway.settings
@@ -104,18 +112,22 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         text = body.prompt or ""
         check_prompt_length(settings, model, pre, len(text), param)
         tokens = await off_loop(gateway, None, len(text), pre.encode, text)
-    add_bos = body.add_special_tokens
-    if add_bos is None:
-        add_bos = body.prompt is not None
-    if add_bos:
-        tokens = with_bos(pre, tokens)
+    # vLLM's defaults: a prompt gets what the tokenizer adds around an input, messages
+    # (whose template writes its own special tokens) nothing.
+    add_special = body.add_special_tokens
+    if add_special is None:
+        add_special = body.prompt is not None
+    if add_special:
+        tokens = pre.with_special_tokens(tokens)
     token_strs = await off_loop(gateway, None, len(tokens), _token_strs, pre, tokens)
-    return {
-        "count": len(tokens),
-        "max_model_len": model.context_length,
-        "tokens": tokens,
-        "token_strs": token_strs,
-    }
+    return json_response(
+        {
+            "count": len(tokens),
+            "max_model_len": model.context_length,
+            "tokens": tokens,
+            "token_strs": token_strs,
+        }
+    )
 
 
 def _content_chars(content: Any) -> int:
@@ -131,7 +143,7 @@ def _token_strs(pre: Preprocessor, tokens: list[int]) -> list[str]:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     gateway = request.app.state.gateway
-    model = gateway.resolve(body.model)
+    model = gateway.resolve(body.model or default_model_name(gateway))
     pre = _preprocessor(model, "tokens")
     text = await off_loop(gateway, None, len(body.tokens), _checked_decode, model, pre, body.tokens)
     return {"prompt": text}

@@ -23,7 +23,8 @@ class PoolingFields(RequestModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    # Left out or empty: the served model, as in vLLM.
+    model: str = ""
     input: PoolingInput
     user: str | None = None
     # vLLM's option: whether a text input gets the special tokens the tokenizer adds

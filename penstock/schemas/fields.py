@@ -2,19 +2,36 @@
 error that names them.
 
 Request models keep undeclared fields (``extra="allow"``) instead of failing validation
-on them, so the operator's ``--allow-unknown-fields`` can decide, and so the 400 names
-every unknown field by its full path (``sampling_params.foo``, ``messages[0].bar``).
+on them. By default they are ignored, as vLLM ignores them: each field's first sighting is
+logged, and the response names them in :data:`IGNORED_FIELDS_HEADER`, so a client can see
+what had no effect. ``--no-allow-unknown-fields`` refuses them instead, the 400 naming
+every one by its full path (``sampling_params.foo``, ``messages[0].bar``).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel
 
 from penstock.errors import InvalidRequestError, clip
+
+logger = logging.getLogger(__name__)
+
+IGNORED_FIELDS_HEADER = "x-penstock-ignored-fields"
+"""The response header naming the request's fields that were ignored, comma-separated."""
+
+# A request runs in one task, its response built in that task: the fields its checks
+# ignored reach the response without passing through every layer between.
+_ignored_fields: ContextVar[tuple[str, ...]] = ContextVar("ignored_fields", default=())
+# Names already logged as a warning: a client sending one on every request logs it once.
+_warned: set[str] = set()
+_MAX_WARNED = 1024
+_MAX_HEADER_CHARS = 1024
 
 
 def unknown_field_error(paths: list[str]) -> InvalidRequestError:
@@ -93,12 +110,41 @@ def _may_hold_model(annotation: Any) -> bool:
 
 
 def refuse_unknown(model: BaseModel, allowed: bool, prefix: str = "") -> None:
-    """400 for undeclared fields anywhere in ``model``, unless the operator allows them."""
-    if allowed:
+    """400 for undeclared fields anywhere in ``model``; ignored and noted for the response
+    instead when the operator allows them."""
+    refuse_or_ignore(unknown_fields(model, prefix), allowed)
+
+
+def refuse_or_ignore(paths: list[str], allowed: bool) -> None:
+    """400 naming ``paths``, the request's unknown fields; or, when the operator allows
+    them, each logged once and all named in the response's header."""
+    if not paths:
         return
-    paths = unknown_fields(model, prefix)
-    if paths:
+    if not allowed:
         raise unknown_field_error(paths)
+    _ignored_fields.set(_ignored_fields.get() + tuple(paths))
+    new = [path for path in paths if path not in _warned]
+    if new:
+        if len(_warned) < _MAX_WARNED:
+            _warned.update(new)
+        logger.warning(
+            "The following fields were present in the request but ignored: %s",
+            ", ".join(clip(path) for path in new),
+        )
+
+
+def ignored_fields_header() -> tuple[bytes, bytes] | None:
+    """The :data:`IGNORED_FIELDS_HEADER` of this request's response, taken (a server that
+    runs requests one after another in one context starts the next with none); None when
+    nothing was ignored. Names are ASCII-escaped and the value bounded, as a header must be."""
+    ignored = _ignored_fields.get()
+    if not ignored:
+        return None
+    _ignored_fields.set(())
+    value = ", ".join(dict.fromkeys(ignored))
+    value = value.encode("ascii", "backslashreplace").decode("ascii")
+    printable = "".join(c if " " <= c <= "~" else "?" for c in value)
+    return IGNORED_FIELDS_HEADER.encode(), printable[:_MAX_HEADER_CHARS].encode()
 
 
 def refuse_unsupported(model: BaseModel, defaults: Mapping[str, Any], prefix: str = "") -> None:

@@ -187,7 +187,8 @@ class SamplingFields(RequestModel):
     # Upstream fields refused unless they ask for nothing (see ``VLLM_UNSUPPORTED``).
     unsupported: ClassVar[dict[str, Any]] = VLLM_UNSUPPORTED
 
-    model: str
+    # Left out or empty: the served model, as in vLLM (``serving.limits.served_model``).
+    model: str = ""
     n: PositiveInt = 1
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
@@ -201,7 +202,15 @@ class SamplingFields(RequestModel):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    # OpenAI's fields that ask this server for nothing it would do differently: a caller's
+    # identity and cache routing hint, stored-completion bookkeeping, a tier. Accepted,
+    # so clients written for OpenAI need no change.
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -228,6 +237,8 @@ class SamplingFields(RequestModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # OpenAI's output constraint, on completions too as in vLLM (``serving.guided``).
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
@@ -262,16 +273,26 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Passed to the chat template as vLLM passes it: ``reasoning_effort``, and
+    # ``enable_thinking`` unless ``chat_template_kwargs`` sets it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    # Only text comes out of this server; "audio" asks for what it cannot give.
+    modalities: list[Literal["text"]] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # The tokenizer's special tokens around the rendered conversation too (its template
+    # writes its own, hence off by default, as in vLLM).
+    add_special_tokens: bool = False
+    # vLLM's: each prompt token's logprob, its rank and this many most likely others.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     unsupported: ClassVar[dict[str, Any]] = {
         **VLLM_UNSUPPORTED,
-        "prompt_logprobs": None,
-        "add_special_tokens": False,
         "continue_final_message": False,
         "echo": False,
         "documents": None,
@@ -287,6 +308,17 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """``chat_template_kwargs`` with ``reasoning_effort`` added as vLLM adds it."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        given = self.chat_template_kwargs or {}
+        added = {"reasoning_effort": self.reasoning_effort}
+        if "enable_thinking" not in given:
+            added["enable_thinking"] = self.reasoning_effort != "none"
+        return {**added, **given}
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -321,11 +353,11 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: PositiveInt | None = None
     suffix: str | None = None
-    # Text prompts: the tokenizer's BOS token first, by default as in vLLM.
+    # Text prompts: the special tokens the tokenizer puts around an input (a BOS for
+    # Llama 3, none for SmolLM2), as vLLM and Hugging Face add them.
     add_special_tokens: bool = True
     unsupported: ClassVar[dict[str, Any]] = {
         **VLLM_UNSUPPORTED,
-        "response_format": None,
         "prompt_embeds": None,
     }
 

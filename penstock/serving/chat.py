@@ -18,6 +18,7 @@ from penstock.gateway import Gateway, ServedModel
 from penstock.multimodal.inputs import MediaInputs
 from penstock.schemas.openai import ChatCompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
+from penstock.serving.completions import check_prompt_logprobs, vllm_prompt_logprobs
 from penstock.serving.deadline import request_deadline
 from penstock.serving.framing import TEXT_SLOT
 from penstock.serving.generation import Generation
@@ -102,6 +103,7 @@ class ChatFormat:
             "delta": {"content": TEXT_SLOT},
             "logprobs": None,
             "finish_reason": None,
+            "stop_reason": None,
         }
 
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
@@ -120,6 +122,7 @@ class ChatFormat:
             if delta.logprobs
             else None,
             "finish_reason": delta.finish_reason,
+            "stop_reason": delta.choice.stop_reason if delta.finish_reason else None,
         }
         if self.return_token_ids:
             item["token_ids"] = delta.token_ids
@@ -140,6 +143,7 @@ class ChatFormat:
             if choice.logprobs is not None
             else None,
             "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
             "weight_versions": choice.weight_version_segments(),
         }
         if self.return_token_ids:
@@ -147,9 +151,14 @@ class ChatFormat:
         return item
 
     def response_fields(self, generations: Sequence[Generation]) -> dict[str, Any]:
-        if not self.return_token_ids:
-            return {}
-        return {"prompt_token_ids": generations[0].request["token_ids"]}
+        fields: dict[str, Any] = {}
+        if generations[0].prompt_logprobs is not None:
+            fields["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.model, generations[0].prompt_logprobs, self.tokens_as_ids
+            )
+        if self.return_token_ids:
+            fields["prompt_token_ids"] = generations[0].request["token_ids"]
+        return fields
 
 
 async def create_chat_completion(
@@ -157,6 +166,7 @@ async def create_chat_completion(
 ) -> Response:
     deadline = request_deadline(request, gateway.settings)
     model = served_model(gateway, body, "chat", "chat completions")
+    check_prompt_logprobs(body, model)
     uploader = metadata_uploader(body, gateway.settings)
     prompt = await chat_prompt(gateway, body, model, deadline, request, media)
     max_tokens = body.max_new_tokens

@@ -84,6 +84,7 @@ class ChoiceState:
         "parser",
         "reasoning_parts",
         "stop",
+        "stop_token_ids",
         "text_parts",
         "token_ids",
         "tool_calls",
@@ -102,6 +103,7 @@ class ChoiceState:
         parse_tool_calls: bool = False,
         skip_special_tokens: bool = True,
         include_stop: bool = False,
+        stop_token_ids: list[int] | None = None,
     ) -> None:
         self.index = index
         self.parser: ChoiceParser | None = None
@@ -121,6 +123,7 @@ class ChoiceState:
         )
         self.stop = StopStringMatcher(stops) if stops else None
         self.include_stop = include_stop
+        self.stop_token_ids = stop_token_ids
         self.keep_text = keep_text
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
@@ -136,6 +139,18 @@ class ChoiceState:
     def reasoning(self) -> str | None:
         parts = self.reasoning_parts
         return "".join(parts) if parts is not None else None
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's ``stop_reason``: the stop string or the request's stop token that ended
+        the choice; None for an end-of-sequence token, a length or an abort."""
+        if self.finish_reason != "stop":
+            return None
+        if self.stop is not None and self.stop.matched:
+            return self.stop.matched
+        if self.stop_token_ids and self.token_ids and self.token_ids[-1] in self.stop_token_ids:
+            return self.token_ids[-1]
+        return None
 
     def parse_with(self, parsing: OutputParsing) -> None:
         """Split this choice's text with ``parsing``'s parsers from now on."""

@@ -1,14 +1,16 @@
 """Completions: one engine request per prompt, and the completions response format.
 
 Choice ``index`` is ``prompt_index * n + choice``. With ``echo`` the prompt's text opens
-each choice: in the stream it is prepended to the choice's first delta. vLLM's
+each choice: in the stream it is prepended to the choice's first delta; not streamed, with
+``logprobs``, its tokens open the choice's logprobs too, from the engine's prompt logprobs
+as in vLLM (the first token has none). vLLM's
 ``prompt_logprobs`` (not streamed, as in vLLM) come back on each choice of the prompt, in
 vLLM's shape (:func:`vllm_prompt_logprobs`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -18,7 +20,7 @@ from penstock.engines.contract import SUPPORTS_PROMPT_LOGPROBS
 from penstock.errors import InvalidRequestError
 from penstock.gateway import Gateway, ServedModel
 from penstock.metadata_upload import MetadataUploader
-from penstock.schemas.openai import CompletionRequest
+from penstock.schemas.openai import ChatCompletionRequest, CompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.deadline import Deadline, request_deadline
 from penstock.serving.framing import TEXT_SLOT
@@ -35,14 +37,7 @@ def completion_logprobs(
 ) -> dict[str, Any]:
     """``tokens_as_ids``: each token is named ``token_id:N`` (vLLM's
     ``return_tokens_as_token_ids``); the text offsets stay those of the text."""
-    pre = model.preprocessor
-
-    def text_of(token_id: int) -> str:
-        return pre.token_text(token_id) if pre is not None else f"token_id:{token_id}"
-
-    def label(token_id: int) -> str:
-        return f"token_id:{token_id}" if tokens_as_ids else text_of(token_id)
-
+    text_of, label = _token_names(model, tokens_as_ids)
     tokens, values, tops, offsets = [], [], [], []
     offset = text_offset
     for entry in entries:
@@ -57,6 +52,46 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def prompt_completion_logprobs(
+    model: ServedModel, token_ids: list[int], positions: list[Any], tokens_as_ids: bool
+) -> dict[str, Any]:
+    """The echoed prompt's part of a choice's ``logprobs``, from the engine's prompt
+    logprobs (per position None, or the prompt's token first, then the likeliest others);
+    its text offsets count from the prompt's start."""
+    text_of, label = _token_names(model, tokens_as_ids)
+    tokens, values, tops, offsets = [], [], [], []
+    offset = 0
+    for token_id, entries in zip(token_ids, positions, strict=False):
+        tokens.append(label(token_id))
+        values.append(None if entries is None else entries[0]["logprob"])
+        tops.append(
+            None if entries is None else {label(e["token_id"]): e["logprob"] for e in entries}
+        )
+        offsets.append(offset)
+        offset += len(text_of(token_id))
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def _token_names(
+    model: ServedModel, tokens_as_ids: bool
+) -> tuple[Callable[[int], str], Callable[[int], str]]:
+    """A token's text (for offsets) and its name in ``tokens`` and ``top_logprobs``."""
+    pre = model.preprocessor
+
+    def text_of(token_id: int) -> str:
+        return pre.token_text(token_id) if pre is not None else f"token_id:{token_id}"
+
+    def label(token_id: int) -> str:
+        return f"token_id:{token_id}" if tokens_as_ids else text_of(token_id)
+
+    return text_of, label
 
 
 def vllm_prompt_logprobs(
@@ -136,7 +171,13 @@ class CompletionFormat:
 
     @staticmethod
     def text_choice(index: int) -> dict[str, Any]:
-        return {"index": index, "text": TEXT_SLOT, "logprobs": None, "finish_reason": None}
+        return {
+            "index": index,
+            "text": TEXT_SLOT,
+            "logprobs": None,
+            "finish_reason": None,
+            "stop_reason": None,
+        }
 
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
         index = delta.choice.index
@@ -150,6 +191,7 @@ class CompletionFormat:
             "text": text,
             "logprobs": None,
             "finish_reason": delta.finish_reason,
+            "stop_reason": delta.choice.stop_reason if delta.finish_reason else None,
         }
         if delta.logprobs:
             start = self._text_offsets.get(index, 0)
@@ -172,8 +214,17 @@ class CompletionFormat:
             if choice.logprobs is not None
             else None,
             "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
             "weight_versions": choice.weight_version_segments(),
         }
+        if self._echoes and item["logprobs"] is not None and generation.prompt_logprobs:
+            prompt = prompt_completion_logprobs(
+                self.model,
+                generation.request["token_ids"],
+                generation.prompt_logprobs,
+                self.tokens_as_ids,
+            )
+            item["logprobs"] = {key: prompt[key] + item["logprobs"][key] for key in prompt}
         if generation.prompt_logprobs is not None:
             item["prompt_logprobs"] = vllm_prompt_logprobs(
                 self.model, generation.prompt_logprobs, self.tokens_as_ids
@@ -187,20 +238,37 @@ class CompletionFormat:
         return {}
 
 
+def check_prompt_logprobs(
+    body: CompletionRequest | ChatCompletionRequest, model: ServedModel
+) -> None:
+    """``prompt_logprobs`` only from an engine that reports them, and not streamed."""
+    if body.prompt_logprobs is None:
+        return
+    if not engine_capability(model, SUPPORTS_PROMPT_LOGPROBS):
+        raise InvalidRequestError(
+            f"prompt_logprobs is not supported by the model '{body.model}': its engine "
+            "reports no prompt logprobs",
+            param="prompt_logprobs",
+            code="unsupported_parameter",
+        )
+    if body.stream:
+        raise InvalidRequestError(
+            "prompt_logprobs are not streamed: send the request without stream",
+            param="prompt_logprobs",
+        )
+
+
 def _check_unsupported(body: CompletionRequest, model: ServedModel) -> None:
-    if body.prompt_logprobs is not None:
-        if not engine_capability(model, SUPPORTS_PROMPT_LOGPROBS):
-            raise InvalidRequestError(
-                f"prompt_logprobs is not supported by the model '{body.model}': its engine "
-                "reports no prompt logprobs",
-                param="prompt_logprobs",
-                code="unsupported_parameter",
-            )
-        if body.stream:
-            raise InvalidRequestError(
-                "prompt_logprobs are not streamed: send the request without stream",
-                param="prompt_logprobs",
-            )
+    check_prompt_logprobs(body, model)
+    if (
+        body.echo
+        and body.logprobs is not None
+        and body.prompt_logprobs is None
+        and not body.stream
+        and engine_capability(model, SUPPORTS_PROMPT_LOGPROBS)
+    ):
+        # vLLM's rule: echoed logprobs cover the prompt, from its prompt logprobs.
+        body.prompt_logprobs = body.logprobs
     if body.suffix is not None:
         raise InvalidRequestError("suffix is not supported by this server", param="suffix")
     if body.best_of is not None and body.best_of != body.n:

@@ -40,7 +40,7 @@ from penstock.schemas.embeddings import (
 )
 from penstock.serving.deadline import Deadline, request_deadline
 from penstock.serving.framing import unless_disconnected
-from penstock.serving.limits import check_prompt_length, check_token_ids
+from penstock.serving.limits import check_prompt_length, check_token_ids, default_model_name
 from penstock.serving.prompts import off_loop
 from penstock.serving.request_metrics import RequestRecorder
 from penstock.serving.requests import engine_context
@@ -235,6 +235,7 @@ async def create_embeddings(
     gateway: Gateway, body: EmbeddingRequest, request: Request
 ) -> dict[str, Any]:
     """``POST /v1/embeddings``, answered as OpenAI does."""
+    body.model = body.model or default_model_name(gateway)
     served, capabilities = _pooling_model(gateway, body.model, "embed")
     _check_dimensions(body.dimensions, capabilities)
     pooled = await _pool(gateway, body, "embed", request, served, "embeddings")
@@ -284,6 +285,7 @@ async def classify(
     gateway: Gateway, body: ClassificationRequest, request: Request
 ) -> dict[str, Any]:
     """vLLM's ``POST /classify``: per input the probabilities and the likeliest label."""
+    body.model = body.model or default_model_name(gateway)
     served, capabilities = _pooling_model(gateway, body.model, "classify")
     pooled = await _pool(gateway, body, "classify", request, served, "classify")
     data = []
@@ -308,6 +310,7 @@ async def classify(
 
 async def pooling(gateway: Gateway, body: PoolingRequest, request: Request) -> dict[str, Any]:
     """vLLM's ``POST /pooling``: each input's pooled output, for the task the model serves."""
+    body.model = body.model or default_model_name(gateway)
     served = gateway.resolve(body.model)
     capabilities = _capabilities_of(served)
     if capabilities is None:

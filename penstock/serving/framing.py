@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from penstock.errors import ClientClosedRequest, InternalServerError, PenstockError
+from penstock.schemas.fields import ignored_fields_header
 from penstock.serving.sse import DONE_FRAME, disconnect_signal
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,11 @@ async def with_error_frame(frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]
 
 
 def json_response(content: dict[str, Any]) -> Response:
-    return Response(orjson.dumps(content), media_type="application/json")
+    response = Response(orjson.dumps(content), media_type="application/json")
+    ignored = ignored_fields_header()
+    if ignored is not None:
+        response.raw_headers.append(ignored)
+    return response
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

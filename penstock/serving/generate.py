@@ -14,8 +14,9 @@ engines that report them); ``model`` (optional: a served model or adapter name, 
 id, for ``/abort_request``); ``log_metrics``, ``no_logs`` and ``extra_key`` change no
 output. The other fields of SGLang's ``SamplingParams`` and ``GenerateReqInput``
 (:data:`SAMPLING_UNSUPPORTED`, :data:`GENERATE_UNSUPPORTED`) are accepted only at the
-value that asks for nothing, else a 400 naming them; a field neither defines is a 400
-``unknown_field`` naming its path, at any depth, unless ``--allow-unknown-fields``. One
+value that asks for nothing, else a 400 naming them; a field neither defines is ignored
+and named in the ``x-penstock-ignored-fields`` header, or with
+``--no-allow-unknown-fields`` a 400 ``unknown_field`` naming its path, at any depth. One
 prompt per request: a batch is a 400.
 
 Response (and each stream event, ``data: {...}`` then ``data: [DONE]``)::
@@ -59,7 +60,7 @@ from penstock.serving.deadline import Deadline, request_deadline
 from penstock.serving.framing import JSONObject
 from penstock.serving.generation import Generation
 from penstock.serving.guided import check_can_constrain, sampling_guided_decoding
-from penstock.serving.limits import engine_capability, served_model
+from penstock.serving.limits import default_model_name, engine_capability, served_model
 from penstock.serving.prompts import completion_prompts
 from penstock.serving.requests import engine_context, generate_request
 from penstock.serving.stream import ResponsePlan, respond
@@ -80,9 +81,10 @@ SAMPLING_UNSUPPORTED: dict[str, Any] = {
 # The same for the fields of SGLang's ``GenerateReqInput``.
 GENERATE_UNSUPPORTED: dict[str, Any] = {
     "input_embeds": None,
-    "image_data": None,
-    "video_data": None,
-    "audio_data": None,
+    # Empty lists are no media: AReaL sends ``image_data: []`` with every text request.
+    "image_data": [],
+    "video_data": [],
+    "audio_data": [],
     "token_ids_logprob": None,
     "return_hidden_states": False,
     "return_routed_experts": False,
@@ -305,12 +307,7 @@ class GenerateEncoder:
 
 
 def _model_for(gateway: Gateway, name: str | None) -> str:
-    if name is not None:
-        return name
-    listed = gateway.listed_models()
-    if not listed:
-        raise ServiceUnavailableError("no model is being served")
-    return listed[0].name
+    return name or default_model_name(gateway)
 
 
 # Sampling fields with the same name and meaning in completions.

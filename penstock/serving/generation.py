@@ -86,6 +86,7 @@ class Generation:
                 parse_tool_calls=parse_tool_calls,
                 skip_special_tokens=request["output_options"].get("skip_special_tokens", True),
                 include_stop=request["stop_conditions"].get("include_stop_str_in_output", False),
+                stop_token_ids=request["stop_conditions"].get("stop_token_ids"),
             )
             for i in range(n)
         ]
@@ -157,7 +158,14 @@ class Generation:
             recorder.failed(exc, self.deadline)
             raise
         finally:
-            recorder.finish(itl, unflushed, self.completion_tokens, self.endpoint, self.streaming)
+            recorder.finish(
+                itl,
+                unflushed,
+                self.completion_tokens,
+                self.endpoint,
+                self.streaming,
+                [choice.finish_reason for choice in choices],
+            )
             self._count_version_tokens()
             if pending:
                 self.model.host.cancel(self.context)

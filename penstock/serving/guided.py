@@ -55,7 +55,7 @@ def sampling_guided_decoding(body: SamplingFields, model: ServedModel) -> dict[s
     if _CONSTRAINT_FIELDS.isdisjoint(body.__pydantic_fields_set__):
         return None
     found: list[tuple[str, dict[str, Any]]] = []
-    if isinstance(body, ChatCompletionRequest) and body.response_format is not None:
+    if body.response_format is not None:
         response_format = body.response_format
         if response_format.type == "json_object":
             found.append(("response_format", {"json": ANY_JSON_OBJECT}))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from penstock.engines.contract import SUPPORTS_AUDIO_INPUT, SUPPORTS_IMAGE_INPUT, SUPPORTS_PRIORITY
-from penstock.errors import InvalidRequestError
+from penstock.errors import InvalidRequestError, ServiceUnavailableError
 from penstock.gateway import Gateway, ServedModel
 from penstock.multimodal.inputs import MediaRef
 from penstock.preprocess import Preprocessor, check_prompt_chars
@@ -23,7 +23,11 @@ from penstock.settings import Settings
 def served_model(
     gateway: Gateway, body: SamplingFields, endpoint_type: str, serves: str
 ) -> ServedModel:
-    """The model ``body`` names, once it is known to serve ``endpoint_type`` within limits."""
+    """The model ``body`` names, once it is known to serve ``endpoint_type`` within limits;
+    a body that names none (``model`` left out or empty, as vLLM allows) gets the first
+    served model, written into it for the response."""
+    if not body.model:
+        body.model = default_model_name(gateway)
     model = gateway.resolve(body.model)
     if endpoint_type not in model.endpoint_types:
         raise InvalidRequestError(
@@ -31,6 +35,14 @@ def served_model(
         )
     check_common_limits(body, gateway.settings, model)
     return model
+
+
+def default_model_name(gateway: Gateway) -> str:
+    """The model a request that names none is served by: the first (the base model)."""
+    listed = gateway.listed_models()
+    if not listed:
+        raise ServiceUnavailableError("no model is being served")
+    return listed[0].name
 
 
 def check_common_limits(body: SamplingFields, settings: Settings, model: ServedModel) -> None:

@@ -140,7 +140,8 @@ async def chat_prompt(
             messages,
             add_generation_prompt=body.add_generation_prompt,
             tools=tools,
-            chat_template_kwargs=body.chat_template_kwargs,
+            chat_template_kwargs=body.template_kwargs,
+            add_special_tokens=body.add_special_tokens,
         )
 
     async def prompt_and_media() -> tuple[list[int], dict[str, Any] | None]:
@@ -216,9 +217,11 @@ def render_and_tokenize(
     add_generation_prompt: bool,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """The conversation's token ids; the rendered text passes the length bound first, so
-    what the messages alone don't show (tools, tool-call arguments) can't slip past it."""
+    what the messages alone don't show (tools, tool-call arguments) can't slip past it.
+    ``add_special_tokens``: the tokenizer's own around them too (off for chat in vLLM)."""
     text = preprocessor.render_chat(
         messages,
         add_generation_prompt=add_generation_prompt,
@@ -226,7 +229,8 @@ def render_and_tokenize(
         chat_template_kwargs=chat_template_kwargs,
     )
     check_prompt_length(settings, model, preprocessor, len(text), "messages")
-    return preprocessor.encode(text)
+    token_ids = preprocessor.encode(text)
+    return preprocessor.with_special_tokens(token_ids) if add_special_tokens else token_ids
 
 
 async def completion_prompts(
@@ -252,7 +256,7 @@ async def completion_prompts(
         size = sum(len(text) for text in texts)
         encoded = await off_loop(gateway, deadline, size, _encode_all, pre, texts)
         if body.add_special_tokens:
-            encoded = [with_bos(pre, ids) for ids in encoded]
+            encoded = [pre.with_special_tokens(ids) for ids in encoded]
         if any(not ids for ids in encoded):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         for ids in encoded:
@@ -265,14 +269,6 @@ async def completion_prompts(
     size = sum(len(ids) for ids in id_prompts)
     await off_loop(gateway, deadline, size, _check_all_token_ids, id_prompts, model)
     return id_prompts
-
-
-def with_bos(preprocessor: Preprocessor, token_ids: list[int]) -> list[int]:
-    """``token_ids`` led by the tokenizer's BOS token, when it has one and they lack it."""
-    bos = preprocessor.bos_token_id
-    if bos is None or token_ids[:1] == [bos]:
-        return token_ids
-    return [bos, *token_ids]
 
 
 def _encode_all(preprocessor: Preprocessor, texts: list[str]) -> list[list[int]]:

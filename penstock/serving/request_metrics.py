@@ -9,6 +9,7 @@ completion tokens, the requests counter with Dynamo's status and error type).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from time import perf_counter
 
 from penstock.errors import OverloadedError, PenstockError
@@ -18,6 +19,12 @@ from penstock.serving.deadline import Deadline
 FLUSH_EVERY = 64
 """Tokens a stream keeps the inter-token latencies and count of before recording them:
 one histogram observation a token was ~13% of a streamed chunk's CPU."""
+
+
+# Finish reasons shown as they are; the others (tool calls, a content filter) are a stop.
+_SHOWN_REASONS = frozenset({"stop", "length", "abort"})
+# Error types of a request that ended because it was cut short, not because it failed.
+_ABORTED = frozenset({"cancelled", "response_timeout"})
 
 
 def error_type(exc: BaseException, deadline: Deadline | None) -> str:
@@ -94,9 +101,11 @@ class RequestRecorder:
         completion_tokens: int,
         endpoint: str,
         streaming: bool,
+        finish_reasons: Sequence[str | None] = (),
     ) -> None:
-        """The request ended, with ``itl`` and ``tokens`` not yet flushed and
-        ``completion_tokens`` over all its choices."""
+        """The request ended, with ``itl`` and ``tokens`` not yet flushed,
+        ``completion_tokens`` over all its choices and how each choice ended (None: it
+        did not)."""
         metrics = self._metrics
         _flush(metrics, itl, tokens)
         if self._queued:
@@ -108,6 +117,15 @@ class RequestRecorder:
         self._families.requests.labels(
             self._model, endpoint, request_type, self.status, self.error_type
         ).inc()
+        finished = self._families.finished_choices
+        for reason in finish_reasons:
+            finished.labels(self._model, self._finished_as(reason)).inc()
+
+    def _finished_as(self, reason: str | None) -> str:
+        """vLLM's ``finished_reason`` of a choice: stop, length, abort or error."""
+        if reason is None:
+            return "abort" if self.error_type in _ABORTED else "error"
+        return reason if reason in _SHOWN_REASONS else "stop"
 
 
 def _flush(metrics: ModelMetrics, itl: list[float], tokens: int) -> None:

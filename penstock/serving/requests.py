@@ -141,9 +141,9 @@ def _output_options(body: SamplingFields, logprobs: int | None) -> dict[str, Any
     options: dict[str, Any] = {}
     if logprobs is not None:
         options["logprobs"] = logprobs
-    # A declared field of completions only; chat's spelling of it is refused before this
-    # (its ``unsupported`` table). Read from the fields: a missing attribute would cost a
-    # request pydantic's lookup of private attributes and extras, and an exception.
+    # A declared field of completions and chat, not of every body reaching here. Read
+    # from the fields: a missing attribute would cost a request pydantic's lookup of
+    # private attributes and extras, and an exception.
     prompt_logprobs = body.__dict__.get("prompt_logprobs")
     if prompt_logprobs is not None:
         options["prompt_logprobs"] = prompt_logprobs

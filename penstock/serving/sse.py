@@ -33,6 +33,8 @@ from typing import Any, Protocol
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from penstock.schemas.fields import ignored_fields_header
+
 DONE_FRAME = b"data: [DONE]\n\n"
 # Where the outermost ASGI app leaves the server's ``send`` for the frames of a stream.
 WIRE_SEND_KEY = "penstock.wire_send"
@@ -146,6 +148,9 @@ class EventStreamResponse(Response):
             (b"x-accel-buffering", b"no"),
         ]
         raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.extra_headers.items()]
+        ignored = ignored_fields_header()
+        if ignored is not None:
+            raw_headers.append(ignored)
         writer: FrameWriter | None = scope.get(FRAME_WRITER_KEY)
         opening, self.opening = self.opening, b""
         if opening and writer is not None:

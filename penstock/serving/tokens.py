@@ -5,7 +5,8 @@ Both take vLLM's sampling fields (``sampling_params``; TRL's top-level fields an
 ``generation_kwargs``) and run on the completions path (:func:`completion_generations`),
 so every check and limit of ``/v1/completions`` applies. A vLLM sampling field this
 server cannot honour is a 400 naming it under its parent (``sampling_params.use_beam_search``),
-as is a field vLLM does not define (unless ``--allow-unknown-fields``).
+as is a field vLLM does not define under ``--no-allow-unknown-fields`` (by default it is
+ignored and named in the ``x-penstock-ignored-fields`` header).
 
 vLLM: ``{"token_ids", "sampling_params", "model"?, "cache_salt"?}`` ->
 ``{"request_id", "choices": [{"index", "token_ids", "finish_reason", "logprobs":
@@ -46,7 +47,7 @@ from starlette.responses import Response
 from penstock.engines.contract import SUPPORTS_ROUTED_EXPERTS
 from penstock.errors import InvalidRequestError, clip
 from penstock.gateway import Gateway, ServedModel
-from penstock.schemas.fields import unknown_field_error
+from penstock.schemas.fields import refuse_or_ignore
 from penstock.schemas.openai import CompletionRequest
 from penstock.serving.choice import ChoiceState, Delta, LogprobEntry
 from penstock.serving.completions import completion_generations, vllm_prompt_logprobs
@@ -91,8 +92,7 @@ def sampling_request(
                 )
         else:
             unknown.append(f"{parent}.{name}")
-    if unknown and not allow_unknown:
-        raise unknown_field_error(unknown)
+    refuse_or_ignore(unknown, allow_unknown)
     try:
         return CompletionRequest.model_validate({**taken, **fields})
     except ValidationError as exc:

@@ -59,7 +59,6 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
         ({"temperature": "hot"}, "temperature", []),
         ({"stop": [str(i) for i in range(17)]}, "stop", ["at most 16"]),
         ({"stream_options": {"include_usage": True}}, None, ["stream_options"]),
-        ({"frobnicate": 1, "zap": 2}, "frobnicate", ["frobnicate", "zap"]),
         ({"top_logprobs": 3}, None, ["logprobs"]),
         ({"priority": 1}, "priority", ["--scheduling-policy priority"]),
         ({"response_format": {"type": "json_object"}}, "response_format", ["can't honour"]),

@@ -18,7 +18,8 @@ LONG = "x" * 20_000
 @pytest.fixture(scope="module")
 def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     log_dir: Path = tmp_path_factory.mktemp("echo")
-    with running_server(["--engine", "sample"], log_dir) as server:
+    # Strict, so that an unknown field's long name is echoed in an error.
+    with running_server(["--engine", "sample", "--no-allow-unknown-fields"], log_dir) as server:
         with httpx.Client(base_url=server.base_url, timeout=30) as client:
             yield client
 

@@ -204,7 +204,14 @@ def lint_with_promtool(text: str) -> None:
     result = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    # vLLM's names hold a colon, which promtool keeps for recording rules: they are
+    # vLLM's as vLLM exports them, the one problem let through.
+    problems = [
+        line
+        for line in (result.stdout + result.stderr).splitlines()
+        if line and not (line.startswith("vllm:") and line.endswith("should not contain ':'"))
+    ]
+    assert problems == [], result.stdout + result.stderr
 
 
 @pytest.fixture(scope="module")

@@ -176,6 +176,45 @@ def test_completions_prompt_logprobs_on_each_choice(server: ServerProcess, train
         check_prompt_logprobs(choice["prompt_logprobs"], PROMPT, expected, 4)
 
 
+def test_echo_with_logprobs_covers_the_prompt(server: ServerProcess, trainer: Any) -> None:
+    # vLLM's rule: echoed logprobs open with the prompt's, the first token's None.
+    body = {"model": served_model(server), "prompt": PROMPT, "max_tokens": 2, "echo": True}
+    response = httpx.post(
+        f"{server.base_url}/v1/completions", json={**body, "logprobs": 2}, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(PROMPT) + 2
+    expected = trainer_logprobs(trainer, PROMPT)
+    values = logprobs["token_logprobs"]
+    assert values[0] is None and logprobs["top_logprobs"][0] is None
+    assert values[1 : len(PROMPT)] == [
+        float(expected[index - 1][token]) for index, token in enumerate(PROMPT[1:], start=1)
+    ]
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert len(choice["text"]) >= offsets[-1]
+    check_prompt_logprobs(choice["prompt_logprobs"], PROMPT, expected, 2)
+
+
+def test_chat_prompt_logprobs_cover_the_rendered_conversation(
+    server: ServerProcess, trainer: Any
+) -> None:
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"messages": messages, "max_tokens": 1, "prompt_logprobs": 2, "return_token_ids": True}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    prompt = answer["prompt_token_ids"]
+    check_prompt_logprobs(answer["prompt_logprobs"], prompt, trainer_logprobs(trainer, prompt), 2)
+    streamed = httpx.post(
+        f"{server.base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=60
+    )
+    assert streamed.status_code == 400
+    assert streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_sglang_input_token_logprobs_from_logprob_start_len(
     server: ServerProcess, trainer: Any
 ) -> None:

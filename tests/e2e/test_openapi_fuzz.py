@@ -51,9 +51,9 @@ def _served_models(base_url: str) -> list[str]:
 def _sharpened(document: dict[str, Any], models: list[str]) -> dict[str, Any]:
     """The server's own document, with what it cannot state: the served model names.
 
-    Unknown body fields are rejected by default, which the generated JSON schema leaves
-    open; closing them lets most generated bodies reach the engine instead of stopping at
-    the first unknown key. The raw document is fuzzed as well, so both paths are covered.
+    Unknown body fields are ignored by default, which the generated JSON schema leaves
+    open; closing them makes the generated bodies spend their fields on the declared ones.
+    The raw document is fuzzed as well, so both paths are covered.
     """
     sharpened = copy.deepcopy(document)
     for component in sharpened.get("components", {}).get("schemas", {}).values():

@@ -37,7 +37,8 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Iterator[ServerProcess]:
     args = ["--engine", "tests.support.doubles:ReplyEngine", "--tool-call-parser", "hermes"]
     args += ["--cache-dir", str(cache), "--api-key", KEY_A, "--api-key", KEY_B]
-    args += ["--admin-api-key", ADMIN, "--", "--reply", REPLY]
+    # Strict: the bad-input cases include an unknown field.
+    args += ["--admin-api-key", ADMIN, "--no-allow-unknown-fields", "--", "--reply", REPLY]
     with running_server(args, tmp_path_factory.mktemp("responses")) as process:
         yield process
 

@@ -43,7 +43,7 @@ SLIME_SAMPLING = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    args = ["--engine", "sample", "--admin-api-key", ADMIN_KEY]
+    args = ["--engine", "sample", "--admin-api-key", ADMIN_KEY, "--no-allow-unknown-fields"]
     with running_server(args, tmp_path_factory.mktemp("fields")) as running:
         yield running
 
@@ -58,11 +58,26 @@ def lenient(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def with_bos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    """A server whose tokenizer names a BOS token (``<|im_start|>``, id 1)."""
+    """A server whose tokenizer puts a BOS token (``<|im_start|>``, id 1) before an input,
+    as Llama 3's does."""
     folder = Path(shutil.copytree(SAMPLE_TOKENIZER_DIR, tmp_path_factory.mktemp("bos") / "tok"))
     config_path = folder / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "bos_token": "<|im_start|>"}))
+    tokenizer_path = folder / "tokenizer.json"
+    tokenizer = json.loads(tokenizer_path.read_text())
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {
+            "<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}
+        },
+    }
+    tokenizer_path.write_text(json.dumps(tokenizer))
     args = ["--engine", "sample", "--tokenizer", str(folder)]
     with running_server(args, tmp_path_factory.mktemp("bos-serve")) as running:
         with httpx.Client(base_url=running.base_url, timeout=60) as http:
@@ -251,6 +266,15 @@ def test_add_special_tokens_puts_the_bos_token_first(with_bos: httpx.Client) -> 
 
     assert prompt_tokens() == prompt_tokens(add_special_tokens=False) + 1
     assert prompt_tokens() == prompt_tokens(add_special_tokens=True)
+
+    # Chat: the template writes its own special tokens; asked, the tokenizer's come too.
+    def chat_prompt_tokens(**fields: Any) -> int:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 1, **fields}
+        response = with_bos.post("/v1/chat/completions", json=body)
+        return int(response.json()["usage"]["prompt_tokens"])
+
+    assert chat_prompt_tokens() == len(chat)
+    assert chat_prompt_tokens(add_special_tokens=True) == len(chat) + 1
 
 
 def test_allow_unknown_fields_reaches_every_depth(lenient: httpx.Client) -> None:

@@ -205,11 +205,25 @@ def test_a_failing_canary_turns_health_503_with_the_reason(tmp_path: Path) -> No
         assert httpx.get(f"{server.base_url}/live").status_code == 200
 
 
-def test_unknown_fields_can_be_allowed_by_the_operator(tmp_path: Path) -> None:
-    args = ["--engine", "sample", "--allow-unknown-fields", "--", "--delay", "0"]
-    with running_server(args, tmp_path) as server:
-        body = {"model": "sample-model", "prompt": "x", "max_tokens": 2, "vendor_knob": 3}
-        assert httpx.post(f"{server.base_url}/v1/completions", json=body).status_code == 200
+def test_unknown_fields_are_ignored_and_named_unless_the_operator_refuses_them(
+    tmp_path: Path,
+) -> None:
+    body = {"model": "sample-model", "prompt": "x", "max_tokens": 2, "vendor_knob": 3}
+    with running_server(["--engine", "sample", "--", "--delay", "0"], tmp_path) as server:
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-penstock-ignored-fields"] == "vendor_knob"
+        with httpx.stream(
+            "POST", f"{server.base_url}/v1/completions", json={**body, "stream": True}
+        ) as streamed:
+            assert streamed.headers["x-penstock-ignored-fields"] == "vendor_knob"
+        assert "vendor_knob" in server.log()
+    strict = ["--engine", "sample", "--no-allow-unknown-fields", "--", "--delay", "0"]
+    with running_server(strict, tmp_path) as server:
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body)
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "unknown_field"
+        assert response.json()["error"]["param"] == "vendor_knob"
 
 
 def test_version_is_served_without_a_key(tmp_path: Path) -> None:

@@ -176,3 +176,23 @@ def test_without_parsers_there_is_no_reasoning(preprocessor: Preprocessor) -> No
     deltas = feed_tokens(plain, preprocessor.encode("<think>a</think>b"))
     assert "".join(delta.text for delta in deltas) == "<think>a</think>b"
     assert plain.reasoning is None and all(delta.reasoning == "" for delta in deltas)
+
+
+def test_stop_reason_is_the_stop_string_or_stop_token_that_ended_the_choice(
+    preprocessor: Preprocessor,
+) -> None:
+    ids = preprocessor.encode("one two three")
+    assert len(ids) == len(set(ids)) >= 3
+    by_string = choice_for(preprocessor, ("two",))
+    feed_tokens(by_string, ids, finish="stop")
+    assert (by_string.finish_reason, by_string.stop_reason) == ("stop", "two")
+    by_token = choice_for(preprocessor, stop_token_ids=[ids[-1]])
+    feed_tokens(by_token, ids, finish="stop")
+    assert by_token.stop_reason == ids[-1]
+    # An end-of-sequence token is no stop the request asked for; a length is no stop.
+    by_eos = choice_for(preprocessor, stop_token_ids=[ids[0]])
+    feed_tokens(by_eos, ids, finish="eos")
+    assert (by_eos.finish_reason, by_eos.stop_reason) == ("stop", None)
+    by_length = choice_for(preprocessor, stop_token_ids=[ids[-1]])
+    feed_tokens(by_length, ids, finish="length")
+    assert by_length.stop_reason is None

@@ -121,6 +121,7 @@ def test_a_completion_whose_echo_is_unsent_is_not_text_only() -> None:
         "text": "echoa",
         "logprobs": None,
         "finish_reason": None,
+        "stop_reason": None,
     }
     assert completions.text_only(delta)
 
