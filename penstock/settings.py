@@ -6,17 +6,17 @@ Each field declares its flag, help and shown default once (:class:`~penstock.opt
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from penstock.destinations import metadata_upload_root
 from penstock.options import Option, with_also_env
+from penstock.setting_types import CsvList, FinitePositive
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "penstock"
 DEFAULT_ADMIN_TIMEOUT_S = 30.0
@@ -26,18 +26,6 @@ DEFAULT_PREPROCESS_WORKERS = 4
 MODEL_CACHE_ENV = "PENSTOCK_MODEL_CACHE"
 
 
-def _split_csv(value: object) -> object:
-    """Accept ``a,b`` or a JSON list for list settings given as one string (env vars)."""
-    if isinstance(value, str):
-        stripped = value.strip()
-        if stripped.startswith("["):
-            return json.loads(stripped)
-        return [part.strip() for part in stripped.split(",") if part.strip()]
-    return value
-
-
-CsvList = Annotated[list[str], NoDecode, BeforeValidator(_split_csv)]
-FinitePositive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 ReasoningParser = Literal["deepseek_r1", "qwen3"]
 
 

@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [
         "tracing",
         "errors",
         "settings",
+        "setting_types",
         "options",
         "destinations",
         "extras",
