@@ -9,6 +9,10 @@
   one runs is a 409.
 * ``POST /stop_profile`` -> ``Stop profiling. Trace written to <path>.``: a Chrome trace
   (``penstock-<time>.trace.json``) in ``output_dir``; none running is a 409.
+
+Admin routes, guarded here and not only by the SGLang router that includes them: the
+inference-key check knows an admin route by what the route itself declares
+(:func:`penstock.routers.security.is_admin_route`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import PlainTextResponse
 
 from penstock.errors import (
@@ -30,8 +34,9 @@ from penstock.errors import (
     clip,
 )
 from penstock.rl.fields import bool_field, invalid, json_object_body, required_str
+from penstock.routers.security import require_admin_key
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(require_admin_key)])
 
 _PROFILE_KEY = "torch_profile"
 _CPU_ACTIVITIES = frozenset({"CPU"})

@@ -39,17 +39,30 @@ def key_matches(token: str | None, keys: list[str]) -> bool:
 async def require_inference_key(request: Request) -> None:
     """App-wide dependency guarding every route with the inference keys.
 
-    Skipped for paths in ``auth_exempt_paths`` and for admin routes (tag ``admin``), which
-    check the admin keys themselves. No keys configured means open access. An admin key
-    passes too (it is the stronger credential, and sees every caller's media jobs).
+    Skipped for paths in ``auth_exempt_paths`` and for admin routes, which check the admin
+    keys themselves. No keys configured means open access. An admin key passes too (it is
+    the stronger credential, and sees every caller's media jobs).
     """
     settings = request.app.state.gateway.settings
     if not settings.api_keys:
         return
-    route = request.scope.get("route")
-    if route is not None and ADMIN_TAG in (getattr(route, "tags", None) or []):
+    if is_admin_route(request.scope.get("route")):
         return
     check_inference_key(request, request.url.path, settings)
+
+
+def is_admin_route(route: object) -> bool:
+    """Tagged ``admin`` or guarded by :func:`require_admin_key` itself.
+
+    The route is the one declared (FastAPI puts it in the scope), with its own router's
+    tags and dependencies only: one included in an admin router declares the guard too.
+    """
+    if route is None:
+        return False
+    if ADMIN_TAG in (getattr(route, "tags", None) or []):
+        return True
+    dependencies = getattr(route, "dependencies", None) or []
+    return any(dependency.dependency is require_admin_key for dependency in dependencies)
 
 
 def check_inference_key(request: Request, path: str, settings: Settings) -> None:

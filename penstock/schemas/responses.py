@@ -68,9 +68,14 @@ class FunctionCallOutputItem(_Item):
     output: str | list[InputText]
 
 
+class SummaryText(_Strict):
+    type: Literal["summary_text"]
+    text: str
+
+
 class ReasoningItem(_Item):
     type: Literal["reasoning"]
-    summary: list[dict[str, Any]] = []
+    summary: list[SummaryText] = []
 
 
 _ITEM_TAGS = {
@@ -140,6 +145,13 @@ class ReasoningOptions(_Strict):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+# OpenAI's bounds: 16 pairs, keys of at most 64 characters, values of at most 512.
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=16),
+]
+
+
 class NamedFunction(_Strict):
     type: Literal["function"]
     name: str
@@ -166,7 +178,7 @@ class ResponsesRequest(RequestModel):
     store: bool = True
     previous_response_id: str | None = None
     stream: bool = False
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
 
     @property

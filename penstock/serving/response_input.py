@@ -5,7 +5,9 @@ carried to the next turn, as OpenAI does), then the stored conversation a
 ``previous_response_id`` names, then the input items: messages as they are, each
 ``function_call`` as a tool call of an assistant message (consecutive calls in one
 message), each ``function_call_output`` as a tool message. Reasoning items are accepted
-and not rendered: chat templates drop the reasoning of earlier turns. The rest maps
+and not rendered: chat templates drop the reasoning of earlier turns; they are stored with
+the input, so their summaries together may be no longer than a prompt could be
+(:func:`reasoning_chars`). The rest maps
 field for field (``max_output_tokens`` to ``max_tokens``, ``text.format`` to
 ``response_format``, function tools to chat tools), and the chat request's own
 validation and limits apply unchanged.
@@ -25,6 +27,7 @@ from penstock.schemas.responses import (
     InputImage,
     InputText,
     MessageItem,
+    ReasoningItem,
     Refusal,
     ResponsesRequest,
     TextFormat,
@@ -54,6 +57,16 @@ def turn_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             text = output if isinstance(output, str) else "".join(p.text for p in output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
     return messages
+
+
+def reasoning_chars(body: ResponsesRequest) -> int:
+    """The characters of the input's reasoning summaries, which no prompt holds."""
+    return sum(
+        len(part.text)
+        for item in body.items
+        if isinstance(item, ReasoningItem)
+        for part in item.summary
+    )
 
 
 def _content(item: MessageItem, where: str) -> str | list[dict[str, Any]]:

@@ -35,10 +35,10 @@ from penstock.serving.deadline import request_deadline
 from penstock.serving.framing import JSONObject
 from penstock.serving.generation import Generation, usage
 from penstock.serving.guided import combine, sampling_guided_decoding, tool_call_constraint
-from penstock.serving.limits import check_budget, served_model
+from penstock.serving.limits import check_budget, check_prompt_length, served_model
 from penstock.serving.prompts import chat_prompt
 from penstock.serving.requests import engine_context, generate_request
-from penstock.serving.response_input import chat_request, turn_messages
+from penstock.serving.response_input import chat_request, reasoning_chars, turn_messages
 from penstock.serving.stream import ResponsePlan, respond
 
 # Finish reasons that leave a response incomplete, with the reason OpenAI gives.
@@ -363,6 +363,9 @@ async def create_response(
     conversation = [*await _history(body, store, owner), *turn_messages(body)]
     chat = chat_request(body, conversation)
     model = served_model(gateway, chat, "chat", "the Responses API")
+    if model.preprocessor is not None:
+        reasoning = reasoning_chars(body)
+        check_prompt_length(gateway.settings, model, model.preprocessor, reasoning, "input")
     prompt = await chat_prompt(gateway, chat, model, deadline, request, media)
     check_budget(len(prompt.token_ids), chat.max_tokens, model, "input")
     guided_decoding = combine(

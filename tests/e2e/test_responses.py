@@ -25,6 +25,7 @@ TOOL = {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
 KEY_A, KEY_B, ADMIN = "key-a", "key-b", "admin-key"
+REASONING_ITEM = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "x" * 2**21}]}
 
 
 @pytest.fixture(scope="module")
@@ -354,6 +355,17 @@ def test_sampling_extensions_pass_through(client: openai.OpenAI) -> None:
         ({"input": "Hi", "no_such_field": 1}, "no_such_field", "Unknown"),
         ({"input": "Hi", "n": 2}, "n", "not a Responses API"),
         ({"input": "Hi", "top_k": "many"}, "top_k", "integer"),
+        # OpenAI's bounds on metadata: 16 pairs, 64-character keys, 512-character values.
+        ({"input": "Hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "16"),
+        ({"input": "Hi", "metadata": {"k" * 65: "v"}}, "metadata", "64 characters"),
+        ({"input": "Hi", "metadata": {"k": "v" * 513}}, "metadata.k", "512 characters"),
+        # Reasoning items are stored, not rendered: no longer than a prompt could be.
+        ({"input": [REASONING_ITEM, {"role": "user", "content": "Hi"}]}, "input", "context"),
+        (
+            {"input": [{"type": "reasoning", "summary": [{"type": "note", "text": "x"}]}]},
+            "input[0].summary[0].type",
+            "summary_text",
+        ),
     ],
 )
 def test_bad_input_is_refused_naming_the_field(
@@ -366,3 +378,19 @@ def test_bad_input_is_refused_naming_the_field(
     assert says in error["message"], error
     # The server keeps serving.
     assert client_for(server).responses.create(model="sample-model", input="Hi").output_text
+
+
+def test_metadata_at_openais_bounds_and_a_reasoning_summary_are_taken(
+    server: ServerProcess,
+) -> None:
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    reasoning = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Rain."}]}
+    body = {"model": "sample-model", "metadata": metadata}
+    body["input"] = [reasoning, {"role": "user", "content": "Hi"}]
+    answer = raw(server).post("/v1/responses", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["metadata"] == metadata
+    items = raw(server).get(f"/v1/responses/{answer.json()['id']}/input_items").json()["data"]
+    assert [item["summary"] for item in items if item["type"] == "reasoning"] == [
+        reasoning["summary"]
+    ]
