@@ -125,6 +125,18 @@ class Settings(BaseSettings):
             "none, admin routes answer loopback clients only",
         ),
     ] = Field(default_factory=list)
+    cache_salt_by_key: Annotated[
+        bool | None,
+        Option(
+            "share cached prompt prefixes only between requests of one API key",
+            default="on with two or more inference keys",
+            negatable=True,
+            doc="salt the engine's prefix cache with the caller's API key (and its "
+            "`cache_salt`), so a key neither reuses nor learns (by `cached_tokens` or "
+            "timing) another key's cached prompts; on by default with two or more "
+            "inference keys",
+        ),
+    ] = None
     # Paths reachable without an inference key. Listed here, not implied by a prefix.
     auth_exempt_paths: Annotated[
         CsvList, Option("paths reachable without an inference key", env_only=True)

@@ -26,7 +26,12 @@ from penstock.serving.guided import combine, sampling_guided_decoding, tool_call
 from penstock.serving.limits import check_budget, served_model
 from penstock.serving.parsing import output_parsing
 from penstock.serving.prompts import chat_prompt
-from penstock.serving.requests import engine_context, generate_request, metadata_uploader
+from penstock.serving.requests import (
+    engine_context,
+    generate_request,
+    key_cache_scope,
+    metadata_uploader,
+)
 from penstock.serving.stream import ResponsePlan, respond, shows_anything
 
 
@@ -185,6 +190,7 @@ async def create_chat_completion(
         multi_modal_data=prompt.multi_modal_data,
         guided_decoding=guided_decoding,
         uploader=uploader,
+        key_scope=key_cache_scope(request),
     )
     generation = Generation(
         gateway,

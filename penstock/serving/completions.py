@@ -28,7 +28,12 @@ from penstock.serving.generation import Generation
 from penstock.serving.guided import sampling_guided_decoding
 from penstock.serving.limits import engine_capability, served_model
 from penstock.serving.prompts import completion_prompts
-from penstock.serving.requests import engine_context, generate_request, metadata_uploader
+from penstock.serving.requests import (
+    engine_context,
+    generate_request,
+    key_cache_scope,
+    metadata_uploader,
+)
 from penstock.serving.stream import ResponsePlan, respond, shows_anything
 
 
@@ -332,6 +337,7 @@ async def completion_generations(
                 logprobs=body.logprobs,
                 guided_decoding=guided_decoding,
                 uploader=uploader,
+                key_scope=key_cache_scope(request),
             ),
             engine_context(request, i if len(prompts) > 1 else None, user=body.user),
             stops=body.stop_list,

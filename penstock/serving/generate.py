@@ -62,7 +62,7 @@ from penstock.serving.generation import Generation
 from penstock.serving.guided import check_can_constrain, sampling_guided_decoding
 from penstock.serving.limits import default_model_name, engine_capability, served_model
 from penstock.serving.prompts import completion_prompts
-from penstock.serving.requests import engine_context, generate_request
+from penstock.serving.requests import engine_context, generate_request, key_cache_scope
 from penstock.serving.stream import ResponsePlan, respond
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -420,6 +420,7 @@ def _generation(
             max_tokens=body.max_tokens,
             logprobs=body.logprobs,
             guided_decoding=sampling_guided_decoding(body, model),
+            key_scope=key_cache_scope(request),
         ),
         context,
         stops=body.stop_list,

@@ -6,6 +6,7 @@ Everything here runs after the checks (:mod:`penstock.serving.limits`) and the p
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from starlette.requests import Request
@@ -162,7 +163,9 @@ def generate_request(
     multi_modal_data: dict[str, Any] | None = None,
     guided_decoding: dict[str, Any] | None = None,
     uploader: MetadataUploader | None = None,
+    key_scope: str | None = None,
 ) -> GenerateRequest:
+    """``key_scope``: the caller's :func:`key_cache_scope`, put before its ``cache_salt``."""
     request = PassthroughRequest(
         token_ids=token_ids,
         # The canonical name (aliases resolved): a LoRA engine picks the adapter by it.
@@ -179,9 +182,26 @@ def generate_request(
         request["sampling_options"]["guided_decoding"] = guided_decoding
     if body.priority:
         request["priority"] = body.priority
-    if body.cache_salt is not None:
-        request["cache_salt"] = body.cache_salt
+    salt = body.cache_salt
+    if key_scope is not None:
+        salt = key_scope if salt is None else f"{key_scope}/{salt}"
+    if salt is not None:
+        request["cache_salt"] = salt
     return request
+
+
+def key_cache_scope(request: Request) -> str | None:
+    """Where cached prefixes are kept apart by API key (``--cache-salt-by-key``, on by
+    default with two or more inference keys): the caller's key as a salt, a digest of it
+    (the key itself never reaches the engine). None otherwise, or without a key."""
+    settings: Settings = request.app.state.gateway.settings
+    by_key = settings.cache_salt_by_key
+    if by_key is None:
+        by_key = len(settings.api_keys) > 1
+    scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+    if not by_key or scheme.lower() != "bearer" or not token.strip():
+        return None
+    return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:32]
 
 
 def _engine_nvext(nvext: dict[str, Any], uploader: MetadataUploader | None) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from penstock.serving.generation import Generation, usage
 from penstock.serving.guided import combine, sampling_guided_decoding, tool_call_constraint
 from penstock.serving.limits import check_budget, check_prompt_length, served_model
 from penstock.serving.prompts import chat_prompt
-from penstock.serving.requests import engine_context, generate_request
+from penstock.serving.requests import engine_context, generate_request, key_cache_scope
 from penstock.serving.response_input import chat_request, reasoning_chars, turn_messages
 from penstock.serving.stream import ResponsePlan, respond
 
@@ -381,6 +381,7 @@ async def create_response(
         logprobs=None,
         multi_modal_data=prompt.multi_modal_data,
         guided_decoding=guided_decoding,
+        key_scope=key_cache_scope(request),
     )
     generation = Generation(
         gateway,

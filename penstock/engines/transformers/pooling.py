@@ -6,10 +6,12 @@ or decoder checkpoint as an embedding model (``AutoModel``, pooled as
 ``*ForSequenceClassification`` checkpoint (a reward model) for scoring, per the contract of
 :mod:`penstock.engines.pooling`.
 
-The inputs of every request waiting run together: sorted by length and cut into forward
-passes of at most ``--max-batch-tokens`` padded tokens, one pass at a time on a worker
-thread, so the event loop keeps serving while the model computes. A request whose client
-left is answered ``cancelled`` once its set of passes is done.
+Forward passes of at most ``--max-batch-tokens`` padded tokens run one at a time on a
+worker thread, so the event loop keeps serving while the model computes. The requests
+waiting take turns: each pass starts with the next inputs (shortest first) of the request
+whose turn it is and fills up with those of the others, so a small request waits for one
+pass of a large batch, not for all of them, and small requests still share passes. A
+request whose client left (its context stopped, or its caller gone) runs no further pass.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,22 +97,6 @@ def _task_of(asked: str, config: Any) -> str:
     return "classify" if classifies else "embed"
 
 
-def _batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Input indices grouped into passes, shortest first, each within ``max_tokens``
-    padded tokens (a single input longer than that runs alone)."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for index in order:
-        if current and lengths[index] * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current = []
-        current.append(index)
-    if current:
-        batches.append(current)
-    return batches
-
-
 def pool(
     hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, how: Pooling
 ) -> torch.Tensor:
@@ -127,10 +113,37 @@ def pool(
 
 @dataclass
 class _Waiting:
-    """One request's inputs, and the future its vectors arrive on."""
+    """One request's inputs, the future its vectors arrive on, and its inputs not run
+    yet (shortest first)."""
 
     inputs: list[list[int]]
     vectors: asyncio.Future[list[list[float]]]
+    context: Context
+    rows: list[list[float]] = field(default_factory=list)
+    left: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rows = [[] for _ in self.inputs]
+        self.left = sorted(range(len(self.inputs)), key=lambda i: len(self.inputs[i]))
+
+    @property
+    def abandoned(self) -> bool:
+        return self.vectors.done() or self.context.is_stopped()
+
+
+def next_pass(waiting: list[_Waiting], max_tokens: int) -> list[tuple[_Waiting, int]]:
+    """The inputs of the next pass: the first request's next ones, then the others', in
+    turn, within ``max_tokens`` padded tokens (one input longer than that runs alone)."""
+    picked: list[tuple[_Waiting, int]] = []
+    longest = 0
+    for request in waiting:
+        while request.left:
+            length = len(request.inputs[request.left[0]])
+            if picked and max(longest, length) * (len(picked) + 1) > max_tokens:
+                break
+            picked.append((request, request.left.pop(0)))
+            longest = max(longest, length)
+    return picked
 
 
 class TransformersPoolingEngine(LLMEngine):
@@ -147,8 +160,8 @@ class TransformersPoolingEngine(LLMEngine):
         self.context_length = 0
         self.vocab_size = 0
         self.pad_token_id: int | None = None
-        # Requests waiting for the next set of passes, and the task running them: one set
-        # at a time, since concurrent passes would only contend for the same cores.
+        # Requests with inputs to run, in turn, and the task running their passes: one
+        # pass at a time, since concurrent passes would only contend for the same cores.
         self._waiting: list[_Waiting] = []
         self._runner: asyncio.Task[None] | None = None
 
@@ -226,7 +239,7 @@ class TransformersPoolingEngine(LLMEngine):
     ) -> AsyncGenerator[PoolingChunk, None]:
         inputs = self._checked_inputs(request)
         loop = asyncio.get_running_loop()
-        waiting = _Waiting(inputs, loop.create_future())
+        waiting = _Waiting(inputs, loop.create_future(), context)
         self._waiting.append(waiting)
         if self._runner is None or self._runner.done():
             self._runner = loop.create_task(self._run_waiting())
@@ -243,33 +256,30 @@ class TransformersPoolingEngine(LLMEngine):
         }
 
     async def _run_waiting(self) -> None:
-        """While requests wait, the inputs of all that are waiting run as one set of passes
-        (a request that arrives meanwhile joins the next set)."""
+        """One pass at a time while requests wait, each starting with the next request's
+        inputs in turn; a request whose client left is dropped before the next pass."""
         while self._waiting:
-            group = [waiting for waiting in self._waiting if not waiting.vectors.done()]
-            self._waiting = []
-            inputs = [ids for waiting in group for ids in waiting.inputs]
+            for request in self._waiting:
+                if request.abandoned and not request.vectors.done():
+                    request.vectors.set_result([])
+            self._waiting = [request for request in self._waiting if not request.abandoned]
+            if not self._waiting:
+                return
+            picked = next_pass(self._waiting, self._batch_tokens())
+            # The request whose turn it was goes last: the next pass starts with another's.
+            self._waiting.append(self._waiting.pop(0))
             try:
-                rows = await self._passes(inputs)
+                rows = await asyncio.to_thread(self._forward, [r.inputs[i] for r, i in picked])
             except Exception as exc:
-                for waiting in group:
-                    if not waiting.vectors.done():
-                        waiting.vectors.set_exception(exc)
+                for request, _ in picked:
+                    if not request.vectors.done():
+                        request.vectors.set_exception(exc)
                 continue
-            start = 0
-            for waiting in group:
-                end = start + len(waiting.inputs)
-                if not waiting.vectors.done():
-                    waiting.vectors.set_result(rows[start:end])
-                start = end
-
-    async def _passes(self, inputs: list[list[int]]) -> list[list[float]]:
-        vectors: list[list[float]] = [[] for _ in inputs]
-        for batch in _batches([len(ids) for ids in inputs], self._batch_tokens()):
-            rows = await asyncio.to_thread(self._forward, [inputs[i] for i in batch])
-            for index, row in zip(batch, rows, strict=True):
-                vectors[index] = row
-        return vectors
+            for (request, index), row in zip(picked, rows, strict=True):
+                request.rows[index] = row
+            for request in {id(request): request for request, _ in picked}.values():
+                if not request.left and not request.vectors.done():
+                    request.vectors.set_result(request.rows)
 
     def _batch_tokens(self) -> int:
         # Without a pad token a classifier cannot find each row's last token in a padded

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from penstock.engines.context import Context
@@ -63,7 +64,8 @@ def test_a_chunk_beside_decoding_rows_computes_a_few_tokens_at_least() -> None:
         send=unused,
         context=1000.0,
     )
-    row = PrefillRow(None, list(range(8000)), [])  # type: ignore[arg-type]
+    submission = SimpleNamespace(wants_prompt_logits=False)
+    row = PrefillRow(submission, list(range(8000)), [])  # type: ignore[arg-type]
     prefiller.chunked.append((row, Match([], [])))
     row.computed = 6000
     # Its attention reads the prompt's KV whatever its size: one token would pay that alone.

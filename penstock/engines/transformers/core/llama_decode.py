@@ -169,8 +169,9 @@ class LlamaDecoder:
         """A decode step of the batch (``token_ids`` may be empty, ``kv`` then None)
         with, in the same pass, the next ``chunk`` of a prompt prefilled over several
         steps: every linear layer reads its weights once for both. Returns the batch's
-        logits (None without rows) and, when ``chunk.last``, the logits of the chunk's
-        last token (``[1, vocab]``)."""
+        logits (None without rows) and the chunk's: of every token of it when
+        ``chunk.every_logit``, else of its last token (``[1, vocab]``) when ``chunk.last``,
+        else None."""
         rows = token_ids.shape[0]
         inputs, all_positions = token_ids, positions
         if chunk is not None:
@@ -209,7 +210,8 @@ class LlamaDecoder:
             hidden = hidden + layer.down(F.silu(layer.gate(normed)) * layer.up(normed))
         decoded = hidden if chunk is None else hidden[:rows]
         logits = self._lm_head(self._norm(decoded, self._final_norm)) if rows else None
-        last = None
-        if chunk is not None and chunk.last:
-            last = self._lm_head(self._norm(hidden[-1:], self._final_norm))
-        return logits, last
+        chunk_logits = None
+        if chunk is not None and (chunk.last or chunk.every_logit):
+            kept = hidden[rows:] if chunk.every_logit else hidden[-1:]
+            chunk_logits = self._lm_head(self._norm(kept, self._final_norm))
+        return logits, chunk_logits

@@ -30,6 +30,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from penstock.engines.transformers.core.kv_cache import GatheredCache, KvArena, KvPair, StepKv
 from penstock.engines.transformers.core.llama_decode import LlamaDecoder
 from penstock.engines.transformers.core.prompt_kv import PromptChunk, PromptKv
+from penstock.engines.transformers.core.prompt_logprobs import PromptLogprobs
 from penstock.engines.transformers.core.sampling import TokenChoice, choose_tokens
 from penstock.engines.transformers.core.sequence import Sequence, Submission
 from penstock.engines.transformers.features.lora import BASE_ROW
@@ -123,7 +124,16 @@ class ModelRunner:
         text_config = model.config.get_text_config(decoder=True)
         self._layer_count = int(text_config.num_hidden_layers)
 
+    # Whether prompt logprobs come from the prefill's own passes (see :mod:`.prompt_logprobs`).
+    gathers_prompt_logprobs = True
+
     def new_sequences(self, submission: Submission) -> list[Sequence]:
+        """The choices of a new submission; its prompt logprobs' gathering when asked."""
+        params = submission.params
+        if params.prompt_logprobs is not None and self.gathers_prompt_logprobs:
+            submission.prompt_logprobs = PromptLogprobs(
+                submission.prompt_ids, params.prompt_logprobs, params.prompt_temperature
+            )
         return [
             Sequence.start(submission, i, device=self.device, vocab_size=self.vocab_size)
             for i in range(submission.params.n)
@@ -162,15 +172,19 @@ class ModelRunner:
         cache = self._prompt_cache(row)
         start = row.computed
         token_ids = torch.tensor(row.tokens[start:end], device=self.device)
-        prompt_chunk = PromptChunk(token_ids, start, cache, end == len(row.tokens))
+        every_logit = row.submission.wants_prompt_logits
+        prompt_chunk = PromptChunk(token_ids, start, cache, end == len(row.tokens), every_logit)
         step, positions, tokens = self._decode_inputs(rows)
-        logits, last = self.decoder.step(tokens, positions, step, prompt_chunk)
+        logits, chunk_logits = self.decoder.step(tokens, positions, step, prompt_chunk)
         choices = self._decoded(rows, logits)
         row.computed = end
-        if last is None:
+        if every_logit:
+            self._gather_prompt_logprobs(row, start, chunk_logits)
+        if not prompt_chunk.last:
             return choices, None
+        assert chunk_logits is not None
         layers = [(layer.keys, layer.values) for layer in cache.layers]
-        return choices, self._first_tokens(row, last, layers)
+        return choices, self._first_tokens(row, chunk_logits[-1:], layers)
 
     def _decode_inputs(
         self, rows: list[Sequence]
@@ -214,13 +228,17 @@ class ModelRunner:
         its whole KV (its sequences' KV lengths set). A row with a cached prefix is
         prefilled alone, its prefix's KV given to the model as the cache."""
         longest = max(len(row.tokens) - row.prefix_length for row in rows)
+        # A row keeping every logit is prefilled alone (:func:`.prefill_plan.prefill_groups`).
+        every_logit = rows[0].submission.wants_prompt_logits
         output = self.model(
             **self._prefill_inputs(rows, longest),
             **cache_argument(self._prefix_cache(rows[0])),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if every_logit else 1,
             **self._adapter_names(row.submission for row in rows),
         )
+        if every_logit:
+            self._gather_prompt_logprobs(rows[0], rows[0].prefix_length, output.logits[0])
         return [self._prefilled(output, index, row) for index, row in enumerate(rows)]
 
     def prefill_chunk(self, row: PrefillRow, end: int) -> Prefilled | None:
@@ -229,18 +247,30 @@ class ModelRunner:
         reaches its last token, else None."""
         cache = self._prompt_cache(row)
         start = row.computed
+        every_logit = row.submission.wants_prompt_logits
         output = self.model(
             input_ids=torch.tensor([row.tokens[start:end]], device=self.device),
             position_ids=torch.arange(start, end, device=self.device).unsqueeze(0),
             **cache_argument(cache),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if every_logit else 1,
             **self._adapter_names([row.submission]),
         )
+        if every_logit:
+            self._gather_prompt_logprobs(row, start, output.logits[0])
         row.computed = end
         if end < len(row.tokens):
             return None
         return self._prefilled(output, 0, row)
+
+    def _gather_prompt_logprobs(
+        self, row: PrefillRow, start: int, logits: torch.Tensor | None
+    ) -> None:
+        """Reduce the logits ``[tokens, vocab]`` of ``row``'s positions from ``start`` on
+        to its prompt logprobs."""
+        gathering = row.submission.prompt_logprobs
+        assert gathering is not None and logits is not None
+        gathering.add(start, logits)
 
     def _prompt_cache(self, row: PrefillRow) -> PromptKv:
         """The KV ``row``'s chunks are computed over, as long as its prompt; its cached

@@ -26,6 +26,7 @@ from penstock.engines.transformers.core.block_manager import (
 from penstock.engines.transformers.core.chunk_pacing import LEAST_CHUNK_TOKENS
 from penstock.engines.transformers.core.kv_cache import KvArena, KvPair
 from penstock.engines.transformers.core.model_runner import ModelRunner, Prefilled, PrefillRow
+from penstock.engines.transformers.core.prompt_logprobs import PROMPT_LOGPROB_CHUNK
 from penstock.engines.transformers.core.sampling import TokenChoice
 from penstock.engines.transformers.core.sequence import Sequence, Submission
 
@@ -100,6 +101,8 @@ def prefill_groups(
             group, heads, longest = [], set(), 0
         row, match = claim(submission, tokens, sequences)
         alone = row.prefix_kv is not None or submission.embed is not None
+        # A row keeping every logit must not hold the other rows' logits too.
+        alone = alone or submission.wants_prompt_logits
         fits = (len(group) + 1) * max(longest, len(tokens)) <= PREFILL_BATCH_TOKENS
         if group and (alone or not fits):
             yield group
@@ -123,10 +126,11 @@ def claim_blocks(
 ) -> Claimed:
     """Hold the blocks of ``tokens`` for ``sequences``; the row to prefill (its matched
     prefix's KV read from ``arena``) and its match."""
-    if submission.embed is None:
+    if submission.embed is None and not submission.wants_prompt_logits:
         match = pool.match(tokens, submission.kv_salt)
     else:
-        # Image features are not in the token ids the blocks are named by.
+        # Image features are not in the token ids the blocks are named by; a prompt whose
+        # logprobs are asked for computes every token's logits.
         match = Match([], [])
     full = len(tokens) // BLOCK_SIZE
     partial = 1 if len(tokens) % BLOCK_SIZE else 0
@@ -146,6 +150,14 @@ def claim_blocks(
         ids = [block.block_id for block in match.blocks]
         prefix_kv = arena.read(arena.slots(ids, 0, match.tokens))
     return PrefillRow(submission, tokens, sequences, prefix_kv), match
+
+
+def _logits_bound(row: PrefillRow, end: int) -> int:
+    """``end``, or less for a row keeping every logit: its chunk's logits are held at once
+    (:data:`.prompt_logprobs.PROMPT_LOGPROB_CHUNK` tokens at most)."""
+    if row.submission.wants_prompt_logits:
+        return min(end, row.computed + PROMPT_LOGPROB_CHUNK)
+    return end
 
 
 class Prefiller:
@@ -194,7 +206,8 @@ class Prefiller:
         entry = self.chunked[0]
         row = entry[0]
         end = chunk_end(row.computed, len(row.tokens), budget, self.context)
-        return entry, max(end, min(row.computed + LEAST_CHUNK_TOKENS, len(row.tokens)))
+        end = max(end, min(row.computed + LEAST_CHUNK_TOKENS, len(row.tokens)))
+        return entry, _logits_bound(row, end)
 
     def computed(
         self, entry: Claimed, prefilled: Prefilled | None, joined: list[Joined], outbox: Outbox
@@ -222,7 +235,8 @@ class Prefiller:
         for group in prefill_groups(rows, self._claim):
             row = group[0][0]
             if len(group) == 1 and row.submission.embed is None:
-                if len(row.tokens) - row.computed > budget:
+                whole = len(row.tokens)
+                if whole - row.computed > budget or _logits_bound(row, whole) < whole:
                     self.chunked.append(group[0])
                     if chunks:
                         budget = self._chunks(budget, joined, outbox)
@@ -266,7 +280,7 @@ class Prefiller:
             if budget < 1:
                 break
             row, match = entry
-            end = chunk_end(row.computed, len(row.tokens), budget, self.context)
+            end = _logits_bound(row, chunk_end(row.computed, len(row.tokens), budget, self.context))
             budget -= chunk_cost(row.computed, end - row.computed, self.context)
             done = self.runner.prefill_chunk(row, end)
             self._store_computed(row, match)

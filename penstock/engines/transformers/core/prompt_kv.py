@@ -71,12 +71,15 @@ class PromptKv(DynamicCache):
 @dataclass
 class PromptChunk:
     """Prompt tokens ``token_ids`` at positions ``start`` on, computed over ``cache`` (which
-    holds the ``start`` tokens before them); ``last``: they end the prompt."""
+    holds the ``start`` tokens before them); ``last``: they end the prompt;
+    ``every_logit``: each token's logits are kept, not only the last one's (the prompt's
+    logprobs are asked for)."""
 
     token_ids: torch.Tensor
     start: int
     cache: PromptKv
     last: bool
+    every_logit: bool = False
 
     @property
     def positions(self) -> torch.Tensor:

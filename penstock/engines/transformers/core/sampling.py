@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from penstock.engines.transformers.core.prompt_logprobs import check_prompt_logprobs_cost
 from penstock.engines.transformers.features.constraints import (
     GuidedSpec,
     SequenceConstraint,
@@ -174,6 +175,9 @@ def parse_sampling_params(
     if ignore_eos is not None and not isinstance(ignore_eos, bool):
         raise ValueError("stop_conditions.ignore_eos must be a boolean")
     logprobs = _top_count(output, "logprobs")
+    prompt_logprobs = _top_count(output, "prompt_logprobs")
+    if prompt_logprobs is not None:
+        check_prompt_logprobs_cost(prompt_len, prompt_logprobs)
     seed = sampling.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"sampling_options.seed must be an integer, got {seed!r}")
@@ -201,7 +205,7 @@ def parse_sampling_params(
         stop_token_ids=stop_ids,
         ignore_eos=bool(ignore_eos),
         logprobs=logprobs,
-        prompt_logprobs=_top_count(output, "prompt_logprobs"),
+        prompt_logprobs=prompt_logprobs,
         prompt_temperature=_number(
             output, "prompt_logprobs_temperature", "output_options", 1.0, 1e-6, 100.0
         ),

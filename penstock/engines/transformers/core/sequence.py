@@ -16,6 +16,7 @@ import torch
 
 from penstock.engines.context import Context
 from penstock.engines.transformers.core.block_manager import BLOCK_SIZE, Block
+from penstock.engines.transformers.core.prompt_logprobs import PromptLogprobs
 from penstock.engines.transformers.core.sampling import (
     PenaltyState,
     RowSampling,
@@ -59,6 +60,14 @@ class Submission:
     sequences: list[Sequence] = field(default_factory=list)
     # Prompt tokens whose KV came from the prefix cache at the first prefill.
     cached_tokens: int | None = None
+    # vLLM's ``prompt_logprobs``, gathered as the prompt's chunks are computed; None when
+    # not asked for (or, in ``--deterministic`` mode, recomputed by the trainer's pass).
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether its prefill keeps every prompt token's logits (see :mod:`.prompt_logprobs`)."""
+        return self.prompt_logprobs is not None and not self.prompt_logprobs.complete
 
     @property
     def kv_salt(self) -> tuple[str | None, str | None]:

@@ -10,7 +10,8 @@ a shorter and a longer sequence.
 
 :func:`forward_logprobs` is the trainer's pass: one sequence, no padding, no cache, the
 live model (and the request's LoRA adapter). It gives prompt logprobs
-(:func:`prompt_logprobs`, vLLM's ``prompt_logprobs``) in every mode.
+(:func:`prompt_logprobs`, vLLM's ``prompt_logprobs``) in ``--deterministic`` mode; else
+they are gathered from the prefill's own passes, chunk by chunk (:mod:`.prompt_logprobs`).
 
 ``--deterministic`` (:class:`DeterministicRunner`) makes a request's output its own:
 
@@ -127,8 +128,11 @@ class OutgoingChunks:
         params = seq.submission.params
         first_chunk = seq.index == 0 and len(seq.output_ids) == 1 and bool(chunk["token_ids"])
         if params.prompt_logprobs is not None and first_chunk:
-            chunk["prompt_logprobs"] = prompt_logprobs(
-                self.runner, seq.submission, params.prompt_logprobs
+            gathered = seq.submission.prompt_logprobs
+            chunk["prompt_logprobs"] = (
+                prompt_logprobs(self.runner, seq.submission, params.prompt_logprobs)
+                if gathered is None
+                else gathered.entries
             )
         runner = self.runner
         if last and isinstance(runner, DeterministicRunner):
@@ -176,6 +180,9 @@ class OutgoingChunks:
 class DeterministicRunner(ModelRunner):
     """Forward passes of one sequence each: every decode row over its own KV cache,
     every prompt alone and whole (see the module's docstring)."""
+
+    # Prompt logprobs come from the trainer's pass over the whole prompt, as every logprob.
+    gathers_prompt_logprobs = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
