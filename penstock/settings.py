@@ -313,9 +313,8 @@ class Settings(BaseSettings):
     http_keepalive_timeout_s: Annotated[float, Option("idle pooled media fetch connection")] = (
         Field(15.0, gt=0)
     )
-    # Media parts of chat requests (image_url, input_audio, audio_url), fetched and decoded
-    # by the gateway before the engine sees the request; each item is also bounded by
-    # media_fetch_max_mb (downloads) or media_max_data_url_mb (data: URLs).
+    # Media parts of chat requests, fetched and decoded before the engine sees the request;
+    # each item also within media_fetch_max_mb (downloads) or media_max_data_url_mb (data:).
     media_max_images_per_request: Annotated[
         int, Option("image parts one chat request may carry; more get 400")
     ] = Field(16, ge=0)
@@ -505,8 +504,7 @@ class Settings(BaseSettings):
             raise ValueError(f"the OTLP endpoint must be an http:// or https:// URL, got {value!r}")
         return value
 
-    # Unpickle weight payloads (update_weights_from_tensor as verl/slime send them): an
-    # admin key is not a licence to run code, so the operator opts in.
+    # Unpickling a weight payload runs code, which an admin key does not license: opt-in.
     trust_weight_payloads: Annotated[
         bool,
         Option(
@@ -566,9 +564,6 @@ class Settings(BaseSettings):
         float,
         Option("seconds the fleet stays above its target before autoscaling adds a replica"),
     ] = Field(default=30.0, ge=0)
-    # Routing (penstock.ray.routing): a request without a session key is keyed by this many
-    # leading prompt tokens (0: not keyed); the replica its key prefers is taken unless it
-    # has more than ray_affinity_max_imbalance ongoing requests beyond the least loaded.
     ray_affinity_prefix_tokens: Annotated[
         int,
         Option(
