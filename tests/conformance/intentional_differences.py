@@ -45,8 +45,10 @@ _GUIDED = (
     "ignores them and generates freely."
 )
 _PREFIX_CACHE = (
-    "Penstock reports usage.prompt_tokens_details.cached_tokens (its prefix cache's hits) "
-    "as OpenAI does; vLLM sends null unless started with --enable-prompt-tokens-details."
+    "Penstock reports the prompt tokens its prefix cache served (chat and completions: "
+    "usage.prompt_tokens_details.cached_tokens; Responses: "
+    "usage.input_tokens_details.cached_tokens) as OpenAI does; vLLM sends null, or 0 in "
+    "Responses, unless started with --enable-prompt-tokens-details."
 )
 _WEIGHT_VERSION = (
     "Penstock stamps each answer and choice with the weight version(s) that produced it, "
@@ -79,7 +81,9 @@ INTENTIONAL_DIFFERENCES: tuple[IntentionalDifference, ...] = (
     IntentionalDifference("bad-chat-guided-json-bad", "status", "", _GUIDED),
     IntentionalDifference("*", "type", "*usage.prompt_tokens_details", _PREFIX_CACHE),
     IntentionalDifference("*", "extra", "*usage.prompt_tokens_details", _PREFIX_CACHE),
-    IntentionalDifference("*", "extra", "*weight_version", _WEIGHT_VERSION),
+    IntentionalDifference(
+        "responses-*", "value", "*usage.input_tokens_details.cached_tokens", _PREFIX_CACHE
+    ),
     IntentionalDifference("*", "extra", "*choices[].weight_versions", _WEIGHT_VERSION),
     IntentionalDifference(
         "health",

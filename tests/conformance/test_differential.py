@@ -1,6 +1,9 @@
 """Penstock against vLLM's own server, request by request: the same statuses, key paths and
 types, SSE framing, and for greedy generations the same texts, token ids and logprobs.
-Differences Penstock makes on purpose are listed in ``intentional_differences.py``."""
+Differences Penstock makes on purpose are listed in ``intentional_differences.py``.
+
+(Not named ``test_vllm_*.py``: ai-dynamo's pytest plugin leaves such files uncollected
+wherever ``vllm`` does not import, and it does not in the test environment.)"""
 
 from __future__ import annotations
 
