@@ -18,8 +18,8 @@ from tests.support.server import REPO_ROOT, ServerProcess, free_port, start_serv
 SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 # SmolLM2 speaks ChatML, whose tool-call convention is Hermes' <tool_call> blocks.
 TOOL_CALL_PARSER = "hermes"
-# The first start converts the default model; vLLM's first start compiles its graphs
-# (about 150 s on a quiet machine, more on a busy one).
+# The first start converts the default model and builds Penstock's CPU kernels; vLLM's
+# start imports for a minute or two on a busy machine.
 READY_TIMEOUT_S = 900.0
 
 
@@ -59,6 +59,10 @@ def start_vllm(python: Path, model_dir: Path, log_dir: Path) -> ServerProcess:
         str(port),
         "--served-model-name",
         SERVED_MODEL_NAME,
+        # Eager: the same tokens and logprobs as its compiled graphs, without the minutes
+        # torch.compile takes at every start (vLLM 0.32's CPU build fails to load its
+        # compile cache and compiles again).
+        "--enforce-eager",
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         TOOL_CALL_PARSER,
