@@ -90,8 +90,7 @@ INTENTIONAL_DIFFERENCES: tuple[IntentionalDifference, ...] = (
         "body",
         "",
         "Penstock's /health reports the engine's and the admin plane's state as JSON "
-        "(deployments and the RL admin read it); vLLM answers an empty 200. Both answer 503 "
-        "when the engine is dead.",
+        "(deployments and the RL admin read it); vLLM answers an empty 200.",
     ),
     IntentionalDifference(
         "bad-chat-bad-role",
