@@ -25,7 +25,7 @@ _VARYING_KEYS = frozenset(
 )
 # Objects whose keys are data (tokens, token ids), not field names.
 _MAP_PATHS = (
-    re.compile(r"choices\[\]\.logprobs\.top_logprobs\[\]$"),
+    re.compile(r"logprobs\.top_logprobs\[\]$"),
     re.compile(r"prompt_logprobs\[\]$"),
     re.compile(r"(^|\.)metadata$"),
 )
@@ -137,6 +137,9 @@ def value_differences(vllm: Any, penstock: Any, path: str = "") -> Iterator[Diff
     if json_type(vllm) != json_type(penstock):
         return
     if isinstance(vllm, dict):
+        if _is_map(path) and vllm.keys() != penstock.keys():
+            detail = f"vLLM keys {sorted(vllm)}, Penstock keys {sorted(penstock)}"
+            yield Difference("value", path, detail)
         for key in vllm.keys() & penstock.keys():
             if key not in _VARYING_KEYS:
                 yield from value_differences(vllm[key], penstock[key], _join(path, key))
@@ -147,6 +150,11 @@ def value_differences(vllm: Any, penstock: Any, path: str = "") -> Iterator[Diff
             yield from value_differences(theirs, ours, f"{path}[{index}]")
     elif not _same_value(vllm, penstock):
         yield Difference("value", path, f"vLLM {vllm!r}, Penstock {penstock!r}")
+
+
+def _is_map(path: str) -> bool:
+    generic = re.sub(r"\[\d+\]", "[]", path)
+    return any(pattern.search(generic) for pattern in _MAP_PATHS)
 
 
 def _join(path: str, key: str) -> str:
