@@ -83,6 +83,7 @@ from penstock.engines.transformers.features.vision import (
     load_vision_model,
 )
 from penstock.engines.transformers.generation_config import load_sampling_defaults
+from penstock.engines.transformers.kernels.loader import run_cancellable
 from penstock.engines.transformers.kernels.paged_attention import load_attention_kernel
 from penstock.engines.transformers.telemetry import TransformersTelemetry
 from penstock.engines.transformers.weights.checkpoint import (
@@ -254,7 +255,7 @@ class TransformersEngine(
         self.model = await asyncio.to_thread(
             self._load_model, self.model_path, dtype=self.dtype, device=self.device
         )
-        await asyncio.to_thread(self._choose_cpu_weights, config)
+        await run_cancellable(self._choose_cpu_weights, config)
         text_config = self.model.config.get_text_config(decoder=True)
         self.context_length = context_length(
             self.args.max_model_len, getattr(text_config, "max_position_embeddings", None)
