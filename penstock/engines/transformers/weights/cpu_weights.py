@@ -6,9 +6,9 @@ bfloat16: widening bfloat16 to float32 is exact (a 16-bit shift), so a kernel th
 each weight in registers and multiplies in float32 computes what the float32 model
 computes, up to the order of the additions, while reading half the bytes. PyTorch has
 no such kernel (its bfloat16 matmul also rounds the activations to bfloat16), so a small
-AVX-512 one (``kernels/cpu_linear.h``) is compiled on first use with
-``torch.utils.cpp_extension`` into the model cache folder (~40 s once, then loaded from
-disk). Where it can't be built or run, weights stay float32.
+AVX-512 one (``kernels/cpu_linear.h``) is compiled on first use by ``kernels/loader``
+into the model cache folder (90 CPU seconds once, then loaded from disk). Where it can't
+be built or run, weights stay float32.
 
 ``pack_model`` turns the model's ``nn.Linear`` and ``nn.Embedding`` modules into the
 subclasses below in place: parameter names and objects stay, only their storage becomes
