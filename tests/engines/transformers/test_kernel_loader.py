@@ -69,6 +69,9 @@ def test_the_first_start_says_it_builds_and_later_ones_load_silently(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=LOADER)
+    name = build_name("penstock_probe", ["probe.cpp"], PROBE_DIR)
+    # What a build killed with its process (SIGKILL) leaves behind.
+    (tmp_path / "torch_extensions" / f"{name}.building.x1y2" / "obj").mkdir(parents=True)
     probe = load_extension(
         "penstock_probe", ["probe.cpp"], [], tmp_path, build_cpu_s=1, folder=PROBE_DIR
     )
@@ -84,7 +87,6 @@ def test_the_first_start_says_it_builds_and_later_ones_load_silently(
     )
     assert again.answer() == 42 and caplog.records == []
     # Only the library stays: the staging folder and the compiler's files are gone.
-    name = build_name("penstock_probe", ["probe.cpp"], PROBE_DIR)
     kept = sorted(path.name for path in (tmp_path / "torch_extensions").rglob("*"))
     assert kept == sorted([name, f"{name}.lock", f"{name}.so"])
 

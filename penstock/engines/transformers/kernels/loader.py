@@ -224,6 +224,9 @@ def _build(
         library.parent.parent,
     )
     started = time.monotonic()
+    # Under the lock, a staging folder of this build is a killed process's leftover.
+    for leftover in library.parent.parent.glob(f"{full_name}.building.*"):
+        shutil.rmtree(leftover, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f"{full_name}.building.", dir=library.parent.parent))
     try:
         _run_build(full_name, sources, flags, staging)
