@@ -91,7 +91,7 @@ from penstock.engines.transformers.weights.checkpoint import (
     check_checkpoint_folder,
     load_model,
 )
-from penstock.engines.transformers.weights.cpu_weights import load_kernel, pack_model
+from penstock.engines.transformers.weights.cpu_weights import kernel_for_weights, pack_model
 from penstock.engines.transformers.weights.gguf_weights import (
     decode_from_gguf_blocks,
     restore_gguf_blocks,
@@ -360,9 +360,7 @@ class TransformersEngine(
             choice = "bfloat16" if str(stored).removeprefix("torch.") == "bfloat16" else "float32"
         if choice not in ("bfloat16", "int8", "gguf"):
             return
-        failure = load_kernel(self.args.model_cache_dir)
-        if failure is not None:
-            logger.warning("weights stay float32 (--cpu-weight-dtype): %s", failure)
+        if not kernel_for_weights(self.args.model_cache_dir):
             return
         pack_model(self.model, int8=choice == "int8", activations=self.args.cpu_activation_dtype)
         self.bf16_weights = True

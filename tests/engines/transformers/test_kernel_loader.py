@@ -12,18 +12,20 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from penstock.engines.transformers.kernels import paged_attention
+from penstock.engines.transformers.kernels import loader, paged_attention
 from penstock.engines.transformers.kernels.loader import (
     KernelBuildError,
     build_name,
     load_extension,
     source_files,
 )
+from penstock.engines.transformers.weights import cpu_weights
 from tests.support.server import REPO_ROOT
 
 PROBE_DIR = Path(__file__).parent / "kernel_probe"
@@ -132,12 +134,18 @@ def test_without_a_compiler_one_warning_says_what_is_lost(
         load_extension(
             "penstock_probe", ["probe.cpp"], [], tmp_path, build_cpu_s=1, folder=PROBE_DIR
         )
-    monkeypatch.setattr(paged_attention, "_kernel", None)
-    monkeypatch.setattr(paged_attention, "_failure", None)
+    # A process that loaded no kernel yet, as a server's start is.
+    monkeypatch.setattr(loader, "_compiler_reported", threading.Event())
+    for module in (paged_attention, cpu_weights):
+        monkeypatch.setattr(module, "_kernel", None)
+        monkeypatch.setattr(module, "_failure", None)
     caplog.set_level(logging.INFO)
     assert paged_attention.load_attention_kernel(tmp_path) is not None
-    warnings = [record for record in caplog.records if record.levelno >= logging.WARNING]
+    assert not cpu_weights.kernel_for_weights(tmp_path)
+    warnings = [
+        record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING
+    ]
     assert len(warnings) == 1
-    assert "no C++ compiler" in warnings[0].getMessage()
-    assert "padded batch" in warnings[0].getMessage()
-    assert not paged_attention.kernel_ready()
+    assert "no C++ compiler" in warnings[0]
+    assert "padded batch" in warnings[0] and "weights stay float32" in warnings[0]
+    assert not paged_attention.kernel_ready() and cpu_weights._kernel is None

@@ -58,6 +58,10 @@ class KernelBuildError(Exception):
     """A kernel could not be built; the message says why in a line or a few."""
 
 
+class CompilerMissing(KernelBuildError):
+    """No C++ compiler: none of the kernels can be built."""
+
+
 class BuildCancelled(BaseException):
     """The start that asked for the build was stopped. A ``BaseException``, like
     ``CancelledError``, so that a caller's fallback for a failed build lets it through."""
@@ -86,6 +90,24 @@ class _BuildScope:
             self.cancelled = True
             for child in self._children:
                 _kill_group(child)
+
+
+_compiler_reported = threading.Event()
+_NO_COMPILER_COST = (
+    "decode attention copies each row's KV into a padded batch and weights stay float32: "
+    "the same results, slower decoding"
+)
+
+
+def report_missing_compiler(exc: CompilerMissing) -> None:
+    """Log, once per process, the one warning that names all a missing compiler costs."""
+    if not _compiler_reported.is_set():
+        _compiler_reported.set()
+        logger.warning("the CPU kernels cannot be built, %s; %s", exc, _NO_COMPILER_COST)
+
+
+def compiler_missing_reported() -> bool:
+    return _compiler_reported.is_set()
 
 
 _scope: contextvars.ContextVar[_BuildScope | None] = contextvars.ContextVar(
@@ -216,7 +238,7 @@ def _build(
 ) -> None:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        raise KernelBuildError(f"no C++ compiler ({compiler!r} is not on PATH; CXX names it)")
+        raise CompilerMissing(f"no C++ compiler ({compiler!r} is not on PATH; CXX names it)")
     logger.info(
         "building CPU kernel %s for this CPU (first start only, about %.0f s) into %s",
         full_name,

@@ -24,7 +24,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from penstock.engines.transformers.kernels.loader import load_extension
+from penstock.engines.transformers.kernels.loader import (
+    CompilerMissing,
+    load_extension,
+    report_missing_compiler,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,10 @@ def load_attention_kernel(cache_dir: Path) -> str | None:
         name = _EXTENSION_NAME + ("_avx512" if "-mavx512f" in flags else "")
         try:
             kernel = load_extension(name, _SOURCES, flags, cache_dir, build_cpu_s=_BUILD_CPU_S)
+        except CompilerMissing as exc:
+            _failure = f"the paged attention kernel could not be built: {exc}"
+            report_missing_compiler(exc)
+            return _failure
         except Exception as exc:
             _failure = f"the paged attention kernel could not be built: {exc}"
             logger.warning(

@@ -36,7 +36,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from penstock.engines.transformers.kernels.loader import load_extension
+from penstock.engines.transformers.kernels.loader import (
+    CompilerMissing,
+    compiler_missing_reported,
+    load_extension,
+    report_missing_compiler,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +94,22 @@ def load_kernel(cache_dir: Path) -> str | None:
             if not torch.allclose(got, expected, atol=1e-5):
                 raise RuntimeError("the int8 kernel's result differs from torch's")
         except Exception as exc:
+            if isinstance(exc, CompilerMissing):
+                report_missing_compiler(exc)
             _failure = f"the bfloat16 kernel could not be built: {exc}"
             return _failure
         _kernel = kernel
         return None
+
+
+def kernel_for_weights(cache_dir: Path) -> bool:
+    """``load_kernel`` for the weights the engine asked for; when it fails, says that they
+    stay float32: a warning, unless the one warning of a missing compiler said so."""
+    failure = load_kernel(cache_dir)
+    if failure is not None:
+        level = logging.INFO if compiler_missing_reported() else logging.WARNING
+        logger.log(level, "weights stay float32 (--cpu-weight-dtype): %s", failure)
+    return failure is None
 
 
 def has_avx512_bf16() -> bool:
