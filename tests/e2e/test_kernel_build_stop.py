@@ -76,6 +76,9 @@ def test_a_sigterm_during_the_first_kernel_build_ends_the_server_promptly(
     finally:
         if server.process.poll() is None:
             server.stop(signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in build) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not [pid for pid in build if alive(pid)]
     log = server.log()
     assert "told to stop while the engine was starting" in log

@@ -9,9 +9,9 @@ build folder records its venv's include paths, so two venvs sharing one cache fo
 rebuilt it on every alternate start; here a second venv with the same torch loads the
 first one's library as it is.
 
-The compiler runs in a child process of its own process group (``build.py``, which calls
+The compiler runs under a child process of its own session (``build.py``, which calls
 ``cpp_extension.load`` into a private staging folder), so a start stopped mid-build (see
-:func:`run_cancellable`) kills it at once instead of waiting a minute for it to finish.
+:func:`run_cancellable`) kills them all at once instead of waiting a minute for them.
 The finished library is moved into place in one rename, under a file lock that makes a
 second process starting at the same time wait for the first's build and then load it.
 """
@@ -79,7 +79,7 @@ class _BuildScope:
         with self._lock:
             self._children.add(child)
             if self.cancelled:
-                _kill_group(child)
+                _kill_build(child)
 
     def untrack(self, child: subprocess.Popen[bytes]) -> None:
         with self._lock:
@@ -89,7 +89,7 @@ class _BuildScope:
         with self._lock:
             self.cancelled = True
             for child in self._children:
-                _kill_group(child)
+                _kill_build(child)
 
 
 _compiler_reported = threading.Event()
@@ -286,7 +286,7 @@ def _run_build(full_name: str, sources: list[Path], flags: list[str], staging: P
             if scope is not None:
                 scope.untrack(child)
             if child.poll() is None:
-                _kill_group(child)
+                _kill_build(child)
                 child.wait()
         if scope is not None and scope.cancelled:
             raise BuildCancelled
@@ -297,7 +297,22 @@ def _run_build(full_name: str, sources: list[Path], flags: list[str], staging: P
             raise KernelBuildError(f"the build of {full_name} failed (exit {code}):\n{tail}")
 
 
-def _kill_group(child: subprocess.Popen[bytes]) -> None:
-    # The child leads a process group of its own: ninja and the compiler go with it.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.pid, signal.SIGKILL)
+def _kill_build(child: subprocess.Popen[bytes]) -> None:
+    """Kill the build: every process of the child's session. ninja runs each compiler in
+    a process group of its own, so killing the child's group would leave them running."""
+    # Twice: ninja may have started a compiler between the first pass's reads and kills.
+    for _ in range(2):
+        for pid in _session_members(child.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _session_members(session: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == session:
+                    members.append(int(entry.name))
+    return members
