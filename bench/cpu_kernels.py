@@ -2,7 +2,7 @@
 
 Every linear weight of the default model (30 layers of q, k, v, o, gate, up, down, and the
 tied output layer), each variant built from the real bfloat16 weights, called in model
-order with 1 and 16 rows at one thread: float32 weights (MKL), the AVX-512 kernels of
+order with 1 and 16 rows at one thread: float32 weights (MKL), the hand kernels of
 ``cpu_weights`` (bfloat16, int8 with one scale per 64 weights), the lossless GGUF-block
 kernels of ``gguf_weights`` (Q4_1 linears, Q8_0 output layer), both hand kernels also with
 bfloat16 activations (``--cpu-activation-dtype bfloat16``: x rounded, ``vdpbf16ps``;
@@ -120,7 +120,7 @@ def main() -> int:
     torch.set_num_threads(1)
     failure = cpu_weights.load_kernel(default_model_cache_dir())
     if failure is not None:
-        print(f"the AVX-512 kernels are unavailable: {failure}")
+        print(f"the hand kernels are unavailable: {failure}")
         return 1
     state = load_file(str(default_model_cache_dir() / DEFAULT_MODEL_NAME / "model.safetensors"))
     weights = [(n, w) for n, w in state.items() if w.dim() == 2 and "embed" not in n]

@@ -83,6 +83,7 @@ from penstock.engines.transformers.features.vision import (
     load_vision_model,
 )
 from penstock.engines.transformers.generation_config import load_sampling_defaults
+from penstock.engines.transformers.kernels.loader import run_cancellable
 from penstock.engines.transformers.kernels.paged_attention import load_attention_kernel
 from penstock.engines.transformers.telemetry import TransformersTelemetry
 from penstock.engines.transformers.weights.checkpoint import (
@@ -90,7 +91,7 @@ from penstock.engines.transformers.weights.checkpoint import (
     check_checkpoint_folder,
     load_model,
 )
-from penstock.engines.transformers.weights.cpu_weights import load_kernel, pack_model
+from penstock.engines.transformers.weights.cpu_weights import kernel_for_weights, pack_model
 from penstock.engines.transformers.weights.gguf_weights import (
     decode_from_gguf_blocks,
     restore_gguf_blocks,
@@ -254,7 +255,7 @@ class TransformersEngine(
         self.model = await asyncio.to_thread(
             self._load_model, self.model_path, dtype=self.dtype, device=self.device
         )
-        await asyncio.to_thread(self._choose_cpu_weights, config)
+        await run_cancellable(self._choose_cpu_weights, config)
         text_config = self.model.config.get_text_config(decoder=True)
         self.context_length = context_length(
             self.args.max_model_len, getattr(text_config, "max_position_embeddings", None)
@@ -359,9 +360,7 @@ class TransformersEngine(
             choice = "bfloat16" if str(stored).removeprefix("torch.") == "bfloat16" else "float32"
         if choice not in ("bfloat16", "int8", "gguf"):
             return
-        failure = load_kernel(self.args.model_cache_dir)
-        if failure is not None:
-            logger.warning("weights stay float32 (--cpu-weight-dtype): %s", failure)
+        if not kernel_for_weights(self.args.model_cache_dir):
             return
         pack_model(self.model, int8=choice == "int8", activations=self.args.cpu_activation_dtype)
         self.bf16_weights = True

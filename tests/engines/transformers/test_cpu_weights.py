@@ -302,3 +302,24 @@ def test_bf16_activations_round_x_once(kernel: None, rows: int, width: int) -> N
         torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
         decode_linear = cpu_weights.row_linear(layer, max_rows=64)
         torch.testing.assert_close(decode_linear(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_cpu_with_avx2_or_avx512_gets_the_kernels() -> None:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith(("AVX2", "AVX512")):
+        pytest.skip(f"torch reports {capability}")
+    assert cpu_weights.load_kernel(default_model_cache_dir()) is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16, 64])
+def test_kernel_widens_the_weights_exactly_at_a_real_width(kernel: None, rows: int) -> None:
+    # SmolLM2's down_proj shape: the sums differ from torch's only in their order, so
+    # both stay as close to the float64 result of the widened weights.
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 1536)
+    weight = (torch.randn(579, 1536) / 40).bfloat16()
+    exact = F.linear(x.double(), weight.double())
+    ours = cpu_weights.bf16_weight_kernel(False, 1536)(x, weight).double()
+    torchs = F.linear(x, weight.float()).double()
+    bound = max((torchs - exact).abs().max().item() * 4, 1e-6)
+    assert (ours - exact).abs().max().item() <= bound

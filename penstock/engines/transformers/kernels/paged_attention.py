@@ -24,12 +24,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from penstock.engines.transformers.kernels.loader import load_extension
+from penstock.engines.transformers.kernels.loader import (
+    CompilerMissing,
+    load_extension,
+    report_missing_compiler,
+)
 
 logger = logging.getLogger(__name__)
 
 _EXTENSION_NAME = "penstock_paged_attention"
 _SOURCES = ["paged_attention.cpp"]
+# CPU seconds its build takes, for the first start's log line.
+_BUILD_CPU_S = 50
 
 _lock = threading.Lock()
 _kernel: Any = None
@@ -53,10 +59,18 @@ def load_attention_kernel(cache_dir: Path) -> str | None:
         flags = _flags()
         name = _EXTENSION_NAME + ("_avx512" if "-mavx512f" in flags else "")
         try:
-            kernel = load_extension(name, _SOURCES, flags, cache_dir)
+            kernel = load_extension(name, _SOURCES, flags, cache_dir, build_cpu_s=_BUILD_CPU_S)
+        except CompilerMissing as exc:
+            _failure = f"the paged attention kernel could not be built: {exc}"
+            report_missing_compiler(exc)
+            return _failure
         except Exception as exc:
             _failure = f"the paged attention kernel could not be built: {exc}"
-            logger.warning("%s; decode attention gathers each row's KV instead", _failure)
+            logger.warning(
+                "%s; decode attention copies each row's KV into a padded batch instead "
+                "(same results, slower as contexts grow)",
+                _failure,
+            )
             return _failure
         _kernel = kernel
         return None

@@ -6,9 +6,10 @@ bfloat16: widening bfloat16 to float32 is exact (a 16-bit shift), so a kernel th
 each weight in registers and multiplies in float32 computes what the float32 model
 computes, up to the order of the additions, while reading half the bytes. PyTorch has
 no such kernel (its bfloat16 matmul also rounds the activations to bfloat16), so a small
-AVX-512 one (``kernels/cpu_linear.h``) is compiled on first use with
-``torch.utils.cpp_extension`` into the model cache folder (~40 s once, then loaded from
-disk). Where it can't be built or run, weights stay float32.
+one is compiled on first use by ``kernels/loader`` into the model cache folder (a CPU
+minute or two once, then loaded from disk): AVX-512 (``kernels/cpu_linear.h``), else
+AVX2 + FMA (``kernels/cpu_linear_avx2.cpp``: bfloat16 and int8 only). Where none can be
+built or run, weights stay float32.
 
 ``pack_model`` turns the model's ``nn.Linear`` and ``nn.Embedding`` modules into the
 subclasses below in place: parameter names and objects stay, only their storage becomes
@@ -35,17 +36,30 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from penstock.engines.transformers.kernels.loader import load_extension
+from penstock.engines.transformers.kernels.loader import (
+    CompilerMissing,
+    compiler_missing_reported,
+    load_extension,
+    report_missing_compiler,
+)
 
 logger = logging.getLogger(__name__)
 
 # Rows beyond this go through one float32 matmul on a widened copy of the weight: for
 # long prefills that is compute bound, where MKL's blocking beats the kernel's.
 _KERNEL_MAX_ROWS = 64
-_EXTENSION_NAME = "penstock_cpu_linear"
-# The bfloat16 and int8 kernels, then the GGUF and bfloat16-dot ones built on them.
-_SOURCES = ["cpu_linear.cpp"]
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq"]
+# Per instruction set: the extension's name, sources, flags and the CPU seconds its build
+# takes (for the first start's log line). AVX-512: the bfloat16 and int8 kernels, then the
+# GGUF and bfloat16-dot ones built on them; AVX2: the bfloat16 and int8 kernels.
+_EXTENSIONS = {
+    "AVX512": (
+        "penstock_cpu_linear",
+        ["cpu_linear.cpp"],
+        ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq"],
+        90,
+    ),
+    "AVX2": ("penstock_cpu_linear_avx2", ["cpu_linear_avx2.cpp"], ["-O3", "-mavx2", "-mfma"], 60),
+}
 # Weights per int8 scale: 99.2% teacher-forced top-1 agreement with float32 on SmolLM2
 # (per-channel scales: 96.9%, groups of 32: 98.0%).
 INT8_GROUP = 64
@@ -61,11 +75,14 @@ def load_kernel(cache_dir: Path) -> str | None:
     with _lock:
         if _kernel is not None or _failure is not None:
             return _failure
-        if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-            _failure = "the CPU has no AVX-512"
+        capability = torch.backends.cpu.get_cpu_capability()
+        extension = _EXTENSIONS.get("AVX512" if capability.startswith("AVX512") else capability)
+        if extension is None:
+            _failure = f"the CPU has neither AVX-512 nor AVX2 (torch: {capability})"
             return _failure
+        name, sources, flags, build_cpu_s = extension
         try:
-            kernel = load_extension(_EXTENSION_NAME, _SOURCES, _FLAGS, cache_dir)
+            kernel = load_extension(name, sources, flags, cache_dir, build_cpu_s=build_cpu_s)
             probe_x = torch.randn(3, 32)
             probe_w = torch.randn(5, 32).bfloat16()
             expected = F.linear(probe_x, probe_w.float())
@@ -77,10 +94,22 @@ def load_kernel(cache_dir: Path) -> str | None:
             if not torch.allclose(got, expected, atol=1e-5):
                 raise RuntimeError("the int8 kernel's result differs from torch's")
         except Exception as exc:
+            if isinstance(exc, CompilerMissing):
+                report_missing_compiler(exc)
             _failure = f"the bfloat16 kernel could not be built: {exc}"
             return _failure
         _kernel = kernel
         return None
+
+
+def kernel_for_weights(cache_dir: Path) -> bool:
+    """``load_kernel`` for the weights the engine asked for; when it fails, says that they
+    stay float32: a warning, unless the one warning of a missing compiler said so."""
+    failure = load_kernel(cache_dir)
+    if failure is not None:
+        level = logging.INFO if compiler_missing_reported() else logging.WARNING
+        logger.log(level, "weights stay float32 (--cpu-weight-dtype): %s", failure)
+    return failure is None
 
 
 def has_avx512_bf16() -> bool:

@@ -1,0 +1,150 @@
+// The CPU linear kernels for AVX2 + FMA CPUs (no AVX-512), with the AVX-512 extension's
+// interface (cpu_linear.cpp): bfloat16 weights widened exactly to float32 in registers (a
+// 16-bit shift), int8 weights times their group's scale, float32 multiply-adds. Eight
+// floats a register and 16 registers, so the tiles are smaller than cpu_linear.h's.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#define TILE_STEP static inline __attribute__((always_inline))
+
+TILE_STEP __m256 widen8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+TILE_STEP __m256 widen8_i8(const int8_t* p) {
+  __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+}
+
+TILE_STEP float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// acc[i][j] += 8 floats of row m0 + i of x, from column k, times wv[j].
+template <int MB, int NB>
+TILE_STEP void accumulate(__m256 (&acc)[MB][NB], const __m256 (&wv)[NB], const float* x,
+                          int64_t m0, int64_t k, int64_t K) {
+  for (int i = 0; i < MB; ++i) {
+    __m256 xv = _mm256_loadu_ps(x + (m0 + i) * K + k);
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+  }
+}
+
+template <int MB, int NB>
+TILE_STEP void store(__m256 (&acc)[MB][NB], float* y, int64_t m0, int64_t n0, int64_t N) {
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) y[(m0 + i) * N + n0 + j] = sum8(acc[i][j]);
+}
+
+// MB rows of x against NB rows of w (bfloat16), MB * NB accumulators.
+template <int MB, int NB>
+static inline void tile_bf16(const float* x, const uint16_t* w, float* y, int64_t m0,
+                             int64_t n0, int64_t K, int64_t N) {
+  __m256 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = widen8(w + (n0 + j) * K + k);
+    accumulate(acc, wv, x, m0, k, K);
+  }
+  store(acc, y, m0, n0, N);
+}
+
+// As tile_bf16, for int8 weights with one float32 scale per 64 weights of a row.
+template <int MB, int NB>
+static inline void tile_i8(const float* x, const int8_t* w, const float* s, float* y, int64_t m0,
+                           int64_t n0, int64_t K, int64_t N) {
+  const int64_t G = K / 64;
+  __m256 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 sv[NB];
+    for (int j = 0; j < NB; ++j) sv[j] = _mm256_set1_ps(s[(n0 + j) * G + g]);
+    for (int64_t k = g * 64; k < (g + 1) * 64; k += 8) {
+      __m256 wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm256_mul_ps(widen8_i8(w + (n0 + j) * K + k), sv[j]);
+      accumulate(acc, wv, x, m0, k, K);
+    }
+  }
+  store(acc, y, m0, n0, N);
+}
+
+// Columns [begin, end) of y: 4 rows of x by 2 of w where there are 4 rows (8 accumulators),
+// else one row by 4 of w, so a single row still has 4 independent FMA chains.
+template <typename Tile4x2, typename Tile1x4, typename Tile4x1, typename Tile1x1>
+static inline void columns(int64_t M, int64_t begin, int64_t end, Tile4x2 t42, Tile1x4 t14,
+                           Tile4x1 t41, Tile1x1 t11) {
+  int64_t n = begin;
+  for (; n + 4 <= end; n += 4) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      t42(m, n);
+      t42(m, n + 2);
+    }
+    for (; m < M; ++m) t14(m, n);
+  }
+  for (; n < end; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) t41(m, n);
+    for (; m < M; ++m) t11(m, n);
+  }
+}
+
+// y[M, N] = x[M, K] (float32) @ w[N, K]^T (bfloat16), accumulated in float32; K % 8 == 0.
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous());
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && K % 8 == 0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    columns(
+        M, begin, end, [&](int64_t m, int64_t n) { tile_bf16<4, 2>(xp, wp, yp, m, n, K, N); },
+        [&](int64_t m, int64_t n) { tile_bf16<1, 4>(xp, wp, yp, m, n, K, N); },
+        [&](int64_t m, int64_t n) { tile_bf16<4, 1>(xp, wp, yp, m, n, K, N); },
+        [&](int64_t m, int64_t n) { tile_bf16<1, 1>(xp, wp, yp, m, n, K, N); });
+  });
+  return y;
+}
+
+// y = x @ (w * s)^T for int8 w [N, K] with one float32 scale s per 64 weights; K % 64 == 0.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous());
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar && w.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && K % 64 == 0);
+  TORCH_CHECK(s.scalar_type() == torch::kFloat && s.is_contiguous() && s.numel() == N * (K / 64));
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    columns(
+        M, begin, end, [&](int64_t m, int64_t n) { tile_i8<4, 2>(xp, wp, sp, yp, m, n, K, N); },
+        [&](int64_t m, int64_t n) { tile_i8<1, 4>(xp, wp, sp, yp, m, n, K, N); },
+        [&](int64_t m, int64_t n) { tile_i8<4, 1>(xp, wp, sp, yp, m, n, K, N); },
+        [&](int64_t m, int64_t n) { tile_i8<1, 1>(xp, wp, sp, yp, m, n, K, N); });
+  });
+  return y;
+}
+
+// AVX2 CPUs have no AVX512-BF16: bfloat16 activations and GGUF blocks stay off.
+bool cpu_has_avx512_bf16() { return false; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_linear", torch::wrap_pybind_function(bf16_linear), "bf16_linear");
+  m.def("int8_linear", torch::wrap_pybind_function(int8_linear), "int8_linear");
+  m.def("cpu_has_avx512_bf16", torch::wrap_pybind_function(cpu_has_avx512_bf16),
+        "cpu_has_avx512_bf16");
+}
