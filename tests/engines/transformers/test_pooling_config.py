@@ -3,6 +3,7 @@ advertises to the gateway."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from penstock.engines.context import Context
 from penstock.engines.pooling import PoolingCapabilities, pooling_capabilities
-from penstock.engines.transformers.pooling import _batches, pool
+from penstock.engines.transformers.pooling import _Waiting, next_pass, pool
 from penstock.engines.transformers.pooling_config import choose_pooling
 from penstock.engines.transformers.weights.checkpoint import CheckpointError
 
@@ -69,14 +71,20 @@ def test_two_pooling_modes_at_once_are_refused(tmp_path: Path) -> None:
         choose_pooling(folder, ENCODER, "auto")
 
 
-def test_passes_stay_within_the_token_budget_shortest_first() -> None:
-    lengths = [5, 1, 9, 2, 2]
-    batches = _batches(lengths, max_tokens=6)
-    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
-    assert all(
-        max(lengths[i] for i in batch) * len(batch) <= 6 or len(batch) == 1 for batch in batches
-    )
-    assert batches[0] == [1, 3, 4]
+async def test_passes_take_requests_in_turn_within_the_token_budget() -> None:
+    loop = asyncio.get_running_loop()
+    first = _Waiting([[0] * 5, [0] * 1, [0] * 9], loop.create_future(), Context())
+    second = _Waiting([[0] * 2, [0] * 2], loop.create_future(), Context())
+    passes = []
+    while picked := next_pass([first, second], max_tokens=6):
+        passes.append([("first" if request is first else "second", i) for request, i in picked])
+    # The first request's shortest input opens the pass, the second's fill it; an input
+    # longer than the budget runs alone.
+    assert passes == [
+        [("first", 1), ("second", 0), ("second", 1)],
+        [("first", 0)],
+        [("first", 2)],
+    ]
 
 
 def test_padding_never_reaches_a_pooled_vector() -> None:
