@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, model_validator
 from starlette.responses import Response
 
-from penstock.errors import InvalidRequestError
+from penstock.errors import FieldValueError, InvalidRequestError
 from penstock.gateway import ServedModel
 from penstock.preprocess import Preprocessor
 from penstock.schemas.fields import refuse_unknown, refuse_unsupported
@@ -64,7 +64,7 @@ class TokenizeRequest(RequestModel):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' and 'messages'")
+            raise FieldValueError("prompt", "give exactly one of 'prompt' and 'messages'")
         return self
 
 
