@@ -179,6 +179,14 @@ class MediaParamError(InvalidRequestError, ValueError):
         super().__init__(f"{param}: {message}", param=param)
 
 
+class FieldValueError(InvalidRequestError, ValueError):
+    """A request validator's error about one field (often its clash with another), raised
+    inside validation; ``param`` names the field, as the 400 then does."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message, param=param)
+
+
 class MediaPassthroughRejected(InvalidRequestError, ValueError):
     """Some passthrough keys may not be set by clients; ``keys`` lists them, sorted."""
 

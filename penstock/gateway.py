@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from penstock import __version__
 from penstock.engines.host import EngineHost
 from penstock.engines.token_budget import TOKEN_BUDGET_RUNTIME_KEY, TokenBudget
 from penstock.errors import ModelNotFoundError
@@ -96,11 +98,20 @@ class Readiness:
     reason: str | None = None
 
 
+def system_fingerprint(settings: Settings) -> str:
+    """The ``system_fingerprint`` of every generation answer: Penstock's version and a
+    digest of what decides its outputs (engine, model, engine arguments), constant for the
+    server's life as vLLM's is, so a client can tell two backends apart."""
+    served = json.dumps([__version__, settings.engine, settings.model, settings.engine_args])
+    return f"penstock-{__version__}-{hashlib.sha256(served.encode()).hexdigest()[:8]}"
+
+
 class Gateway:
     """Holds the engine host, the served models and process-wide serving state."""
 
     def __init__(self, settings: Settings, host: EngineHost) -> None:
         self.settings = settings
+        self.system_fingerprint = system_fingerprint(settings)
         self.host = host
         self.models: dict[str, ServedModel] = {}
         self.draining = False

@@ -89,9 +89,18 @@ def validation_error_from(exc: RequestValidationError) -> InvalidRequestError:
         message += f"; got {clip(repr(first['input']))}"
     return InvalidRequestError(
         f"{clip(field)}: {message}" if field else message,
-        param=field or None,
+        param=field or _unlocated_param(first, loc),
         code="invalid_value",
     )
+
+
+def _unlocated_param(error: Any, loc: tuple[Any, ...]) -> str | None:
+    """The param of an error about the whole body: the field a validator named, else the
+    body itself."""
+    raised = (error.get("ctx") or {}).get("error")
+    if isinstance(raised, InvalidRequestError) and raised.param:
+        return raised.param
+    return "body" if loc[:1] == ("body",) else None
 
 
 async def _penstock_error(_: Request, exc: Exception) -> Response:

@@ -168,6 +168,12 @@ class Preprocessor:
             self._token_texts[token_id] = text
         return text
 
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it (byte-level BPE's ``Ġ`` for a space),
+        as vLLM's ``/tokenize`` returns ``token_strs``; "" for an id outside it."""
+        id_to_token = self._tokenizer.id_to_token
+        return [id_to_token(token_id) or "" for token_id in token_ids]
+
     def token_bytes(self, token_id: int) -> list[int]:
         """UTF-8 bytes of one token; part of a multi-byte character gives just its part."""
         added = self._added_tokens.get(token_id)

@@ -29,8 +29,6 @@ def model_card(
         "max_model_len": model.context_length,
         "permission": [_permission(model.created)],
     }
-    if model.context_length is not None:
-        card["context_window"] = model.context_length
     return card
 
 

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from pydantic import ConfigDict, Field, model_validator
 from starlette.responses import Response
 
-from penstock.errors import InvalidRequestError
+from penstock.errors import FieldValueError, InvalidRequestError
 from penstock.gateway import ServedModel
 from penstock.preprocess import Preprocessor
 from penstock.schemas.fields import refuse_unknown, refuse_unsupported
@@ -58,13 +58,13 @@ class TokenizeRequest(RequestModel):
     # The tokenizer's BOS token first; vLLM's defaults: on for a prompt, off for
     # messages (a chat template writes its own).
     add_special_tokens: bool | None = None
-    # ``token_strs`` are always in the answer.
+    # ``token_strs``, each token as the vocabulary spells it; null unless asked for.
     return_token_strs: bool | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' and 'messages'")
+            raise FieldValueError("prompt", "give exactly one of 'prompt' and 'messages'")
         return self
 
 
@@ -72,7 +72,7 @@ class DetokenizeRequest(RequestModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = ""
-    tokens: list[NonNegativeInt] = Field(default_factory=list)
+    tokens: list[NonNegativeInt]
 
 
 def _preprocessor(model: ServedModel, param: str) -> Preprocessor:
@@ -119,7 +119,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         add_special = body.prompt is not None
     if add_special:
         tokens = pre.with_special_tokens(tokens)
-    token_strs = await off_loop(gateway, None, len(tokens), _token_strs, pre, tokens)
+    token_strs = None
+    if body.return_token_strs:
+        token_strs = await off_loop(gateway, None, len(tokens), pre.token_pieces, tokens)
     return json_response(
         {
             "count": len(tokens),
@@ -134,10 +136,6 @@ def _content_chars(content: Any) -> int:
     if isinstance(content, str):
         return len(content)
     return sum(len(part.get("text") or "") for part in content or [])
-
-
-def _token_strs(pre: Preprocessor, tokens: list[int]) -> list[str]:
-    return [pre.token_text(t) for t in tokens]
 
 
 @router.post("/detokenize")

@@ -73,13 +73,17 @@ async def read_json_body(request: Request, *, accepted: str = JSON_TYPE) -> Any:
         return parse_json(raw)
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(
-            f"Invalid JSON body: {exc.msg} at position {exc.pos}", code="invalid_json"
+            f"Invalid JSON body: {exc.msg} at position {exc.pos}",
+            param="body",
+            code="invalid_json",
         ) from None
     except RecursionError:
         raise InvalidRequestError(
-            "Invalid JSON body: nested too deeply", code="invalid_json"
+            "Invalid JSON body: nested too deeply", param="body", code="invalid_json"
         ) from None
     except UnicodeDecodeError:
         raise InvalidRequestError(
-            "There was an error parsing the body: it is not UTF-8 text", code="invalid_json"
+            "There was an error parsing the body: it is not UTF-8 text",
+            param="body",
+            code="invalid_json",
         ) from None

@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from penstock.errors import FieldValueError
 from penstock.schemas.unicode import JSONValue, RequestModel
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -257,7 +258,9 @@ class SamplingFields(RequestModel):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+            raise FieldValueError(
+                "stream_options", "'stream_options' is only allowed when 'stream' is true"
+            )
         return self
 
     @property
@@ -302,7 +305,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("'top_logprobs' needs 'logprobs': true")
+            raise FieldValueError("top_logprobs", "'top_logprobs' needs 'logprobs': true")
         return self
 
     @property

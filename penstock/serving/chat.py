@@ -62,16 +62,24 @@ def chat_logprobs(
 class ChatFormat:
     """Chat's choices: a ``delta``/``message`` per choice, token ids of the prompt on top."""
 
-    __slots__ = ("model", "return_token_ids", "tokens_as_ids")
+    __slots__ = ("model", "return_token_ids", "role", "tokens_as_ids")
 
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
     response_object = "chat.completion"
 
     def __init__(
-        self, model: ServedModel, *, return_token_ids: bool, tokens_as_ids: bool = False
+        self,
+        model: ServedModel,
+        *,
+        return_token_ids: bool,
+        tokens_as_ids: bool = False,
+        role: str = "assistant",
     ) -> None:
         self.model = model
+        # The answer's role: vLLM's, the last message's when no generation prompt opens
+        # an assistant turn.
+        self.role = role
         self.return_token_ids = return_token_ids
         self.tokens_as_ids = tokens_as_ids
 
@@ -81,7 +89,7 @@ class ChatFormat:
         for choice in generation.choices:
             role: dict[str, Any] = {
                 "index": choice.index,
-                "delta": {"role": "assistant", "content": ""},
+                "delta": {"role": self.role, "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }
@@ -108,7 +116,6 @@ class ChatFormat:
             "delta": {"content": TEXT_SLOT},
             "logprobs": None,
             "finish_reason": None,
-            "stop_reason": None,
         }
 
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
@@ -127,14 +134,16 @@ class ChatFormat:
             if delta.logprobs
             else None,
             "finish_reason": delta.finish_reason,
-            "stop_reason": delta.choice.stop_reason if delta.finish_reason else None,
         }
+        # vLLM's: on the chunk that finishes the choice only.
+        if delta.finish_reason:
+            item["stop_reason"] = delta.choice.stop_reason
         if self.return_token_ids:
             item["token_ids"] = delta.token_ids
         return item
 
     def response_choice(self, generation: Generation, choice: ChoiceState) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+        message: dict[str, Any] = {"role": self.role, "content": choice.text, "refusal": None}
         reasoning = choice.reasoning
         if reasoning is not None:
             message["reasoning_content"] = message["reasoning"] = reasoning or None
@@ -209,6 +218,7 @@ async def create_chat_completion(
         model,
         return_token_ids=body.return_token_ids,
         tokens_as_ids=body.return_tokens_as_token_ids,
+        role="assistant" if body.add_generation_prompt else body.messages[-1].role,
     )
     plan = ResponsePlan(chat_format, [generation], body, uploader, deadline)
     return await respond(request, plan)

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from penstock.preprocess import IncrementalDetokenizer, Preprocessor
 
 # Engines say "cancelled"; clients of vLLM/SGLang (RL trainers among them) know "abort".
+# The engine's finish reasons for a choice that took a stop or end token last.
+_STOPPED = frozenset({"stop", "eos"})
 FINISH_REASONS = {
     "stop": "stop",
     "eos": "stop",
@@ -76,6 +78,7 @@ class ChoiceState:
 
     __slots__ = (
         "detokenizer",
+        "end_token_ids",
         "finish_reason",
         "include_stop",
         "index",
@@ -124,6 +127,14 @@ class ChoiceState:
         self.stop = StopStringMatcher(stops) if stops else None
         self.include_stop = include_stop
         self.stop_token_ids = stop_token_ids
+        # The tokens that end a choice without their text, as in vLLM: the model's end of
+        # sequence and the request's stop tokens (shown only where special tokens are).
+        self.end_token_ids = frozenset(
+            [
+                *(preprocessor.eos_token_ids if preprocessor is not None else ()),
+                *(stop_token_ids or ()),
+            ]
+        )
         self.keep_text = keep_text
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
@@ -170,15 +181,23 @@ class ChoiceState:
             versions.append(WeightVersionSegment(version, len(self.token_ids)))
         self.token_ids.extend(token_ids)
         text = ""
+        reason = chunk.get("finish_reason")
         detokenizer = self.detokenizer
         if detokenizer is not None:
+            shown = token_ids
+            if (
+                reason
+                and reason in _STOPPED
+                and token_ids[-1:]
+                and token_ids[-1] in self.end_token_ids
+            ):
+                shown = token_ids[:-1]
             # Most chunks carry one token.
-            if len(token_ids) == 1:
-                text = detokenizer.step(token_ids[0])
+            if len(shown) == 1:
+                text = detokenizer.step(shown[0])
             else:
-                for token in token_ids:
+                for token in shown:
                     text += detokenizer.step(token)
-        reason = chunk.get("finish_reason")
         if reason and detokenizer is not None:
             text += detokenizer.flush()
         # Stop strings and parsers cost a call only to the requests that have them.

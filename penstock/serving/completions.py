@@ -48,7 +48,10 @@ def completion_logprobs(
     for entry in entries:
         tokens.append(label(entry.token_id))
         values.append(entry.logprob)
-        tops.append({label(alt.token_id): alt.logprob for alt in entry.top} or None)
+        # vLLM's: the chosen token first, then the likeliest others (logprobs=0: only it).
+        top = {label(entry.token_id): entry.logprob}
+        top.update((label(alt.token_id), alt.logprob) for alt in entry.top)
+        tops.append(top)
         offsets.append(offset)
         offset += len(text_of(entry.token_id))
     return {

@@ -37,8 +37,18 @@ class ChunkEncoder:
 
     __slots__ = ("_head", "_text_around", "_text_key", "_texts")
 
-    def __init__(self, response_id: str, obj: str, created: int, model: str) -> None:
-        head = orjson.dumps({"id": response_id, "object": obj, "created": created, "model": model})
+    def __init__(
+        self, response_id: str, obj: str, created: int, model: str, fingerprint: str
+    ) -> None:
+        head = orjson.dumps(
+            {
+                "id": response_id,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "system_fingerprint": fingerprint,
+            }
+        )
         self._head = b"data: " + head[:-1] + b',"choices":'
         # The bytes around the text of the last choice index and weight version framed by
         # ``text_frame``; the others' (several choices, a new weight version) in ``_texts``,

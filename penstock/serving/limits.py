@@ -52,6 +52,11 @@ def check_common_limits(body: SamplingFields, settings: Settings, model: ServedM
         raise InvalidRequestError(
             f"n must be between 1 and {settings.max_n}; got {body.n}", param="n"
         )
+    if body.n > 1 and body.temperature == 0:
+        # vLLM's rule: greedy choices would all be the same text.
+        raise InvalidRequestError(
+            f"n must be 1 when using greedy sampling, got {body.n}", param="n"
+        )
     if len(body.stop_list) > settings.max_stop_sequences:
         raise InvalidRequestError(
             f"at most {settings.max_stop_sequences} stop sequences are allowed; "

@@ -118,6 +118,13 @@ class ResponsesFormat:
             "top_p": body.top_p,
             "truncation": "disabled",
             "metadata": body.metadata or {},
+            # OpenAI's fields of what this server never does: run a response in the
+            # background, pick a tier, penalise repeats (a Responses request has no field
+            # asking for them).
+            "background": False,
+            "service_tier": "auto",
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
         }
         if body.user is not None:
             response["user"] = body.user

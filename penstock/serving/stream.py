@@ -114,7 +114,13 @@ class _Framing:
         self.encoder: Any = (
             custom_encoder(plan)
             if custom_encoder is not None
-            else ChunkEncoder(plan.response_id, fmt.chunk_object, plan.created, plan.body.model)
+            else ChunkEncoder(
+                plan.response_id,
+                fmt.chunk_object,
+                plan.created,
+                plan.body.model,
+                plan.generations[0].gateway.system_fingerprint,
+            )
         )
         self.format = fmt
         self.generations = plan.generations
@@ -143,7 +149,9 @@ class _Framing:
         """The prelude's chunks and the first delta's, to leave in one write."""
         version = self.generations[-1].weight_version
         prelude = self.format.prelude(self.generations)
-        opening = b"".join(self.encoder.frame([item], version) for item in prelude)
+        # vLLM's continuous usage is on every chunk, the role chunk too.
+        running = usage(self.generations) if self.continuous_usage else None
+        opening = b"".join(self.encoder.frame([item], version, running) for item in prelude)
         return opening + self.encode(first) if first is not None else opening
 
 
@@ -257,6 +265,7 @@ async def _fold(plan: ResponsePlan) -> dict[str, Any]:
         "created": plan.created,
         # As the client named it: an alias stays an alias.
         "model": plan.body.model,
+        "system_fingerprint": generations[0].gateway.system_fingerprint,
         "choices": [
             fmt.response_choice(generation, choice)
             for generation in generations

@@ -54,6 +54,29 @@ _WEIGHT_VERSION = (
     "Penstock stamps each answer and choice with the weight version(s) that produced it, "
     "which an RL trainer needs to tell stale rollouts apart; vLLM has no such field."
 )
+_RESPONSES_OPENAI = (
+    "Penstock's Responses objects follow OpenAI's Responses API, which Responses clients "
+    "are written against; vLLM's diverge from it here."
+)
+_RESPONSES_USAGE = (
+    "Penstock's Responses usage is OpenAI's (input_tokens_details.cached_tokens, "
+    "output_tokens_details.reasoning_tokens); vLLM adds per-turn and tool-output counts of "
+    "its own, which no OpenAI client reads and which a one-turn response would fill with "
+    "what usage already says."
+)
+_REFUSED = (
+    "Penstock refuses this field with a 400 naming it rather than ignore it: its engines "
+    "have no per-request logits processor (logit_bias, allowed_token_ids) or it does not "
+    "yet render or cut the prompt this way, and a silently ignored field would give an "
+    "answer the client did not ask for. vLLM honours it."
+)
+_COMPACT_JSON = (
+    "Penstock's JSON constraints (json_object, json_schema, structured_outputs.json) default "
+    "to compact whitespace: with free whitespace a weak model pads until its token limit. "
+    "vLLM's xgrammar allows any whitespace by default, so greedy texts differ in whitespace "
+    "(properties come in the schema's order in both); structured_outputs."
+    "disable_any_whitespace: false asks Penstock for vLLM's behaviour."
+)
 _ERROR_ENVELOPE = (
     "Penstock answers unknown routes and wrong methods in OpenAI's error envelope "
     "(error.message/type/code), as every other error; vLLM leaves FastAPI's {detail}."
@@ -100,6 +123,84 @@ INTENTIONAL_DIFFERENCES: tuple[IntentionalDifference, ...] = (
         "tool) with 400 naming messages[i].role; vLLM passes it into the chat template, "
         "which renders whatever the template does with an unknown role.",
     ),
+    IntentionalDifference(
+        "responses-*", "type", "*metadata", _RESPONSES_OPENAI, "vLLM null, Penstock object"
+    ),
+    IntentionalDifference(
+        "responses-*", "type", "*reasoning", _RESPONSES_OPENAI, "vLLM null, Penstock object"
+    ),
+    IntentionalDifference(
+        "responses-*", "type", "*text", _RESPONSES_OPENAI, "vLLM null, Penstock object"
+    ),
+    IntentionalDifference(
+        "responses-*",
+        "value",
+        "*tool_choice",
+        _RESPONSES_OPENAI
+        + ' OpenAI\'s default tool_choice is "auto"; vLLM reports "none" for a request '
+        "without tools.",
+    ),
+    IntentionalDifference(
+        "responses-*",
+        "extra",
+        "*completed_at",
+        _RESPONSES_OPENAI + " OpenAI's response carries completed_at.",
+    ),
+    IntentionalDifference(
+        "responses-*", "extra", "*store", _RESPONSES_OPENAI + " OpenAI's response echoes store."
+    ),
+    IntentionalDifference(
+        "responses-*",
+        "type",
+        "*top_p",
+        "Penstock echoes the top_p the request set (null when it left it to the model's "
+        "generation config) rather than claim a value; vLLM reports 1.0.",
+        "vLLM number, Penstock null",
+    ),
+    IntentionalDifference(
+        "responses-*",
+        "type",
+        "*content[].logprobs",
+        _RESPONSES_OPENAI
+        + " OpenAI sends an output_text's logprobs as an array, empty unless asked for.",
+        "vLLM null, Penstock array",
+    ),
+    IntentionalDifference(
+        "responses-stream",
+        "type",
+        "chunks[].part.logprobs",
+        _RESPONSES_OPENAI
+        + " OpenAI sends an output_text's logprobs as an array, empty unless asked for.",
+        "vLLM array|null, Penstock array",
+    ),
+    IntentionalDifference(
+        "responses-stream",
+        "type",
+        "chunks[].response.usage",
+        _RESPONSES_OPENAI + " Penstock's in-progress events carry the usage so far.",
+        "vLLM null|object, Penstock object",
+    ),
+    IntentionalDifference(
+        "responses-*", "missing", "*usage.input_tokens_details.*", _RESPONSES_USAGE
+    ),
+    IntentionalDifference(
+        "responses-*", "missing", "*usage.output_tokens_details.*", _RESPONSES_USAGE
+    ),
+    IntentionalDifference(
+        "responses-stream",
+        "sse",
+        "ends_with_done",
+        "Penstock ends every event stream, Responses' too, with data: [DONE] (after an error "
+        "event as well), so one client loop reads all its streams; OpenAI's SDK stops there. "
+        "vLLM's Responses stream ends at response.completed.",
+    ),
+    IntentionalDifference("chat-logit-bias", "status", "", _REFUSED),
+    IntentionalDifference("completion-allowed-token-ids", "status", "", _REFUSED),
+    IntentionalDifference("completion-truncate-prompt", "status", "", _REFUSED),
+    IntentionalDifference("chat-continue-final-message", "status", "", _REFUSED),
+    IntentionalDifference("chat-echo", "status", "", _REFUSED),
+    IntentionalDifference("*json-*", "value", "*", _COMPACT_JSON),
+    IntentionalDifference("chat-structured-json*", "value", "*", _COMPACT_JSON),
 )
 
 

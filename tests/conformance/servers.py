@@ -113,3 +113,14 @@ def both_servers(
     finally:
         stop(penstock)
         stop(vllm)
+
+
+@contextlib.contextmanager
+def penstock_only(log_dir: Path) -> Iterator[ServerProcess]:
+    """``penstock serve`` alone, healthy, for a suite pointed at a vLLM already running."""
+    penstock = start_penstock(log_dir)
+    try:
+        wait_healthy(penstock, "penstock serve", time.monotonic() + READY_TIMEOUT_S)
+        yield penstock
+    finally:
+        stop(penstock)

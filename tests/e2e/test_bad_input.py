@@ -52,6 +52,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, *word
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", ["tool_call_id"]),
         ({"n": 0}, "n", []),
         ({"n": 17}, "n", ["between 1 and 16"]),
+        ({"n": 2, "temperature": 0}, "n", ["greedy"]),
         ({"max_tokens": -1}, "max_tokens", []),
         ({"max_tokens": 4000}, "max_tokens", ["2048", "4000"]),
         ({"temperature": 2.5}, "temperature", []),

@@ -19,7 +19,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 def test_tokenize_matches_what_chat_sends_the_engine(server: ServerProcess) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     tokenized = httpx.post(
-        f"{server.base_url}/tokenize", json={"model": "sample-model", "messages": messages}
+        f"{server.base_url}/tokenize",
+        json={"model": "sample-model", "messages": messages, "return_token_strs": True},
     ).json()
     chat = httpx.post(
         f"{server.base_url}/v1/chat/completions",
@@ -58,3 +59,16 @@ def test_bad_tokenize_input(server: ServerProcess) -> None:
     assert far.status_code == 400 and far.json()["error"]["param"] == "tokens"
     unknown = httpx.post(f"{server.base_url}/tokenize", json={"model": "nope", "prompt": "x"})
     assert unknown.status_code == 404
+
+
+def test_token_strs_are_the_vocabularys_pieces_and_only_when_asked(server: ServerProcess) -> None:
+    url = f"{server.base_url}/tokenize"
+    plain = httpx.post(url, json={"prompt": "a cat"}).json()
+    asked = httpx.post(url, json={"prompt": "a cat", "return_token_strs": True}).json()
+    assert plain["token_strs"] is None
+    assert "Ġ" in "".join(asked["token_strs"]), asked["token_strs"]
+
+
+def test_detokenize_needs_tokens(server: ServerProcess) -> None:
+    response = httpx.post(f"{server.base_url}/detokenize", json={})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tokens"

@@ -196,3 +196,29 @@ def test_stop_reason_is_the_stop_string_or_stop_token_that_ended_the_choice(
     by_length = choice_for(preprocessor, stop_token_ids=[ids[-1]])
     feed_tokens(by_length, ids, finish="length")
     assert by_length.stop_reason is None
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_end_token_that_stops_a_choice_leaves_no_text(
+    preprocessor: Preprocessor, skip_special_tokens: bool
+) -> None:
+    choice = choice_for(preprocessor, skip_special_tokens=skip_special_tokens)
+    words = preprocessor.encode("Paris")
+    feed_tokens(choice, [*words, preprocessor.eos_token_ids[0]], finish="stop")
+    assert choice.text == "Paris"
+
+
+def test_a_stop_token_the_request_names_leaves_no_text(preprocessor: Preprocessor) -> None:
+    stop_token = preprocessor.encode(" end")[-1]
+    choice = choice_for(preprocessor, stop_token_ids=[stop_token])
+    feed_tokens(choice, [*preprocessor.encode("Paris"), stop_token], finish="stop")
+    assert choice.text == "Paris" and choice.stop_reason == stop_token
+
+
+def test_an_end_token_taken_at_the_length_limit_keeps_its_text(
+    preprocessor: Preprocessor,
+) -> None:
+    choice = choice_for(preprocessor, skip_special_tokens=False)
+    eos = preprocessor.eos_token_ids[0]
+    feed_tokens(choice, [*preprocessor.encode("Paris"), eos], finish="length")
+    assert choice.text == "Paris" + preprocessor.token_text(eos)

@@ -20,7 +20,13 @@ from penstock.serving.completions import CompletionFormat
 from penstock.serving.framing import ChunkEncoder, unless_disconnected, with_error_frame
 from penstock.serving.sse import DISCONNECT_KEY, DONE_FRAME, DisconnectSignal
 
-HEAD = {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "m"}
+HEAD = {
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "created": 1700000000,
+    "model": "m",
+    "system_fingerprint": "penstock-0-abcdef01",
+}
 
 
 def parse(frame: bytes) -> Any:
@@ -29,7 +35,9 @@ def parse(frame: bytes) -> Any:
 
 
 def encoder() -> ChunkEncoder:
-    return ChunkEncoder(HEAD["id"], HEAD["object"], HEAD["created"], HEAD["model"])
+    return ChunkEncoder(
+        HEAD["id"], HEAD["object"], HEAD["created"], HEAD["model"], HEAD["system_fingerprint"]
+    )
 
 
 def test_a_chunk_is_the_constant_head_then_choices_and_weight_version() -> None:

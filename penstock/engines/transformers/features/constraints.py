@@ -92,7 +92,8 @@ def _spec_text(kind: str, value: Any, where: str) -> str:
         depth = _depth(value)
         if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(f"{where} nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH}")
-        return json.dumps(value, sort_keys=True)
+        # In the schema's own order: xgrammar's strict mode writes properties in it.
+        return json.dumps(value)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise ValueError(f"{where} must be a non-empty list of strings")
