@@ -49,7 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     args = ["--engine", "transformers", "--model", str(model_dir), "--tool-call-parser", "hermes"]
     args += [*keys, "--", "--served-model-name", "tiny", "--cpu-threads", "1"]
     with running_server(
-        args, tmp_path_factory.mktemp("serve"), env={"HF_HUB_OFFLINE": "1"}, ready_timeout=180
+        args, tmp_path_factory.mktemp("serve"), env={"HF_HUB_OFFLINE": "1"}, ready_timeout=300
     ) as process:
         yield process
 
