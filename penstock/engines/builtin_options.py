@@ -41,6 +41,16 @@ def ratio_above_one(text: str) -> float:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds above 0, got {value}")
+    return value
+
+
 def dtype_name(text: str) -> str:
     """A dtype as the engines name it; vLLM's ``half`` and ``float`` included."""
     return DTYPE_SYNONYMS.get(text, text)
@@ -168,6 +178,13 @@ TRANSFORMERS = BuiltinEngine(
             "tokens further apart",
             type=ratio_above_one,
             default=2.0,
+        ),
+        EngineOption(
+            "--grammar-compile-timeout",
+            "seconds an output constraint may take to compile before its request is a 400 "
+            "naming this limit (each API key compiles one constraint at a time)",
+            type=positive_seconds,
+            default=10.0,
         ),
         EngineOption("--seed", "seed for requests without a seed", type=int, default=0),
         EngineOption(

@@ -439,10 +439,14 @@ class EngineHost:
         """What the client sees of an exception in the request's stream."""
         if isinstance(exc, PenstockError):
             return exc
-        logger.exception("generate failed for request %s", context.id(), exc_info=exc)
         overload = self.admission.overload_status if self.admission is not None else 529
         error = engine_exception_to_error(exc, overload)
         error.__cause__ = exc
+        if error.status_code < 500:
+            # The client's input: one line, no traceback.
+            logger.warning("request %s refused: %s", context.id(), error.message)
+        else:
+            logger.exception("generate failed for request %s", context.id(), exc_info=exc)
         return error
 
     async def _close_stream(

@@ -25,7 +25,12 @@ from penstock.errors import HttpStatusError
 from penstock.http import HttpClient, UrlValidationPolicy, describe_media_source
 from penstock.multimodal.budget import DECODED_MEDIA, Charge, DecodedMediaBudget
 from penstock.multimodal.image_loader import gather_media
-from penstock.multimodal.media_source import DEFAULT_MAX_MEDIA_BYTES, fetch_media
+from penstock.multimodal.media_source import (
+    FROM_ENVIRONMENT,
+    ByteLimit,
+    fetch_media,
+    load_rules,
+)
 
 DEFAULT_MAX_DURATION_S = 600.0
 # Audio models listen at 16 to 48 kHz; a clip above this rate is resampled down to it as it
@@ -137,15 +142,17 @@ class AudioLoader:
         url_policy: UrlValidationPolicy | None = None,
         *,
         http_client: HttpClient | None = None,
-        max_bytes: int | None = DEFAULT_MAX_MEDIA_BYTES,
+        max_bytes: ByteLimit = FROM_ENVIRONMENT,
         max_duration_s: float = DEFAULT_MAX_DURATION_S,
         sample_rate: int | None = None,
+        honour_local_path: bool = False,
     ) -> None:
         if http_timeout <= 0:
             raise ValueError(f"http_timeout must be > 0, got {http_timeout}")
         self.http_timeout = http_timeout
-        self.url_policy = url_policy or UrlValidationPolicy.from_env()
+        self.url_policy = url_policy
         self.max_bytes = max_bytes
+        self.honour_local_path = honour_local_path
         self.max_duration_s = max_duration_s
         self.sample_rate = sample_rate
         self._client = http_client
@@ -168,13 +175,15 @@ class AudioLoader:
         """``(waveform, sample_rate)``: mono float32 at the native rate, or at
         ``sample_rate`` when the loader was given one."""
         label = describe_media_source(audio_url)
+        local = self.honour_local_path
+        policy, max_bytes = load_rules(self.url_policy, self.max_bytes, honour_local_path=local)
         media = await fetch_media(
             audio_url,
             "the audio",
-            policy=self.url_policy,
+            policy=policy,
             client=self._http(),
             fetch_timeout_s=self.http_timeout,
-            max_bytes=self.max_bytes,
+            max_bytes=max_bytes,
         )
         if media.mime is not None and not media.mime.startswith(("audio/", "video/")):
             raise ValueError(f"data URL must hold audio, not {media.mime}")

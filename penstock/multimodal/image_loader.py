@@ -31,7 +31,12 @@ from urllib.parse import urlsplit, urlunsplit
 from penstock.errors import HttpStatusError, UrlValidationError
 from penstock.http import HttpClient, UrlValidationPolicy, describe_media_source
 from penstock.multimodal.budget import DECODED_MEDIA, Charge, DecodedMediaBudget
-from penstock.multimodal.media_source import DEFAULT_MAX_MEDIA_BYTES, fetch_media
+from penstock.multimodal.media_source import (
+    FROM_ENVIRONMENT,
+    ByteLimit,
+    fetch_media,
+    load_rules,
+)
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -126,13 +131,16 @@ class ImageLoader:
         url_policy: UrlValidationPolicy | None = None,
         *,
         http_client: HttpClient | None = None,
-        max_bytes: int | None = DEFAULT_MAX_MEDIA_BYTES,
+        max_bytes: ByteLimit = FROM_ENVIRONMENT,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         cache_max_bytes: int = CACHE_MAX_BYTES,
         budget: DecodedMediaBudget = DECODED_MEDIA,
+        honour_local_path: bool = False,
     ) -> None:
-        """``url_policy`` None: the policy of the environment's settings; ``http_client``
-        None: the process-wide client. ``enable_frontend_decoding`` accepts ``Decoded``
+        """``url_policy`` None and ``max_bytes`` left out: the environment's, read at each
+        load (:func:`~penstock.multimodal.media_source.load_rules`); ``honour_local_path``
+        opens files under the policy's ``allowed_local_path``; ``http_client`` None: the
+        process-wide client. ``enable_frontend_decoding`` accepts ``Decoded``
         items (images already decoded elsewhere, read over NIXL) and needs NIXL. Decoded
         images are charged to ``budget``; the cache keeps at most ``cache_size`` of them
         and ``cache_max_bytes`` of pixels."""
@@ -140,8 +148,9 @@ class ImageLoader:
             raise ValueError(f"http_timeout must be > 0, got {http_timeout}")
         self.cache_size = cache_size
         self.http_timeout = http_timeout
-        self.url_policy = url_policy or UrlValidationPolicy.from_env()
+        self.url_policy = url_policy
         self.max_bytes = max_bytes
+        self.honour_local_path = honour_local_path
         self.max_pixels = max_pixels
         self.cache_max_bytes = cache_max_bytes
         self.budget = budget
@@ -199,13 +208,15 @@ class ImageLoader:
 
     async def _load(self, url: str) -> Image.Image:
         label = describe_media_source(url)
+        local = self.honour_local_path
+        policy, max_bytes = load_rules(self.url_policy, self.max_bytes, honour_local_path=local)
         media = await fetch_media(
             url,
             "the image",
-            policy=self.url_policy,
+            policy=policy,
             client=self._http(),
             fetch_timeout_s=self.http_timeout,
-            max_bytes=self.max_bytes,
+            max_bytes=max_bytes,
         )
         if media.mime is not None and not media.mime.startswith("image/"):
             raise ValueError(f"data URL must hold an image, not {media.mime}")

@@ -82,6 +82,7 @@ class MediaInputs:
             http_client=client,
             max_bytes=max_bytes,
             max_pixels=max_image_pixels,
+            honour_local_path=True,
         )
         self._audio: AudioLoader | None = None
 
@@ -109,6 +110,7 @@ class MediaInputs:
                 http_client=self.client,
                 max_bytes=self.max_bytes,
                 max_duration_s=self.max_audio_s,
+                honour_local_path=True,
             )
         return self._audio
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import unquote_to_bytes
 
@@ -17,10 +17,41 @@ from penstock.errors import (
     HttpTimeoutError,
     UrlValidationError,
 )
-from penstock.http import HttpClient, UrlValidationPolicy, describe_media_source
+from penstock.http import HttpClient, UrlValidationPolicy, describe_media_source, env
 from penstock.http.urls import check_scheme_and_size, local_path_of, validate_local_path
 
-DEFAULT_MAX_MEDIA_BYTES = 64 * 1024 * 1024
+
+class _FromEnvironment:
+    """A loader's limit left to the environment, read at each load."""
+
+    def __repr__(self) -> str:
+        return "FROM_ENVIRONMENT"
+
+
+FROM_ENVIRONMENT = _FromEnvironment()
+ByteLimit = int | None | _FromEnvironment
+
+
+def load_rules(
+    policy: UrlValidationPolicy | None, max_bytes: ByteLimit, *, honour_local_path: bool
+) -> tuple[UrlValidationPolicy, int | None]:
+    """The policy and download limit of one load. What the loader was not given is the
+    environment's at this call (``DYN_MM_MAX_DATA_URL_MB``, ``DYN_MM_MAX_FILE_SIZE_MB``
+    and the rest, as Dynamo's loaders read them at each call). The seed's
+    ``allowed_local_path`` opens nothing unless ``honour_local_path``: Dynamo's loaders
+    never read local files (the gateway's media, which reads them as Dynamo's frontend
+    does, asks for it)."""
+    if policy is None or isinstance(max_bytes, _FromEnvironment):
+        from penstock.settings import Settings
+
+        settings = Settings()
+        if policy is None:
+            policy = UrlValidationPolicy.from_settings(settings)
+        if isinstance(max_bytes, _FromEnvironment):
+            max_bytes = env.fetch_max_bytes(settings)
+    if not honour_local_path and policy.allowed_local_path is not None:
+        policy = replace(policy, allowed_local_path=None)
+    return policy, max_bytes
 
 
 @dataclass(frozen=True)

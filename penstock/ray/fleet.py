@@ -110,6 +110,8 @@ class FleetHost:
         self.health = HealthStatus()
         self.admission: AdmissionGate | None = None
         self.replicas: dict[str, ReplicaLoad] = {}
+        # Outlives the replicas: a dead one's series leave the metrics with it.
+        self.lost_requests = 0
         self.streams = FleetStreams(
             data_token,
             settings.ray_app_name,
@@ -211,6 +213,7 @@ class FleetHost:
             completed = True
         except ReplicaLostError as exc:
             load.lost += 1
+            self.lost_requests += 1
             logger.warning("request %s lost its engine replica %s: %s", context.id(), name, exc)
             raise
         finally:
@@ -231,7 +234,7 @@ class FleetHost:
             replies = []
         texts = {str(r[0]): str(r[1]) for r in replies if isinstance(r, tuple | list)}
         live = {name: load for name, load in self.replicas.items() if name in self.engine.view}
-        families = fleet_families(live, texts) + labelled_families(texts)
+        families = fleet_families(live, texts, self.lost_requests) + labelled_families(texts)
         return render(families)
 
     def start_monitor(self) -> None:

@@ -11,7 +11,9 @@ adds ``replica="<its Serve actor name>"`` to every series and merges the familie
 Beside them, the ingress's own view of each replica (:func:`fleet_families`):
 ``penstock_fleet_replica_requests_total``, ``penstock_fleet_replica_running_requests``,
 ``penstock_fleet_replica_output_tokens_total``, ``penstock_fleet_replica_lost_requests_total``
-and ``penstock_fleet_replica_up`` (1 for a replica that answered this scrape).
+and ``penstock_fleet_replica_up`` (1 for a replica that answered this scrape); a replica's
+series leave with it, so ``penstock_fleet_lost_requests_total`` counts the requests lost
+to every replica's death since the ingress started, the dead ones' included.
 Every family is in ``docs/metrics.md``.
 """
 
@@ -45,8 +47,11 @@ def _family(name: str, documentation: str, kind: str) -> Metric:
     return Metric(name, documentation, kind)
 
 
-def fleet_families(loads: Mapping[str, Any], answered: Iterable[str]) -> list[Metric]:
-    """The ingress's view of each replica: ``loads`` maps a replica to its ``ReplicaLoad``."""
+def fleet_families(
+    loads: Mapping[str, Any], answered: Iterable[str], lost_in_all: int
+) -> list[Metric]:
+    """The ingress's view of each replica: ``loads`` maps a replica to its ``ReplicaLoad``;
+    ``lost_in_all``: the requests lost to any replica, live or gone."""
     requests = _family(
         "penstock_fleet_replica_requests", "Requests the ingress routed to the replica", "counter"
     )
@@ -68,6 +73,12 @@ def fleet_families(loads: Mapping[str, Any], answered: Iterable[str]) -> list[Me
     up = _family(
         "penstock_fleet_replica_up", "1 when the replica answered this metrics scrape", "gauge"
     )
+    fleet_lost = _family(
+        "penstock_fleet_lost_requests",
+        "Requests that failed because their replica died, every replica's (gone ones too)",
+        "counter",
+    )
+    fleet_lost.add_sample("penstock_fleet_lost_requests_total", {}, lost_in_all)
     for name, load in sorted(loads.items()):
         labels = {REPLICA_LABEL: name}
         requests.add_sample("penstock_fleet_replica_requests_total", labels, load.served)
@@ -76,7 +87,7 @@ def fleet_families(loads: Mapping[str, Any], answered: Iterable[str]) -> list[Me
         lost.add_sample("penstock_fleet_replica_lost_requests_total", labels, load.lost)
     for name in sorted(answered):
         up.add_sample("penstock_fleet_replica_up", {REPLICA_LABEL: name}, 1)
-    return [requests, running, tokens, lost, up]
+    return [requests, running, tokens, lost, up, fleet_lost]
 
 
 def labelled_families(texts: Mapping[str, str]) -> list[Metric]:

@@ -216,3 +216,35 @@ async def test_audio_limits_and_failures() -> None:
     assert batch[0][1] == 8000.0
     with pytest.raises(UrlValidationError):
         await audio.load_audio_batch([{"Url": "https://media.test/x"}, {"Url": "gopher://h/"}])
+
+
+async def test_the_environments_limits_are_read_at_each_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "cat.png").write_bytes(PNG)
+    images = ImageLoader(
+        url_policy=UrlValidationPolicy(allowed_local_roots=(str(tmp_path),)),
+        http_client=StubClient({}),
+    )
+    seeded = ImageLoader(http_client=StubClient({}))
+    assert (await images.load_image((tmp_path / "cat.png").as_uri())).size == (8, 6)
+    assert (await seeded.load_image(data_url("image/png", PNG))).size == (8, 6)
+    images.clear_cache()
+    seeded.clear_cache()
+    monkeypatch.setenv("DYN_MM_MAX_FILE_SIZE_MB", str(8 / 1024 / 1024))
+    monkeypatch.setenv("DYN_MM_MAX_DATA_URL_MB", str(8 / 1024 / 1024))
+    with pytest.raises(UrlValidationError, match="exceeds"):
+        await images.load_image((tmp_path / "cat.png").as_uri())
+    with pytest.raises(UrlValidationError, match="over the limit"):
+        await seeded.load_image(data_url("image/png", PNG))
+
+
+async def test_the_seeds_local_path_opens_no_file(tmp_path: Path) -> None:
+    (tmp_path / "cat.png").write_bytes(PNG)
+    policy = UrlValidationPolicy(allowed_local_path=str(tmp_path))
+    with pytest.raises(UrlValidationError):
+        await ImageLoader(url_policy=policy, http_client=StubClient({})).load_image(
+            (tmp_path / "cat.png").as_uri()
+        )
+    honoured = ImageLoader(url_policy=policy, http_client=StubClient({}), honour_local_path=True)
+    assert (await honoured.load_image((tmp_path / "cat.png").as_uri())).size == (8, 6)

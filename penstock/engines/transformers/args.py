@@ -35,6 +35,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     deterministic: bool = False
     decode_gap_ratio: float = 2.0
+    grammar_compile_timeout: float = 10.0
 
     def kv_pool_tokens(self, *, bytes_per_token: int, default: int) -> int:
         """The KV pool's size in tokens: ``--kv-cache-tokens``, or ``--kv-cache-bytes`` at
@@ -87,4 +88,5 @@ def parse_args(argv: list[str]) -> EngineArgs:
         max_num_batched_tokens=namespace.max_num_batched_tokens,
         deterministic=namespace.deterministic,
         decode_gap_ratio=namespace.decode_gap_ratio,
+        grammar_compile_timeout=namespace.grammar_compile_timeout,
     )

@@ -68,7 +68,7 @@ from penstock.engines.transformers.core.scheduler import (
 )
 from penstock.engines.transformers.core.sequence import request_cache_salt, request_priority
 from penstock.engines.transformers.default_model import DEFAULT_MODEL_NAME, prepare_default_model
-from penstock.engines.transformers.features.constraints import GrammarCompiler
+from penstock.engines.transformers.features.grammar_compiles import CompileQueue
 from penstock.engines.transformers.features.lora import (
     BASE_ROW,
     AdapterSet,
@@ -210,8 +210,8 @@ class TransformersEngine(
         self.weight_sync = WeightSync()
         # Set for vision-language checkpoints: encodes images, expands their placeholders.
         self.vision: VisionEncoder | None = None
-        # Compiles the grammars of constrained requests (see :mod:`.constraints`).
-        self.grammars: GrammarCompiler | None = None
+        # Compiles the grammars of constrained requests (see :mod:`.grammar_compiles`).
+        self.grammars: CompileQueue | None = None
         self._load_model: Callable[..., Any] = load_model
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -264,7 +264,8 @@ class TransformersEngine(
         eos = _eos_ids(self.model.generation_config, text_config)
         bos = getattr(self.model.generation_config, "bos_token_id", None)
         self._bos_or_eos = bos if isinstance(bos, int) else min(eos, default=0)
-        self.grammars = GrammarCompiler(self.model_path, self.vocab_size, eos)
+        timeout = self.args.grammar_compile_timeout
+        self.grammars = CompileQueue(self.model_path, self.vocab_size, eos, timeout)
         assert self.dtype is not None and self.device is not None
         kv_tokens = pool_tokens(
             self.args, text_config, self.dtype, self.device, self.context_length
@@ -427,7 +428,7 @@ class TransformersEngine(
         # Compiled off the loop (cached by spec): a bad grammar fails before any token.
         grammar = None
         if params.guided is not None and self.grammars is not None:
-            grammar = await asyncio.to_thread(self.grammars.compile, params.guided)
+            grammar = await self.grammars.compile(params.guided, request_cache_salt(request))
         submission = Submission(
             context.id(),
             context,

@@ -12,7 +12,8 @@ weak model: free whitespace lets it pad until the token limit.
 Every JSON grammar forbids raw control characters and broken UTF-8 inside strings (which
 xgrammar's own let through in places), and once
 the value is complete only an end token may follow, so the sequence stops there.
-Compiled grammars are cached by their spec; compiling runs off the event loop. Rows
+Compiled grammars are cached by their spec; compiling runs off the event loop, within a
+deadline (:mod:`.grammar_compiles`). Rows
 without a constraint never reach this module: the sampler only calls it for rows that
 carry a matcher.
 """
@@ -34,6 +35,9 @@ from penstock import extras
 # What a schema may weigh before compiling is refused: its JSON text, and its nesting.
 MAX_SPEC_CHARS = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
+# A structural tag nests its own formats around the schemas it holds, each held to
+# MAX_SCHEMA_DEPTH.
+MAX_TAG_DEPTH = 2 * MAX_SCHEMA_DEPTH
 # Compiled grammars kept, least recently used dropped first.
 GRAMMAR_CACHE_SIZE = 256
 
@@ -81,46 +85,84 @@ def parse_guided_decoding(value: Any) -> GuidedSpec | None:
 
 
 def _spec_text(kind: str, value: Any, where: str) -> str:
-    if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"{where} is not valid JSON: {exc}") from exc
-        if not isinstance(value, dict):
-            raise ValueError(f"{where} must be a JSON schema object")
-        depth = _depth(value)
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"{where} nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH}")
-        # In the schema's own order: xgrammar's strict mode writes properties in it.
-        return json.dumps(value)
+    if kind in ("json", "structural_tag"):
+        return _structured_text(kind, value, where)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise ValueError(f"{where} must be a non-empty list of strings")
         if any(not choice for choice in value):
             raise ValueError(f"{where}: every choice must be a non-empty string")
         return "|".join(re.escape(choice) for choice in value)
-    if kind == "structural_tag":
-        if isinstance(value, dict):
-            return json.dumps(value, sort_keys=True)
-        if not isinstance(value, str):
-            raise ValueError(f"{where} must be an object or its JSON text")
-        return value
     if not isinstance(value, str) or not value:
         raise ValueError(f"{where} must be a non-empty string")
     return value
 
 
-def _depth(value: Any) -> int:
-    """How deep ``value`` nests (a scalar is 0), without recursion."""
-    deepest, stack = 0, [(value, 1)]
+def _structured_text(kind: str, value: Any, where: str) -> str:
+    """A JSON schema or a structural tag (an object or its JSON text) as compact text,
+    its size and nesting checked before anything walks all of it."""
+    if isinstance(value, str):
+        _check_chars(len(value), where)
+        try:
+            value = json.loads(value)
+        except RecursionError as exc:
+            raise ValueError(f"{where} nests too deep; at most {MAX_SCHEMA_DEPTH} levels") from exc
+        except ValueError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        noun = "a JSON schema object" if kind == "json" else "an object or its JSON text"
+        raise ValueError(f"{where} must be {noun}")
+    if kind == "json":
+        _check_bounded(value, where, MAX_SCHEMA_DEPTH)
+    else:
+        _check_bounded(value, where, MAX_TAG_DEPTH)
+        for path, schema in _tag_schemas(value):
+            _check_bounded(schema, f"{where}{path}", MAX_SCHEMA_DEPTH)
+    # In the schema's own order: xgrammar's strict mode writes properties in it.
+    return json.dumps(value)
+
+
+def _check_chars(chars: int, where: str) -> None:
+    if chars > MAX_SPEC_CHARS:
+        raise ValueError(f"{where} is over {MAX_SPEC_CHARS} characters; at most {MAX_SPEC_CHARS}")
+
+
+def _check_bounded(value: Any, where: str, max_depth: int) -> None:
+    """``ValueError`` when ``value`` nests deeper than ``max_depth`` or its JSON text
+    would exceed :data:`MAX_SPEC_CHARS`; the walk stops at the first limit crossed, so an
+    enormous value costs no more than one at the limit. Iterative: no recursion."""
+    chars, stack = 0, [(value, 1)]
     while stack:
         item, level = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
+        # Every value is at least one character, with its separator.
+        chars += 1 + (len(item) if isinstance(item, str) else 0)
         if isinstance(item, dict | list):
-            deepest = max(deepest, level)
-            stack.extend((child, level + 1) for child in children)
-    return deepest
+            if level > max_depth:
+                raise ValueError(f"{where} nests over {max_depth} levels deep; at most {max_depth}")
+            if isinstance(item, dict):
+                chars += sum(len(key) + 3 for key in item)
+                stack.extend((child, level + 1) for child in item.values())
+            else:
+                stack.extend((child, level + 1) for child in item)
+        _check_chars(chars, where)
+
+
+def _tag_schemas(tag: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Every JSON schema a structural tag holds, with its path: xgrammar's
+    ``json_schema`` formats and the ``schema`` of vLLM's ``structures``."""
+    found: list[tuple[str, Any]] = []
+    stack: list[tuple[str, Any]] = [("", tag)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if key == "json_schema" or (key == "schema" and "begin" in item):
+                    found.append((f"{path}.{key}", child))
+                else:
+                    stack.append((f"{path}.{key}", child))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", child) for i, child in enumerate(item))
+    return found
 
 
 class GrammarCompiler:
@@ -138,6 +180,16 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._cache: OrderedDict[GuidedSpec, Any] = OrderedDict()
+
+    def prepare(self) -> None:
+        """Build the tokenizer's table now (the first constrained request's wait)."""
+        with self._lock:
+            self._xgrammar_compiler()
+
+    def cached(self, spec: GuidedSpec) -> Any:
+        """The compiled grammar of ``spec`` if it is cached, else None."""
+        with self._lock:
+            return self._cache.get(spec)
 
     def compile(self, spec: GuidedSpec) -> Any:
         """The compiled grammar of ``spec``; ``ValueError`` says what it cannot express."""

@@ -1,0 +1,174 @@
+"""Every output constraint is held to the same limits, whichever spelling carries it, and
+a refused one costs the server (and other API keys) nothing: a real server on a tiny
+checkpoint with random weights, two API keys."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.server import ServerProcess, running_server
+from tests.support.tiny_llm import build_tiny_llama
+
+KEYS = ("key-one", "key-two")
+MESSAGES: list[Any] = [{"role": "user", "content": "Describe something."}]
+
+
+def nested_schema(depth: int) -> dict[str, Any]:
+    """An object schema whose JSON nests ``depth`` levels deep (odd ``depth``)."""
+    schema: dict[str, Any] = {"type": "integer"}
+    # Each object adds two levels: itself and its ``properties``.
+    for _ in range((depth - 1) // 2):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def deep_tool(depth: int, name: str = "deep") -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": nested_schema(depth)}}
+
+
+def deep_tag(depth: int) -> dict[str, Any]:
+    return {
+        "type": "structural_tag",
+        "structures": [{"begin": "<a>", "schema": nested_schema(depth), "end": "</a>"}],
+        "triggers": ["<a>"],
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    keys = [arg for key in KEYS for arg in ("--api-key", key)]
+    args = ["--engine", "transformers", "--model", str(model_dir), "--tool-call-parser", "hermes"]
+    args += [*keys, "--", "--served-model-name", "tiny", "--cpu-threads", "1"]
+    with running_server(
+        args, tmp_path_factory.mktemp("serve"), env={"HF_HUB_OFFLINE": "1"}, ready_timeout=300
+    ) as process:
+        yield process
+
+
+def chat(server: ServerProcess, extra: dict[str, Any], key: str = KEYS[0]) -> httpx.Response:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **extra}
+    return httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=300,
+    )
+
+
+def timed_chat(server: ServerProcess, extra: dict[str, Any], key: str) -> float:
+    started = time.perf_counter()
+    answer = chat(server, extra, key)
+    assert answer.status_code == 200, answer.text
+    return time.perf_counter() - started
+
+
+def refusal(answer: httpx.Response) -> str:
+    assert answer.status_code == 400, answer.text
+    return str(answer.json()["error"]["message"])
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [deep_tool(41)], "tool_choice": "required"},
+        {
+            "tools": [deep_tool(41)],
+            "tool_choice": {"type": "function", "function": {"name": "deep"}},
+        },
+        {"structured_outputs": {"structural_tag": deep_tag(41)}},
+        {"structured_outputs": {"structural_tag": json.dumps(deep_tag(41))}},
+        {"structured_outputs": {"json": json.dumps(nested_schema(41))}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "d", "schema": nested_schema(41)},
+            }
+        },
+        {"guided_json": nested_schema(41)},
+    ],
+    ids=[
+        "tool-required",
+        "tool-named",
+        "tag",
+        "tag-text",
+        "json-text",
+        "response-format",
+        "guided",
+    ],
+)
+def test_every_spelling_holds_a_schema_to_32_levels(
+    server: ServerProcess, extra: dict[str, Any]
+) -> None:
+    assert "at most 32" in refusal(chat(server, extra))
+
+
+def test_a_tool_schema_within_the_limit_is_served(server: ServerProcess) -> None:
+    answer = chat(server, {"tools": [deep_tool(31)], "tool_choice": "required"})
+    assert answer.status_code == 200, answer.text
+
+
+def test_one_keys_deep_schemas_do_not_hold_back_another_keys_regex(
+    server: ServerProcess,
+) -> None:
+    alone = timed_chat(server, {"structured_outputs": {"regex": "[a-c]{2}"}}, KEYS[1])
+    deep = {"tools": [deep_tool(401)], "tool_choice": "required"}
+    with ThreadPoolExecutor(6) as pool:
+        flood = [pool.submit(chat, server, deep, KEYS[0]) for _ in range(6)]
+        time.sleep(0.5)
+        beside = timed_chat(server, {"structured_outputs": {"regex": "[d-f]{2}"}}, KEYS[1])
+        answers = [future.result() for future in flood]
+    assert all(answer.status_code == 400 for answer in answers), answers[0].text
+    assert beside < 10 * alone + 1.0, (beside, alone)
+
+
+def live_stalls(server: ServerProcess, during: threading.Thread) -> float:
+    """The longest ``/live`` answer while ``during`` runs."""
+    worst = 0.0
+    during.start()
+    with httpx.Client(timeout=120) as client:
+        while during.is_alive():
+            started = time.perf_counter()
+            client.get(f"{server.base_url}/live")
+            worst = max(worst, time.perf_counter() - started)
+            time.sleep(0.02)
+    during.join()
+    return worst
+
+
+def test_an_oversized_schema_is_refused_before_it_is_walked(server: ServerProcess) -> None:
+    wide = {"type": "object", "properties": {f"p{i}": {} for i in range(300_000)}}
+    answers: dict[str, httpx.Response] = {}
+
+    def send(name: str, extra: dict[str, Any]) -> threading.Thread:
+        return threading.Thread(target=lambda: answers.update({name: chat(server, extra)}))
+
+    # The same body, refused by a plain field check: the cost of reading it at all.
+    baseline = live_stalls(server, send("read", {"guided_json": wide, "max_tokens": -1}))
+    walked = live_stalls(server, send("schema", {"guided_json": wide}))
+    assert walked < 3 * baseline + 0.5, (walked, baseline)
+    assert answers["read"].status_code == 400, answers["read"].text
+    assert "at most 65536" in refusal(answers["schema"])
+
+
+def test_a_schema_text_nested_3000_levels_is_a_400(server: ServerProcess) -> None:
+    text = '{"type": "object", "properties": {"a": ' * 1500 + "{}" + "}}" * 1500
+    message = refusal(chat(server, {"structured_outputs": {"json": text}}))
+    assert "levels" in message
+
+
+def test_a_refused_constraint_logs_one_line_and_no_traceback(server: ServerProcess) -> None:
+    before = server.log()
+    assert "not supported" in refusal(chat(server, {"structured_outputs": {"regex": "([a-z]"}}))
+    time.sleep(0.5)
+    added = server.log()[len(before) :]
+    assert "Traceback" not in added, added
+    assert "ERROR" not in added, added
