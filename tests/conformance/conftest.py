@@ -56,7 +56,7 @@ def _send(http: httpx.Client, case: Case) -> Answer:
 
 @pytest.fixture(scope="session")
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Oracle]:
-    """vLLM's CPU build (installed into ``.venv-vllm`` on first use) and ``penstock serve``,
+    """vLLM's CPU build (installed into ``~/.cache/penstock`` on first use) and ``penstock serve``,
     both on the default model in float32. A failed install or start fails the suite with
     pip's or the server's output. With ``PENSTOCK_CONFORMANCE_VLLM_URL`` set, the vLLM
     server at that URL instead of a fresh one."""

