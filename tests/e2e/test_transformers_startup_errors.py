@@ -36,9 +36,9 @@ def test_a_hub_id_says_only_local_folders_load_and_how_to_get_one() -> None:
     result = _serve("--model", "HuggingFaceTB/SmolLM2-360M-Instruct")
     assert result.returncode != 0
     [line] = _error_lines(result)
-    assert "only local folders are loaded" in line
-    assert "hf download HuggingFaceTB/SmolLM2-360M-Instruct --local-dir DIR" in line
-    assert "--model DIR" in line
+    assert "not a local folder, and not in the local Hugging Face cache" in line
+    assert "nothing is downloaded here" in line
+    assert "hf download HuggingFaceTB/SmolLM2-360M-Instruct" in line
 
 
 def test_a_malformed_generation_config_stops_startup(tmp_path: Path) -> None:
