@@ -161,7 +161,8 @@ class ResponsesRequest(RequestModel):
     model_config = ConfigDict(extra="allow")
     __pydantic_extra__: dict[str, JSONValue] = Field(init=False)
 
-    model: str
+    # Left out or empty: the served model (as chat and completions allow).
+    model: str = ""
     input: Annotated[
         Annotated[str, Tag("str")] | Annotated[list[InputItem], Tag("list"), Field(min_length=1)],
         Discriminator(_text_or_items),

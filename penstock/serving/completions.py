@@ -138,6 +138,7 @@ class CompletionFormat:
         "_echoes",
         "_text_offsets",
         "_unsent_echoes",
+        "_unsent_prompt_ids",
         "model",
         "return_token_ids",
         "tokens_as_ids",
@@ -154,13 +155,16 @@ class CompletionFormat:
         *,
         return_token_ids: bool,
         tokens_as_ids: bool = False,
+        echoed_prompt_ids: dict[int, list[int]] | None = None,
     ) -> None:
-        """``echoes``: the prompt text each choice (by index) opens with."""
+        """``echoes``: the prompt text each choice (by index) opens with;
+        ``echoed_prompt_ids``: its token ids, which a stream sends on the echo's chunk."""
         self.model = model
         self.return_token_ids = return_token_ids
         self.tokens_as_ids = tokens_as_ids
         self._echoes = echoes
         self._unsent_echoes = dict(echoes)
+        self._unsent_prompt_ids = dict(echoed_prompt_ids or {})
         # Where each choice's next text starts within the whole choice text, echo included.
         self._text_offsets = {index: len(echo) for index, echo in echoes.items()}
 
@@ -174,7 +178,7 @@ class CompletionFormat:
             and delta.finish_reason is None
             and not delta.logprobs
             and not self.return_token_ids
-            and not self._unsent_echoes
+            and not self._echoes
         )
 
     @staticmethod
@@ -190,8 +194,10 @@ class CompletionFormat:
     def chunk_choice(self, delta: Delta) -> dict[str, Any] | None:
         index = delta.choice.index
         text = delta.text
+        prompt_ids = None
         if self._unsent_echoes:
             text = self._unsent_echoes.pop(index, "") + text
+            prompt_ids = self._unsent_prompt_ids.pop(index, None)
         if not shows_anything(text, delta, self.return_token_ids):
             return None
         item: dict[str, Any] = {
@@ -201,6 +207,9 @@ class CompletionFormat:
             "finish_reason": delta.finish_reason,
             "stop_reason": delta.choice.stop_reason if delta.finish_reason else None,
         }
+        if self._echoes:
+            # As vLLM streams an echo: the prompt's ids on its chunk, null on the rest.
+            item["prompt_token_ids"] = prompt_ids
         if delta.logprobs:
             start = self._text_offsets.get(index, 0)
             item["logprobs"] = completion_logprobs(
@@ -368,6 +377,13 @@ async def create_completion(
         _echoes(body, model, generations),
         return_token_ids=body.return_token_ids,
         tokens_as_ids=body.return_tokens_as_token_ids,
+        echoed_prompt_ids={
+            choice.index: generation.request["token_ids"]
+            for generation in generations
+            for choice in generation.choices
+        }
+        if body.echo
+        else None,
     )
     plan = ResponsePlan(completion_format, generations, body, uploader, deadline)
     return await respond(request, plan)

@@ -46,6 +46,11 @@ class OutputParsing:
     tools: ToolSchemas
     parallel_tool_calls: bool
     reasoning_opened: bool | None
+    # A streamed forced tool choice (``required`` or a named function): its grammar allows
+    # only calls, so none of its text is content, and a call cut short by max_tokens
+    # streams no text, as in vLLM. Not streamed, such a cut call stays the message's
+    # content, as vLLM returns it.
+    calls_only: bool = False
 
     def for_choice(self) -> ChoiceParser:
         return ChoiceParser(self)
@@ -54,7 +59,7 @@ class OutputParsing:
 class ChoiceParser:
     """One choice's reasoning and tool-call streams, fed its text in order."""
 
-    __slots__ = ("_reasoning", "_tools")
+    __slots__ = ("_calls_only", "_reasoning", "_tools")
 
     def __init__(self, parsing: OutputParsing) -> None:
         opened = parsing.reasoning_opened
@@ -64,6 +69,7 @@ class ChoiceParser:
             if parsing.tool_format is not None
             else None
         )
+        self._calls_only = parsing.calls_only and self._tools is not None
 
     def feed(self, text: str, finished: bool) -> ParsedChunk:
         reasoning = ""
@@ -80,6 +86,8 @@ class ChoiceParser:
                 rest, found = self._tools.finish()
                 text += rest
                 calls = tuple(found)
+            if self._calls_only:
+                text = ""
         return ParsedChunk(reasoning, text, calls)
 
 
@@ -112,6 +120,9 @@ def output_parsing(
         tool_schemas(body.tools) if tool_format is not None else {},
         body.parallel_tool_calls is not False,
         opened,
+        calls_only=bool(body.stream)
+        and tool_format is not None
+        and (isinstance(body.tool_choice, dict) or body.tool_choice == "required"),
     )
 
 

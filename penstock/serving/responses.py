@@ -370,6 +370,8 @@ async def create_response(
     conversation = [*await _history(body, store, owner), *turn_messages(body)]
     chat = chat_request(body, conversation)
     model = served_model(gateway, chat, "chat", "the Responses API")
+    # The response names the model that served it, also when the request named none.
+    body.model = chat.model
     if model.preprocessor is not None:
         reasoning = reasoning_chars(body)
         check_prompt_length(gateway.settings, model, model.preprocessor, reasoning, "input")

@@ -238,6 +238,13 @@ def responses_cases() -> list[Case]:
             max_output_tokens=12,
         ),
         response("no-store", input="Hi", store=False),
+        Case(
+            "responses-no-model",
+            "POST",
+            "/v1/responses",
+            {"input": "Hi", "max_output_tokens": 8, "temperature": 0},
+            values=True,
+        ),
     ]
 
 

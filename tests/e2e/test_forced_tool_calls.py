@@ -156,3 +156,21 @@ def test_a_named_choice_calls_that_tool(client: openai.OpenAI) -> None:
         (call,) = choice.message.tool_calls or []
         assert call.function.name == "set_alarm"
         _valid(call.function.name, call.function.arguments)
+
+
+def test_a_streamed_named_call_cut_short_streams_no_content(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "set_alarm"}},
+        max_tokens=4,
+        stream=True,
+    )
+    finishes = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            assert not choice.delta.tool_calls
+            finishes.append(choice.finish_reason)
+    assert finishes[-1] == "length"

@@ -49,6 +49,11 @@ def test_model_may_be_left_out_and_the_answer_names_the_served_one(client: httpx
     completion = ok(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}))
     assert completion["model"] == MODEL
     assert ok(client.post("/v1/completions", json={"model": "", "prompt": "hi"}))["model"] == MODEL
+    response = ok(client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2}))
+    assert response["model"] == MODEL
+    assert response["status"] in {"completed", "incomplete"}
+    stored = ok(client.get(f"/v1/responses/{response['id']}"))
+    assert stored["model"] == MODEL
     tokens = ok(client.post("/tokenize", json={"prompt": "hi"}))["tokens"]
     assert ok(client.post("/detokenize", json={"tokens": tokens}))["prompt"] == "hi"
     generate = ok(client.post("/generate", json={"text": "hi", "sampling_params": {}}))

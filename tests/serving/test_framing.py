@@ -119,8 +119,13 @@ def test_a_text_only_completion_delta_is_framed_as_its_whole_choice_would_be(
         assert framed == whole.frame([item], "v1")
 
 
-def test_a_completion_whose_echo_is_unsent_is_not_text_only() -> None:
-    completions = CompletionFormat(None, {0: "echo"}, return_token_ids=False)  # type: ignore[arg-type]
+def test_an_echoed_completion_streams_the_prompt_ids_on_its_echo_chunk_only() -> None:
+    completions = CompletionFormat(
+        None,  # type: ignore[arg-type]
+        {0: "echo"},
+        return_token_ids=False,
+        echoed_prompt_ids={0: [5, 6]},
+    )
     choice = ChoiceState(0, None, None, prompt_token_ids=[], keep_text=False, want_logprobs=False)
     delta = Delta(choice, "a", [7], None, None, None, ())
     assert not completions.text_only(delta)
@@ -130,8 +135,11 @@ def test_a_completion_whose_echo_is_unsent_is_not_text_only() -> None:
         "logprobs": None,
         "finish_reason": None,
         "stop_reason": None,
+        "prompt_token_ids": [5, 6],
     }
-    assert completions.text_only(delta)
+    assert not completions.text_only(delta)
+    later = completions.chunk_choice(delta)
+    assert later is not None and later["text"] == "a" and later["prompt_token_ids"] is None
 
 
 def test_deltas_with_more_than_text_are_not_text_only() -> None:

@@ -66,3 +66,38 @@ def test_a_choice_naming_no_known_function_is_refused(tool_choice: Any) -> None:
     with pytest.raises(InvalidRequestError) as refused:
         output_parsing(body(tools=TOOLS, tool_choice=tool_choice), "hermes", None, None, [])
     assert refused.value.param == "tool_choice"
+
+
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+CUT_CALL = '<tool_call>\n{"name": "get_'
+WHOLE_CALL = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+def _parsed(request: ChatCompletionRequest, pieces: list[str]) -> tuple[str, list[str]]:
+    """The content a choice's text ``pieces`` become, and the names of the calls read."""
+    parsing = output_parsing(request, "hermes", None, None, [])
+    assert parsing is not None
+    parser = parsing.for_choice()
+    content, names = "", []
+    for position, piece in enumerate(pieces):
+        chunk = parser.feed(piece, finished=position == len(pieces) - 1)
+        content += chunk.content
+        names += [call.name for call in chunk.calls]
+    return content, names
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+def test_a_streamed_forced_call_cut_short_streams_no_content(tool_choice: Any) -> None:
+    request = body(tools=TOOLS, tool_choice=tool_choice, stream=True)
+    assert _parsed(request, [CUT_CALL[:5], CUT_CALL[5:]]) == ("", [])
+    assert _parsed(request, [WHOLE_CALL[:20], WHOLE_CALL[20:]]) == ("", ["get_time"])
+
+
+def test_a_forced_call_cut_short_stays_content_when_not_streamed() -> None:
+    request = body(tools=TOOLS, tool_choice=NAMED)
+    assert _parsed(request, [CUT_CALL]) == (CUT_CALL, [])
+
+
+def test_an_unforced_streamed_answer_keeps_its_text() -> None:
+    request = body(tools=TOOLS, tool_choice="auto", stream=True)
+    assert _parsed(request, ["It is noon. ", CUT_CALL]) == ("It is noon. " + CUT_CALL, [])
