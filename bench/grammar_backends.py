@@ -24,30 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from constrained import SCHEMA
 from transformers import AutoTokenizer
 
 MODEL = Path.home() / ".cache" / "penstock" / "models" / "SmolLM2-135M-Instruct"
 
-CITIES = {
-    "type": "object",
-    "properties": {
-        "cities": {
-            "type": "array",
-            "minItems": 3,
-            "maxItems": 3,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string", "maxLength": 16},
-                    "country": {"type": "string", "maxLength": 16},
-                    "population": {"type": "integer"},
-                },
-                "required": ["name", "country", "population"],
-            },
-        }
-    },
-    "required": ["cities"],
-}
+# The cities schema bench/constrained.py decodes under.
+CITIES = SCHEMA
 TOOL_CALL = {
     "type": "object",
     "properties": {
