@@ -175,7 +175,7 @@ def engine_greedy(server: ServerProcess) -> list[list[int]]:
 # A random-weights model writes valid JSON only if the grammar allows nothing else.
 JSON_SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 8}, "count": {"type": "integer"}},
+    "properties": {"name": {"type": "string", "maxLength": 8}, "count": {"type": "integer", "minimum": 0, "maximum": 999}},
     "required": ["name", "count"],
     "additionalProperties": False,
 }
@@ -208,6 +208,7 @@ def constrained_json(server: ServerProcess) -> Outcome:
                 and isinstance(value["name"], str)
                 and len(value["name"]) <= 8
                 and type(value["count"]) is int
+                and 0 <= value["count"] <= 999
             )
     detail = f"{valid}/{samples} sampled answers valid against the schema"
     return ("PASS" if valid == samples else "FAIL", detail)
