@@ -175,7 +175,10 @@ def engine_greedy(server: ServerProcess) -> list[list[int]]:
 # A random-weights model writes valid JSON only if the grammar allows nothing else.
 JSON_SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 8}, "count": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
     "required": ["name", "count"],
     "additionalProperties": False,
 }
