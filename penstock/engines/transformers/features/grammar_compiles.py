@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from penstock.engines.transformers.features.constraints import GrammarCompiler, GuidedSpec
+from penstock.engines.guided_specs import GuidedSpec
+from penstock.engines.transformers.features.constraints import GrammarCompiler
 
 # A request's cache salt opens with its key's scope when the server keeps keys apart.
 _KEY_SCOPE_PREFIX = "key:"
