@@ -415,6 +415,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._body_timer is not None or self._body_deadline is not None:
             self._cancel_body_timers()
         super().on_message_complete()
+        # uvicorn stops reading while it holds more than its high-water mark of a body and
+        # reads on only when the app next asks for the body: an app that has the whole body
+        # never asks again, so a client that left before its answer went unseen and its
+        # request ran to the end. What follows a whole body is the client's close, or a
+        # next request, which uvicorn queues and stops reading for itself.
+        if not self.pipeline:
+            self.flow.resume_reading()
 
     def _warn_limit(self, limit: int) -> None:
         now = time.monotonic()

@@ -12,7 +12,8 @@ FastAPI gave it:
 * the inference-key rule of :func:`~penstock.routers.security.require_inference_key`,
   checked before the body is read;
 * the body read by :func:`~penstock.schemas.json_body.read_json_body` (its one
-  content-type rule), validated into the endpoint's body model with FastAPI's errors (an
+  content-type rule; a constraint field too large to be within its limit refused before
+  the body is parsed), validated into the endpoint's body model with FastAPI's errors (an
   empty body is a missing field), so the handlers turn them into the same 400 naming the
   field;
 * the endpoint called with the body and the request, its response sent (a plain value as
@@ -41,6 +42,7 @@ from penstock.app.handlers import handle_error
 from penstock.routers.hot import HOT_OPERATIONS
 from penstock.routers.security import check_inference_key
 from penstock.schemas.json_body import NO_BODY, read_json_body
+from penstock.serving.guided import refuse_oversized_constraints
 from penstock.serving.sse import FRAME_WRITER_KEY
 from penstock.settings import Settings
 
@@ -66,7 +68,8 @@ class HotRoute:
         request = Request(scope, receive, send)
         try:
             check_inference_key(request, scope["path"], self.settings)
-            body = self._validate(await read_json_body(request))
+            raw_checked = read_json_body(request, check_raw=refuse_oversized_constraints)
+            body = self._validate(await raw_checked)
             response = await self.endpoint(body, request)
             if not isinstance(response, Response):
                 response = JSONResponse(jsonable_encoder(response))

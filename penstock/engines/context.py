@@ -95,6 +95,11 @@ class _NoSpan:
 NO_SPAN: SpanProxy = _NoSpan()
 
 
+API_KEY_METADATA = "x-api-key-digest"
+"""The metadata entry holding a digest of the caller's API key (the key itself never
+reaches an engine), on servers that check keys: what an engine shares out per caller."""
+
+
 class Context:
     """Identity, cancellation and metadata of one in-flight request.
 

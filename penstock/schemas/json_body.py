@@ -22,6 +22,7 @@ exactly the value, or the error, ``json`` gives it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Final
 
 import pydantic_core
@@ -53,9 +54,15 @@ def parse_json(body: bytes) -> Any:
         return json.loads(body)
 
 
-async def read_json_body(request: Request, *, accepted: str = JSON_TYPE) -> Any:
+async def read_json_body(
+    request: Request,
+    *,
+    accepted: str = JSON_TYPE,
+    check_raw: Callable[[bytes], None] | None = None,
+) -> Any:
     """The request's body as JSON, or :data:`NO_BODY`; a 400 for a body that is not JSON
-    (``accepted``: what the error tells the client to send instead)."""
+    (``accepted``: what the error tells the client to send instead). ``check_raw`` sees
+    the JSON text first, to refuse what would cost too much to parse."""
     try:
         raw = await request.body()
     except ClientDisconnect:
@@ -69,6 +76,8 @@ async def read_json_body(request: Request, *, accepted: str = JSON_TYPE) -> Any:
             f"The request body is not JSON: Content-Type '{clip(content_type)}'; send {accepted}",
             code="invalid_body",
         )
+    if check_raw is not None:
+        check_raw(raw)
     try:
         return parse_json(raw)
     except json.JSONDecodeError as exc:

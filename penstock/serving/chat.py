@@ -182,14 +182,14 @@ async def create_chat_completion(
     model = served_model(gateway, body, "chat", "chat completions")
     check_prompt_logprobs(body, model)
     uploader = metadata_uploader(body, gateway.settings)
-    prompt = await chat_prompt(gateway, body, model, deadline, request, media)
-    max_tokens = body.max_new_tokens
-    check_budget(len(prompt.token_ids), max_tokens, model, "messages")
     guided_decoding = combine(
         sampling_guided_decoding(body, model),
         tool_call_constraint(body, model.tool_call_parser),
         model,
     )
+    prompt = await chat_prompt(gateway, body, model, deadline, request, media)
+    max_tokens = body.max_new_tokens
+    check_budget(len(prompt.token_ids), max_tokens, model, "messages")
     engine_request = generate_request(
         body,
         model,

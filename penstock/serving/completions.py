@@ -334,9 +334,9 @@ async def completion_generations(
     """One :class:`Generation` per prompt of ``body``, every check passed; none started."""
     model = served_model(gateway, body, "completions", endpoint)
     _check_unsupported(body, model)
+    guided_decoding = sampling_guided_decoding(body, model)
     prompts = await completion_prompts(gateway, body, model, deadline)
     _check_batch_fits(prompts, model)
-    guided_decoding = sampling_guided_decoding(body, model)
     return model, [
         Generation(
             gateway,

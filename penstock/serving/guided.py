@@ -8,7 +8,8 @@ Spellings: OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM
 ``structural_tag`` arrive as these: :mod:`penstock.serving.generate`), and a chat
 request's ``tool_choice`` ``required`` or naming a function (:func:`tool_call_constraint`).
 At most one may be sent; only an engine that advertises ``SUPPORTS_GUIDED_DECODING`` gets
-one, every other engine's request is a 400 naming the field.
+one, every other engine's request is a 400 naming the field. Each is held to the limits
+of :mod:`penstock.engines.guided_specs` here, before the request's prompt is rendered.
 
 JSON comes out compact by default (``", "`` and ``": "``, no other whitespace): a weak
 model given free whitespace pads until the token limit. vLLM's
@@ -20,7 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from penstock.engines.contract import SUPPORTS_GUIDED_DECODING
+from penstock.engines.guided_specs import MAX_SPEC_CHARS, parse_guided_decoding
 from penstock.errors import InvalidRequestError
 from penstock.gateway import ServedModel
 from penstock.schemas.openai import ChatCompletionRequest, SamplingFields, Tool
@@ -48,6 +52,49 @@ _BACKENDS = (None, "", "auto", "xgrammar")
 _CONSTRAINT_FIELDS = frozenset(
     {"response_format", "guided_decoding_backend", "structured_outputs", *_GUIDED_FIELDS}
 )
+
+
+MAX_RAW_CONSTRAINT_BYTES = 16 * MAX_SPEC_CHARS
+"""The most JSON text a constraint field may take in a body: room for pretty-printing a
+constraint at the limit, and far below the body that costs seconds to parse."""
+
+
+class _ConstraintFields(msgspec.Struct):
+    """The top-level fields of a body that carry a constraint, as their JSON text."""
+
+    response_format: msgspec.Raw = msgspec.Raw()
+    structured_outputs: msgspec.Raw = msgspec.Raw()
+    guided_json: msgspec.Raw = msgspec.Raw()
+    guided_regex: msgspec.Raw = msgspec.Raw()
+    guided_choice: msgspec.Raw = msgspec.Raw()
+    guided_grammar: msgspec.Raw = msgspec.Raw()
+
+
+# Skipping the other fields without building them: a 40 MB body of one image in
+# ~11 ms, a third of what parsing it takes (bench/README.md).
+_CONSTRAINT_FIELDS_TEXT = msgspec.json.Decoder(_ConstraintFields)
+
+
+def refuse_oversized_constraints(body: bytes) -> None:
+    """A 400 naming the limit when a request body's constraint field takes more than
+    :data:`MAX_RAW_CONSTRAINT_BYTES` of its text: checked on the raw body, before it is
+    parsed, since parsing a schema of a million properties into Python values holds the
+    event loop for seconds."""
+    if len(body) <= MAX_RAW_CONSTRAINT_BYTES:
+        return
+    try:
+        fields = _CONSTRAINT_FIELDS_TEXT.decode(body)
+    except msgspec.DecodeError:
+        # Not an object of fields: the body's parser says what is wrong with it.
+        return
+    for field in _ConstraintFields.__struct_fields__:
+        text = getattr(fields, field)
+        if len(text) > MAX_RAW_CONSTRAINT_BYTES:
+            raise InvalidRequestError(
+                f"{field} is {len(text)} bytes of JSON; an output constraint may be at most "
+                f"{MAX_SPEC_CHARS} characters of compact JSON",
+                param=field,
+            )
 
 
 def sampling_guided_decoding(body: SamplingFields, model: ServedModel) -> dict[str, Any] | None:
@@ -138,6 +185,10 @@ def _one(
         )
     field, spec = found[0]
     check_can_constrain(model, field, name)
+    try:
+        parse_guided_decoding(spec)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param=field) from None
     return spec
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from penstock.engines.context import Context
+from penstock.engines.context import API_KEY_METADATA, Context
 from penstock.engines.contract import GenerateRequest
 from penstock.errors import InvalidRequestError
 from penstock.gateway import ServedModel
@@ -45,10 +45,16 @@ def engine_context(
     ``prompt_index`` tells the prompts of a batch apart; ``x-request-id`` stays the
     client's id so every part of the batch can be traced back to it. The session key
     (the ``X-Session-Id`` header, else the body's ``user``) travels as ``x-session-id``:
-    a fleet keeps a session on one replica by it.
+    a fleet keeps a session on one replica by it. On a server that checks API keys, a
+    digest of the caller's travels as ``API_KEY_METADATA``: an engine shares out its
+    constraint compiles by it.
     """
     request_id = request.state.request_id
     metadata = {"x-request-id": request_id}
+    settings: Settings = request.app.state.gateway.settings
+    digest = key_digest(request) if settings.api_keys else None
+    if digest is not None:
+        metadata[API_KEY_METADATA] = digest
     session, traceparent, tracestate = _context_headers(request)
     session = session or user
     if session:
@@ -198,10 +204,16 @@ def key_cache_scope(request: Request) -> str | None:
     by_key = settings.cache_salt_by_key
     if by_key is None:
         by_key = len(settings.api_keys) > 1
+    digest = key_digest(request) if by_key else None
+    return None if digest is None else f"key:{digest}"
+
+
+def key_digest(request: Request) -> str | None:
+    """A digest of the request's bearer token, None without one."""
     scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
-    if not by_key or scheme.lower() != "bearer" or not token.strip():
+    if scheme.lower() != "bearer" or not token.strip():
         return None
-    return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:32]
+    return hashlib.sha256(token.strip().encode()).hexdigest()[:32]
 
 
 def _engine_nvext(nvext: dict[str, Any], uploader: MetadataUploader | None) -> dict[str, Any]:

@@ -375,13 +375,13 @@ async def create_response(
     if model.preprocessor is not None:
         reasoning = reasoning_chars(body)
         check_prompt_length(gateway.settings, model, model.preprocessor, reasoning, "input")
-    prompt = await chat_prompt(gateway, chat, model, deadline, request, media)
-    check_budget(len(prompt.token_ids), chat.max_tokens, model, "input")
     guided_decoding = combine(
         sampling_guided_decoding(chat, model),
         tool_call_constraint(chat, model.tool_call_parser),
         model,
     )
+    prompt = await chat_prompt(gateway, chat, model, deadline, request, media)
+    check_budget(len(prompt.token_ids), chat.max_tokens, model, "input")
     engine_request = generate_request(
         chat,
         model,

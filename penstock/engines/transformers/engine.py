@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from penstock.engines.context import Context
+from penstock.engines.context import API_KEY_METADATA, Context
 from penstock.engines.contract import (
     CANCEL_SAFE_RUNTIME_KEY,
     MULTI_CHOICE_RUNTIME_KEY,
@@ -428,7 +428,8 @@ class TransformersEngine(
         # Compiled off the loop (cached by spec): a bad grammar fails before any token.
         grammar = None
         if params.guided is not None and self.grammars is not None:
-            grammar = await self.grammars.compile(params.guided, request_cache_salt(request))
+            owner = context.metadata.get(API_KEY_METADATA)
+            grammar = await self.grammars.compile(params.guided, owner)
         submission = Submission(
             context.id(),
             context,

@@ -14,11 +14,8 @@ from transformers import AutoTokenizer
 
 from penstock.engines.context import Context
 from penstock.engines.engine_errors import engine_exception_to_error
+from penstock.engines.guided_specs import MAX_SCHEMA_DEPTH, parse_guided_decoding
 from penstock.engines.transformers import TransformersEngine
-from penstock.engines.transformers.features.constraints import (
-    MAX_SCHEMA_DEPTH,
-    parse_guided_decoding,
-)
 from penstock.errors import NotInstalledError
 from penstock.extras import XGRAMMAR_INSTALL
 from tests.engines.transformers.helpers import greedy, run

@@ -16,13 +16,12 @@ from typing import Any
 
 import torch
 
+from penstock.engines.guided_specs import GuidedSpec, parse_guided_decoding
 from penstock.engines.transformers.core.prompt_logprobs import check_prompt_logprobs_cost
 from penstock.engines.transformers.features.constraints import (
-    GuidedSpec,
     SequenceConstraint,
     advance_constraints,
     apply_constraints,
-    parse_guided_decoding,
 )
 
 MAX_TOP_LOGPROBS = 20

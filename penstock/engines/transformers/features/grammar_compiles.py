@@ -3,7 +3,9 @@ key one compile at a time.
 
 A compile cannot be stopped once xgrammar runs it: one past its deadline answers its
 request with a 400 naming the limit, and keeps its key's turn until it really ends, so a
-key that sends costly constraints waits behind its own, never another key's.
+key that sends costly constraints waits behind its own, never another key's. The key is
+the digest the gateway puts in the request's context (``API_KEY_METADATA``), not its
+cache salt, which a client may spell as it likes where keys share cached prefixes.
 """
 
 from __future__ import annotations
@@ -15,17 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from penstock.engines.transformers.features.constraints import GrammarCompiler, GuidedSpec
-
-# A request's cache salt opens with its key's scope when the server keeps keys apart.
-_KEY_SCOPE_PREFIX = "key:"
-
-
-def _compile_owner(cache_salt: str | None) -> str | None:
-    """The API key a request's compile is charged to (its digest), None without one."""
-    if cache_salt is None or not cache_salt.startswith(_KEY_SCOPE_PREFIX):
-        return None
-    return cache_salt.partition("/")[0]
+from penstock.engines.guided_specs import GuidedSpec
+from penstock.engines.transformers.features.constraints import GrammarCompiler
 
 
 class CompileQueue:
@@ -41,17 +34,17 @@ class CompileQueue:
         self._turns: dict[str, asyncio.Lock] = {}
         self._waiting: Counter[str] = Counter()
 
-    async def compile(self, spec: GuidedSpec, cache_salt: str | None) -> Any:
-        """The compiled grammar of ``spec`` for a request of ``cache_salt``; ``ValueError``
-        when it cannot be compiled or does not compile within the deadline (the wait for
-        its key's turn included)."""
+    async def compile(self, spec: GuidedSpec, owner: str | None) -> Any:
+        """The compiled grammar of ``spec`` for a request of the API key ``owner`` (its
+        digest; None: no turn to wait for); ``ValueError`` when it cannot be compiled or
+        does not compile within the deadline (the wait for its key's turn included)."""
         cached = self._compiler.cached(spec)
         if cached is not None:
             return cached
         # Loading the tokenizer's table is the server's cost, not the constraint's.
         await asyncio.wrap_future(self._threads.submit(self._compiler.prepare))
         try:
-            compiling = self._compile_in_turn(spec, _compile_owner(cache_salt))
+            compiling = self._compile_in_turn(spec, owner)
             return await asyncio.wait_for(compiling, self._deadline_s)
         except TimeoutError:
             raise ValueError(
