@@ -172,7 +172,13 @@ def add_forwarded_options(
     option given is handed to the engine as typed. Names in ``taken`` (the gateway's own)
     are left to the gateway."""
     section = parser.add_argument_group(
-        f"options of --engine {engine.name} (also accepted after --)"
+        f"options of --engine {engine.name} (also accepted after --)",
+        description=(
+            f"every option the gateway does not take goes to the {engine.name} engine, "
+            "whose own parser checks it"
+            if engine.takes_other_options
+            else None
+        ),
     )
     groups: dict[str, Any] = {}
     for option in engine.options:
