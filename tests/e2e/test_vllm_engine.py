@@ -10,6 +10,7 @@ greedy tokens and logprobs are those of vLLM's own server on the same folder and
 
 from __future__ import annotations
 
+import base64
 import os
 import time
 from collections.abc import Iterator
@@ -227,17 +228,36 @@ def test_sleep_on_the_cpu_says_it_freed_nothing(client: httpx.Client) -> None:
     assert "Paris" in answer(client)
 
 
-def test_what_vllm_cannot_do_is_a_400_naming_why(client: httpx.Client) -> None:
+def test_what_vllm_cannot_do_is_a_400_naming_why(
+    client: httpx.Client, model_dir: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    name = "model.layers.0.mlp.down_proj.weight"
+    save_file({name: load_file(model_dir / "model.safetensors")[name]}, partial / "w.safetensors")
+    payload = base64.b64encode(b"not read").decode()
     admin(client, "pause_generation", {"mode": "wait"})
     try:
-        refused = client.post(
-            "/engine/update_weights_from_distributed",
-            json={"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"},
-        )
+        refusals = {
+            "update_weights_from_distributed": (
+                {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"},
+                "weight-transfer engine",
+            ),
+            "update_weights_from_tensor": (
+                {"serialized_named_tensors": [payload]},
+                "update_weights_from_disk",
+            ),
+            "update_weights_from_disk": ({"model_path": str(partial)}, "lacks 271 tensor(s)"),
+        }
+        for route, (body, reason) in refusals.items():
+            refused = client.post(f"/engine/{route}", json=body)
+            assert refused.status_code == 400, route
+            assert reason in refused.json()["error"]["message"], route
     finally:
         admin(client, "resume_generation")
-    assert refused.status_code == 400
-    assert "weight-transfer engine" in refused.json()["error"]["message"]
+    assert "Paris" in answer(client)
     asked = {"model": SERVED_MODEL_NAME, "prompt": "hi", "max_tokens": 4, "prompt_logprobs": 1}
     unmapped = client.post("/v1/completions", json=asked)
     assert unmapped.status_code == 400

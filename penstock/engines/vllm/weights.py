@@ -4,16 +4,19 @@
   ``reload_weights`` (``collective_rpc``) reads the folder's safetensors into the live
   model and repacks them as at load, then the prefix cache is reset (its KV came from the
   old weights).
-* ``update_weights_from_tensor``: the payload's tensors handed to the same
-  ``reload_weights`` as a weights iterator. Writing into a parameter in place would do
-  nothing on the CPU: vLLM repacks linear weights at load, and the parameter left behind
-  is empty.
+* ``update_weights_from_tensor`` is refused with the reason: the worker's
+  ``reload_weights`` takes a weights iterator only inside vLLM's worker process, where
+  ``collective_rpc`` delivers neither tensors nor a function of Penstock's, and a reload
+  of part of the weights leaves the model unloaded (vLLM's engine then dies). Writing
+  into a parameter in place is no way around it: on the CPU vLLM repacks linear weights
+  at load and the parameter left behind is empty, so the write does nothing.
 * ``update_weight_version`` / ``set_weight_version``: vLLM's weight version.
 * The NCCL and NIXL transports (``init_weights_update_group``,
   ``update_weights_from_distributed``, ``update_weights_from_nixl``) are refused with the
   reason: vLLM's weight-transfer engine is not mapped onto them.
 
-Every update needs paused generation (the admin plane pauses first) and awake weights.
+Every update needs paused generation (the admin plane pauses first) and awake weights. A
+folder that lacks tensors the served checkpoint has is refused before vLLM reads it.
 """
 
 from __future__ import annotations
@@ -21,23 +24,39 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-import torch
-
 from penstock.engines.controls import Body, ControlRejected, Handler
-from penstock.engines.weights.tensor_payloads import decode_payload
 
 TRANSPORT_REFUSAL = (
-    "the vllm engine takes weights from disk (update_weights_from_disk) or as tensors "
-    "(update_weights_from_tensor); vLLM's weight-transfer engine (NCCL, CUDA IPC) is not "
-    "mapped onto {name}"
+    "the vllm engine takes weights from disk (update_weights_from_disk); vLLM's "
+    "weight-transfer engine (NCCL, CUDA IPC) is not mapped onto {name}"
+)
+TENSOR_REFUSAL = (
+    "the vllm engine takes no tensor pushes: vLLM reloads weights from an iterator only "
+    "inside its worker process, which its RPC cannot hand tensors to, and an in-place write "
+    "does nothing on the CPU (its linear weights are repacked); save the checkpoint and "
+    "call update_weights_from_disk"
 )
 
 
-def _reload_from_tensors(worker: Any, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs in vLLM's worker process: the tensors through the model's loader."""
-    worker.model_runner.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+def _refusal(reason: str) -> Handler:
+    async def refuse(body: Body) -> Body:
+        raise ControlRejected(reason)
+
+    return refuse
+
+
+def tensor_names(folder: str) -> set[str]:
+    """The tensor names of a folder's safetensors files, from their headers."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as file:
+            names.update(file.keys())
+    return names
 
 
 def _version(body: Body, field: str) -> str | None:
@@ -52,29 +71,23 @@ class VllmWeightUpdates:
 
     _require_llm: Callable[[], Any]
     _sleep_tags: set[str]
+    engine_args: Any
 
     def weight_updates(self) -> dict[str, Handler]:
         updates: dict[str, Handler] = {
             "update_weights_from_disk": self._update_weights_from_disk,
-            "update_weights_from_tensor": self._update_weights_from_tensor,
             "update_weight_version": self._update_weight_version,
             "set_weight_version": self._set_weight_version,
         }
+        updates["update_weights_from_tensor"] = _refusal(TENSOR_REFUSAL)
         for name in (
             "init_weights_update_group",
             "update_weights_from_distributed",
             "destroy_weights_update_group",
             "update_weights_from_nixl",
         ):
-            updates[name] = self._refusal(name)
+            updates[name] = _refusal(TRANSPORT_REFUSAL.format(name=name))
         return updates
-
-    @staticmethod
-    def _refusal(name: str) -> Handler:
-        async def refuse(body: Body) -> Body:
-            raise ControlRejected(TRANSPORT_REFUSAL.format(name=name))
-
-        return refuse
 
     async def _writable(self, update: str) -> Any:
         llm = self._require_llm()
@@ -105,6 +118,7 @@ class VllmWeightUpdates:
         if not await asyncio.to_thread(os.path.isdir, model_path):
             raise ControlRejected(f"`model_path` {model_path} is not a folder", field="model_path")
         version = _version(body, "weight_version")
+        await self._check_complete(model_path)
         llm = await self._writable("update_weights_from_disk")
         try:
             await llm.collective_rpc("reload_weights", kwargs={"weights_path": model_path})
@@ -112,27 +126,24 @@ class VllmWeightUpdates:
             raise ControlRejected(f"weight update from {model_path} failed: {exc}") from exc
         return await self._finish(llm, version, f"Weights updated from {model_path}")
 
-    async def _update_weights_from_tensor(self, body: Body) -> Body:
-        payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or len(payloads) != 1:
+    async def _check_complete(self, folder: str) -> None:
+        """Refuse a folder that lacks a tensor of the served checkpoint: vLLM would
+        leave that weight unloaded and its engine would die."""
+        try:
+            served = await asyncio.to_thread(tensor_names, str(self.engine_args.model))
+            given = await asyncio.to_thread(tensor_names, folder)
+        except Exception as exc:
+            raise ControlRejected(f"cannot read the safetensors of {folder}: {exc}") from exc
+        if not given:
+            raise ControlRejected(f"{folder} holds no .safetensors files", field="model_path")
+        missing = sorted(served - given)
+        if missing:
+            shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
             raise ControlRejected(
-                "'serialized_named_tensors' must hold one entry (this engine has one rank)",
-                field="serialized_named_tensors",
+                f"{folder} lacks {len(missing)} tensor(s) of the served checkpoint "
+                f"({shown}); vLLM reloads whole checkpoints",
+                field="model_path",
             )
-        version = _version(body, "weight_version")
-        llm = await self._writable("update_weights_from_tensor")
-        trusted = body.get("trust_weight_payloads") is True
-        try:
-            tensors = decode_payload(payloads[0], trusted=trusted, device=torch.device("cpu"))
-        except Exception as exc:
-            raise ControlRejected(f"update_weights_from_tensor: {exc}") from exc
-        if not tensors:
-            raise ControlRejected("the payload holds no tensors")
-        try:
-            await llm.collective_rpc(_reload_from_tensors, args=(list(tensors.items()),))
-        except Exception as exc:
-            raise ControlRejected(f"weight update from tensors failed: {exc}") from exc
-        return await self._finish(llm, version, f"{len(tensors)} tensors updated")
 
     async def _update_weight_version(self, body: Body) -> Body:
         version = _version(body, "new_version")
