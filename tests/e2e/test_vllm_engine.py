@@ -94,7 +94,7 @@ def admin(client: httpx.Client, route: str, body: dict[str, Any] | None = None) 
     return response.json()
 
 
-def test_the_readme_question_is_answered_streamed_and_not(client: httpx.Client) -> None:
+def test_the_readme_question_is_answered_streamed_and_counted(client: httpx.Client) -> None:
     assert "Paris" in answer(client)
     body = {"model": SERVED_MODEL_NAME, "messages": QUESTION, "max_tokens": 16, "stream": True}
     body["stream_options"] = {"include_usage": True}
@@ -107,6 +107,11 @@ def test_the_readme_question_is_answered_streamed_and_not(client: httpx.Client) 
             usage = chunk.get("usage") or usage
             text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
     assert text and usage["completion_tokens"] > 0
+    metrics = client.get("/metrics").text
+    # vLLM's engine statistics beside the gateway's own vllm:* families, none twice.
+    assert 'vllm:prefix_cache_queries_total{engine="0"' in metrics
+    types = [line for line in metrics.splitlines() if line.startswith("# TYPE vllm:")]
+    assert len(types) == len(set(types))
 
 
 def test_greedy_tokens_and_logprobs_equal_vllms_own_server(

@@ -40,6 +40,7 @@ from penstock.engines.controls import Body, ControlRejected, ControlTable, Handl
 from penstock.engines.tasks import spawn_kept
 from penstock.engines.vllm.args import parse_engine_args, served_name
 from penstock.engines.vllm.controls import VllmControls
+from penstock.engines.vllm.metrics import statistics_text
 from penstock.engines.vllm.outputs import ChoiceStream
 from penstock.engines.vllm.sampling import sampling_params
 from penstock.engines.vllm.weights import VllmWeightUpdates
@@ -169,6 +170,9 @@ class VllmEngine(VllmControls, VllmWeightUpdates, ControlTable, LLMEngine):
     async def abort(self, context: Context) -> None:
         if self.llm is not None and context.id() in self._in_flight:
             await self.llm.abort(context.id())
+
+    async def register_prometheus(self, metrics: Any) -> None:
+        metrics.add_expfmt_callback(statistics_text)
 
     # -- controls and updates ---------------------------------------------------------------
 
