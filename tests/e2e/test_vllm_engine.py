@@ -11,6 +11,7 @@ greedy tokens and logprobs are those of vLLM's own server on the same folder and
 from __future__ import annotations
 
 import base64
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -23,7 +24,13 @@ import pytest
 
 from penstock.engines.transformers.args import default_model_cache_dir
 from penstock.engines.transformers.default_model import ensure_default_model
-from tests.conformance.servers import SERVED_MODEL_NAME, start_vllm, stop, wait_healthy
+from tests.conformance.servers import (
+    SERVED_MODEL_NAME,
+    TOOL_CALL_PARSER,
+    start_vllm,
+    stop,
+    wait_healthy,
+)
 from tests.conformance.vllm_venv import vllm_penstock_python, vllm_python
 from tests.support.server import REPO_ROOT, ServerProcess, start_server
 
@@ -58,6 +65,7 @@ def servers(
     ours = start_server(
         [
             *("--engine", "vllm", "--served-model-name", SERVED_MODEL_NAME),
+            *("--tool-call-parser", TOOL_CALL_PARSER),
             *("--model", str(model_dir), "--dtype", "float32", "--enforce-eager"),
         ],
         log_dir,
@@ -112,6 +120,42 @@ def test_the_readme_question_is_answered_streamed_and_counted(client: httpx.Clie
     assert 'vllm:prefix_cache_queries_total{engine="0"' in metrics
     types = [line for line in metrics.splitlines() if line.startswith("# TYPE vllm:")]
     assert len(types) == len(set(types))
+
+
+def test_structured_outputs_go_through_vllms_guided_decoding(client: httpx.Client) -> None:
+    body = {"model": SERVED_MODEL_NAME, "prompt": "Is the sky blue? Answer:", "max_tokens": 5}
+    chose = client.post(
+        "/v1/completions", json={**body, "structured_outputs": {"choice": ["no", "maybe"]}}
+    )
+    assert chose.status_code == 200, chose.text
+    assert chose.json()["choices"][0]["text"] in ("no", "maybe")
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    called = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": SERVED_MODEL_NAME,
+            "messages": QUESTION,
+            "max_tokens": 60,
+            "temperature": 0,
+            "tools": [tool],
+            "tool_choice": named,
+        },
+    )
+    assert called.status_code == 200, called.text
+    (call,) = called.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert "city" in json.loads(call["function"]["arguments"])
 
 
 def test_greedy_tokens_and_logprobs_equal_vllms_own_server(
