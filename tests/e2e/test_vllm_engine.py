@@ -231,6 +231,19 @@ def test_an_abort_pause_ends_the_stream_in_flight(client: httpx.Client) -> None:
     assert choice["finish_reason"] == "abort"
 
 
+def test_a_client_gone_away_ends_its_request_in_vllm(client: httpx.Client) -> None:
+    body = {"model": SERVED_MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 2000}
+    body.update(ignore_eos=True, stream=True)
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: {"))
+    # A pause that waits for the requests in flight returns at once: vLLM holds none.
+    started = time.monotonic()
+    admin(client, "pause_generation", {"mode": "wait"})
+    waited = time.monotonic() - started
+    admin(client, "resume_generation")
+    assert waited < 10
+
+
 def test_a_disk_update_changes_the_answer_and_another_brings_it_back(
     client: httpx.Client, model_dir: Path, tmp_path: Path
 ) -> None:
