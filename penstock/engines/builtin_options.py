@@ -373,9 +373,25 @@ DIFFUSION = BuiltinEngine(
     ),
 )
 
+VLLM = BuiltinEngine(
+    name="vllm",
+    target="penstock.engines.vllm.engine:VllmEngine",
+    description="Serve a local checkpoint on vLLM's AsyncLLM in the gateway's process.",
+    loads_checkpoint=True,
+    takes_other_options=True,
+    options=(
+        EngineOption(
+            "--model",
+            "folder of a checkpoint vLLM serves; every other vLLM engine argument "
+            "(--max-model-len, --enforce-eager, --dtype, ...) is passed to vLLM as typed",
+            shown_default="the embedded SmolLM2-135M-Instruct folder",
+        ),
+    ),
+)
+
 BUILTIN_ENGINES: dict[str, BuiltinEngine] = {
     engine.name: engine
-    for engine in (TRANSFORMERS, TRANSFORMERS_POOLING, SAMPLE, SAMPLE_DIFFUSION, DIFFUSION)
+    for engine in (TRANSFORMERS, TRANSFORMERS_POOLING, SAMPLE, SAMPLE_DIFFUSION, DIFFUSION, VLLM)
 }
 
 _NOT_IMPLEMENTED = "is a vLLM option Penstock does not implement"

