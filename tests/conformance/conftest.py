@@ -54,7 +54,8 @@ def _send(http: httpx.Client, case: Case) -> Answer:
     return Answer(response.status_code, response.headers.get("content-type", ""), response.text)
 
 
-@pytest.fixture(scope="session")
+# Package-wide, not session-wide: vLLM's 5 GiB is given back before tests/e2e starts its own.
+@pytest.fixture(scope="package")
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Oracle]:
     """vLLM's CPU build (installed into ``~/.cache/penstock`` on first use) and ``penstock serve``,
     both on the default model in float32. A failed install or start fails the suite with
