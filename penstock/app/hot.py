@@ -41,7 +41,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from penstock.app.handlers import handle_error
 from penstock.routers.hot import HOT_OPERATIONS
 from penstock.routers.security import check_inference_key
-from penstock.schemas.json_body import NO_BODY, read_json_body
+from penstock.schemas.json_body import NO_BODY, read_json
+from penstock.schemas.unicode import UNICODE_CHECKED
 from penstock.serving.guided import refuse_oversized_constraints
 from penstock.serving.sse import FRAME_WRITER_KEY
 from penstock.settings import Settings
@@ -68,8 +69,8 @@ class HotRoute:
         request = Request(scope, receive, send)
         try:
             check_inference_key(request, scope["path"], self.settings)
-            raw_checked = read_json_body(request, check_raw=refuse_oversized_constraints)
-            body = self._validate(await raw_checked)
+            raw_checked = read_json(request, check_raw=refuse_oversized_constraints)
+            body = self._validate(*await raw_checked)
             response = await self.endpoint(body, request)
             if not isinstance(response, Response):
                 response = JSONResponse(jsonable_encoder(response))
@@ -83,12 +84,13 @@ class HotRoute:
             writer.hold_start()
         await response(scope, receive, send)
 
-    def _validate(self, value: Any) -> Any:
+    def _validate(self, value: Any, unicode_checked: bool) -> Any:
         if value is NO_BODY:
             missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
             raise RequestValidationError([missing])
         try:
-            return self.adapter.validate_python(value, from_attributes=True)
+            context = UNICODE_CHECKED if unicode_checked else None
+            return self.adapter.validate_python(value, from_attributes=True, context=context)
         except ValidationError as exc:
             errors = [
                 {**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)

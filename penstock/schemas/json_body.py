@@ -46,12 +46,14 @@ def is_json_type(content_type: str | None) -> bool:
     return main == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
-def parse_json(body: bytes) -> Any:
-    """``body`` as JSON: what ``json.loads`` makes of it, or its error, by the faster parser."""
+def parse_json(body: bytes) -> tuple[Any, bool]:
+    """``body`` as JSON: what ``json.loads`` makes of it, or its error, by the faster parser;
+    and whether that parser read it, so that no string in it holds an unpaired surrogate
+    (:data:`penstock.schemas.unicode.UNICODE_CHECKED`)."""
     try:
-        return pydantic_core.from_json(body)
+        return pydantic_core.from_json(body), True
     except ValueError:
-        return json.loads(body)
+        return json.loads(body), False
 
 
 async def read_json_body(
@@ -63,13 +65,25 @@ async def read_json_body(
     """The request's body as JSON, or :data:`NO_BODY`; a 400 for a body that is not JSON
     (``accepted``: what the error tells the client to send instead). ``check_raw`` sees
     the JSON text first, to refuse what would cost too much to parse."""
+    body, _ = await read_json(request, accepted=accepted, check_raw=check_raw)
+    return body
+
+
+async def read_json(
+    request: Request,
+    *,
+    accepted: str = JSON_TYPE,
+    check_raw: Callable[[bytes], None] | None = None,
+) -> tuple[Any, bool]:
+    """:func:`read_json_body`, and whether its strings are known to be valid Unicode (see
+    :func:`parse_json`)."""
     try:
         raw = await request.body()
     except ClientDisconnect:
         raise InvalidRequestError("The request body ended early: the client went away") from None
     # ``isspace`` stops at the first other byte, where ``strip`` would copy the body.
     if not raw or raw.isspace():
-        return NO_BODY
+        return NO_BODY, True
     content_type = request.headers.get("content-type")
     if not is_json_type(content_type):
         raise InvalidRequestError(

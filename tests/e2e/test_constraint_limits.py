@@ -149,7 +149,9 @@ def answered_beside_a_flood(server: ServerProcess, salted: bool) -> int:
 def test_one_keys_costly_compiles_do_not_hold_back_another_keys_regex(
     server: ServerProcess,
 ) -> None:
-    assert answered_beside_a_flood(server, salted=False) <= 1
+    # One key's compiles run one at a time: one ahead of the regex, a second on a loaded
+    # machine. Queued behind all six, it would see four or more answered.
+    assert answered_beside_a_flood(server, salted=False) <= 2
 
 
 def test_a_key_shares_its_compiles_whatever_cache_salt_it_sends(
@@ -157,7 +159,7 @@ def test_a_key_shares_its_compiles_whatever_cache_salt_it_sends(
 ) -> None:
     # Cached prefixes shared between keys: the salts reach the engine as sent.
     with constrained_server(tmp_path_factory, "--no-cache-salt-by-key") as shared:
-        assert answered_beside_a_flood(shared, salted=True) <= 1
+        assert answered_beside_a_flood(shared, salted=True) <= 2
 
 
 @contextlib.contextmanager
