@@ -142,9 +142,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
 // AVX2 CPUs have no AVX512-BF16: bfloat16 activations and GGUF blocks stay off.
 bool cpu_has_avx512_bf16() { return false; }
 
+// The kernels run without the GIL, so the server's other Python threads (the event loop
+// streaming and detokenizing answers) run on another core meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("bf16_linear", torch::wrap_pybind_function(bf16_linear), "bf16_linear");
-  m.def("int8_linear", torch::wrap_pybind_function(int8_linear), "int8_linear");
+  m.def("bf16_linear", torch::wrap_pybind_function_no_gil(bf16_linear), "bf16_linear");
+  m.def("int8_linear", torch::wrap_pybind_function_no_gil(int8_linear), "int8_linear");
   m.def("cpu_has_avx512_bf16", torch::wrap_pybind_function(cpu_has_avx512_bf16),
         "cpu_has_avx512_bf16");
 }
