@@ -81,7 +81,8 @@ _DTYPE = EngineOption(
 )
 _CPU_THREADS = EngineOption(
     "--cpu-threads",
-    "torch intra-op threads on cpu; 1 avoids spin-waiting on cores other processes keep busy",
+    "intra-op threads on cpu, torch's and the C++ kernels' (torch's choice: one per core "
+    "it may use); 1 avoids spin-waiting on cores other processes keep busy",
     type=positive_int,
     shown_default="torch's choice",
 )
