@@ -79,10 +79,12 @@ def llama_cpp_rate(model: object, prompt: list[int], tokens: int) -> float:
 
 
 async def engine_tokens(engine: TransformersEngine, prompt: list[int], tokens: int) -> list[int]:
+    # min_tokens as generate's min_new_tokens: the end token is masked on both sides, where
+    # ignore_eos alone would let the engine pick it and differ from generate there.
     request = {
         "token_ids": prompt,
         "sampling_options": {"temperature": 0.0},
-        "stop_conditions": {"max_tokens": tokens, "ignore_eos": True},
+        "stop_conditions": {"max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True},
     }
     out: list[int] = []
     async for chunk in engine.generate(request, Context()):

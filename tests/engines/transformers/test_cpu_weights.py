@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -67,6 +70,28 @@ def test_kernel_matches_float32_matmul(kernel: None, rows: int) -> None:
     layer.weight.data, layer.bias.data = weight, bias
     expected = F.linear(x, weight.float(), bias)
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_other_threads_run_while_the_kernel_does(kernel: None) -> None:
+    """The server's event loop streams answers while a decode step's kernels run."""
+    x, weight = torch.randn(256, 4096), torch.randn(4096, 4096).bfloat16()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        started = time.perf_counter()
+        cpu_weights._kernel.bf16_linear(x, weight)
+        kernel_s = time.perf_counter() - started
+        call = threading.Thread(target=cpu_weights._kernel.bf16_linear, args=(x, weight))
+        ticks = [time.perf_counter()]
+        call.start()
+        while call.is_alive():
+            ticks.append(time.perf_counter())
+        call.join()
+    finally:
+        torch.set_num_threads(threads)
+    largest_gap = max(later - earlier for earlier, later in itertools.pairwise(ticks))
+    # Holding the GIL, the call would stop this loop for all of its run.
+    assert largest_gap < kernel_s / 2, (largest_gap, kernel_s)
 
 
 async def test_greedy_tokens_equal_generate_alone_and_in_a_mixed_batch(

@@ -45,7 +45,14 @@ def kernel() -> None:
     failure = cpu_weights.load_kernel(default_model_cache_dir())
     if failure is not None:
         pytest.skip(failure)
-    if not cpu_weights._kernel.cpu_has_avx512_bf16():
+    if not cpu_weights.has_gguf_kernels():
+        pytest.skip("the CPU has no AVX512-BF16, which its AVX-512 GGUF kernels need")
+
+
+@pytest.fixture(scope="module")
+def bf16_dot(kernel: None) -> None:
+    """The bfloat16-activation kernels: AVX512-BF16 only."""
+    if not cpu_weights.has_avx512_bf16():
         pytest.skip("the CPU has no AVX512-BF16")
 
 
@@ -248,7 +255,7 @@ async def test_an_update_from_the_folder_itself_keeps_the_blocks(
 
 
 async def test_auto_decodes_from_blocks_where_the_folder_has_them(
-    kernel: None, gguf_dir: Path, other_bf16_dir: Path
+    bf16_dot: None, gguf_dir: Path, other_bf16_dir: Path
 ) -> None:
     for folder, wanted in ((gguf_dir, True), (other_bf16_dir, False)):
         engine = await start_engine(folder)
@@ -256,6 +263,20 @@ async def test_auto_decodes_from_blocks_where_the_folder_has_them(
             assert engine.bf16_weights and engine.gguf_weights == wanted
         finally:
             await engine.cleanup()
+
+
+async def test_auto_keeps_bfloat16_where_the_gguf_kernels_are_no_faster(
+    kernel: None, gguf_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An AVX2 CPU: its GGUF kernels are exact but read the blocks no faster.
+    monkeypatch.setattr(cpu_weights, "_kernel_isa", "AVX2")
+    monkeypatch.setattr(cpu_weights._kernel, "cpu_has_avx512_bf16", lambda: False)
+    engine = await start_engine(gguf_dir)
+    try:
+        assert engine.bf16_weights and not engine.gguf_weights
+        assert _served_from_blocks(engine) == 0
+    finally:
+        await engine.cleanup()
 
 
 async def test_deep_sleep_brings_the_blocks_back(kernel: None, gguf_dir: Path) -> None:
@@ -306,9 +327,11 @@ async def test_without_blocks_the_weights_stay_bfloat16(
         await engine.cleanup()
 
 
-async def test_without_avx512_bf16_the_weights_stay_bfloat16(
+async def test_without_gguf_kernels_the_weights_stay_bfloat16(
     kernel: None, gguf_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # An AVX-512 CPU without AVX512-BF16.
+    monkeypatch.setattr(cpu_weights, "_kernel_isa", "AVX512")
     monkeypatch.setattr(cpu_weights._kernel, "cpu_has_avx512_bf16", lambda: False)
     with caplog.at_level(logging.WARNING):
         engine = await start_engine(gguf_dir, "--cpu-weight-dtype", "gguf")
@@ -345,7 +368,7 @@ def _bf16_activation_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.T
 @pytest.mark.parametrize("rows", [1, 3, 16, 64, 70])
 @pytest.mark.parametrize("width", [128, 704, 1536])
 def test_bf16_activation_kernels_equal_the_rounded_matmul(
-    kernel: None, kind: str, rows: int, width: int
+    bf16_dot: None, kind: str, rows: int, width: int
 ) -> None:
     torch.manual_seed(rows * width)
     weight = torch.randn(37, width) * width**-0.5
@@ -364,7 +387,7 @@ def test_bf16_activation_kernels_equal_the_rounded_matmul(
         torch.testing.assert_close(layer.row_forward()(x), wanted, atol=1e-5, rtol=1e-5)
 
 
-async def test_the_blocks_decode_with_bf16_activations(kernel: None, gguf_dir: Path) -> None:
+async def test_the_blocks_decode_with_bf16_activations(bf16_dot: None, gguf_dir: Path) -> None:
     engine = await start_engine(
         gguf_dir, "--cpu-weight-dtype", "gguf", "--cpu-activation-dtype", "bfloat16"
     )
@@ -389,7 +412,7 @@ async def test_the_blocks_decode_with_bf16_activations(kernel: None, gguf_dir: P
     assert [len(choices[0].token_ids) for choices in together] == [16] * len(PROMPTS)
 
 
-async def test_bf16_activations_keep_the_easy_answers_of_smollm2(kernel: None) -> None:
+async def test_bf16_activations_keep_the_easy_answers_of_smollm2(bf16_dot: None) -> None:
     """Three requests decoding together (so the kernels take several rows) answer as with
     float32 activations."""
     from transformers import AutoTokenizer

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     DynamicCache,
     GPT2Config,
     GPT2LMHeadModel,
@@ -134,6 +135,45 @@ def test_decode_steps_give_the_transformers_logits_on_smollm2() -> None:
         pytest.skip("the default model is not converted on this machine")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     _compare_decode_steps(model, in_place=paged_attention.kernel_ready())
+
+
+async def test_the_default_model_alone_answers_as_generate() -> None:
+    """At its defaults (the lossless weights path this CPU has), each greedy answer of
+    SmolLM2 equals ``generate``'s in float32, to the end token. Neither applies the
+    checkpoint's repetition penalty, so the tokens are the logits' own argmax."""
+    model_dir = default_model_cache_dir() / DEFAULT_MODEL_NAME
+    if not (model_dir / ".penstock-complete").exists():
+        pytest.skip("the default model is not converted on this machine")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    questions = ["What is the capital of France?", "Name three primary colours."]
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for q in questions
+    ]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = [
+            model.generate(
+                torch.tensor([prompt]), max_new_tokens=32, do_sample=False, repetition_penalty=1.0
+            )[0, len(prompt) :].tolist()
+            for prompt in prompts
+        ]
+    engine = await start_engine(model_dir)
+    try:
+        answers = []
+        for prompt in prompts:
+            request = greedy(prompt, max_tokens=32)
+            request["sampling_options"]["repetition_penalty"] = 1.0
+            request["stop_conditions"] = {"max_tokens": 32}
+            answers.append(await tokens(engine, request))
+    finally:
+        await engine.cleanup()
+    assert answers == expected
+    assert tokenizer.decode(answers[0]).startswith("The capital of France is Paris.")
 
 
 async def test_engine_greedy_tokens_equal_generate_alone_and_together(

@@ -17,6 +17,8 @@ def main(argv: list[str]) -> None:
         name,
         sources=sources,
         extra_cflags=json.loads(flags),
+        # The OpenMP runtime at::parallel_for calls into (see loader._PARALLEL_FLAGS).
+        extra_ldflags=["-fopenmp"],
         build_directory=folder,
         verbose=False,
     )

@@ -1,7 +1,8 @@
 // The CPU linear kernels for AVX2 + FMA CPUs (no AVX-512), with the AVX-512 extension's
 // interface (cpu_linear.cpp): bfloat16 weights widened exactly to float32 in registers (a
-// 16-bit shift), int8 weights times their group's scale, float32 multiply-adds. Eight
-// floats a register and 16 registers, so the tiles are smaller than cpu_linear.h's.
+// 16-bit shift), int8 weights times their group's scale, GGUF blocks rebuilt exactly
+// (gguf_linear_avx2.h), float32 multiply-adds. Eight floats a register and 16 registers,
+// so the tiles are smaller than cpu_linear.h's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -97,6 +98,8 @@ static inline void columns(int64_t M, int64_t begin, int64_t end, Tile4x2 t42, T
   }
 }
 
+#include "gguf_linear_avx2.h"
+
 // y[M, N] = x[M, K] (float32) @ w[N, K]^T (bfloat16), accumulated in float32; K % 8 == 0.
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous());
@@ -139,12 +142,16 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
   return y;
 }
 
-// AVX2 CPUs have no AVX512-BF16: bfloat16 activations and GGUF blocks stay off.
+// AVX2 CPUs have no AVX512-BF16: bfloat16 activations stay off.
 bool cpu_has_avx512_bf16() { return false; }
 
+// The kernels run without the GIL, so the server's other Python threads (the event loop
+// streaming and detokenizing answers) run on another core meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("bf16_linear", torch::wrap_pybind_function(bf16_linear), "bf16_linear");
-  m.def("int8_linear", torch::wrap_pybind_function(int8_linear), "int8_linear");
+  m.def("bf16_linear", torch::wrap_pybind_function_no_gil(bf16_linear), "bf16_linear");
+  m.def("int8_linear", torch::wrap_pybind_function_no_gil(int8_linear), "int8_linear");
+  m.def("q4_1_linear", torch::wrap_pybind_function_no_gil(q4_1_linear), "q4_1_linear");
+  m.def("q8_0_linear", torch::wrap_pybind_function_no_gil(q8_0_linear), "q8_0_linear");
   m.def("cpu_has_avx512_bf16", torch::wrap_pybind_function(cpu_has_avx512_bf16),
         "cpu_has_avx512_bf16");
 }

@@ -50,6 +50,11 @@ _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 # How many lines of a failed build's output its error carries.
 _ERROR_LINES = 12
 _LOCK_POLL_S = 0.2
+# at::parallel_for splits a kernel over torch's intra-op threads (--cpu-threads) only where
+# it is compiled with OpenMP: without it, one thread runs the whole range. build.py links
+# with it too, and the libgomp.so.1 that needs is the one torch has loaded (same soname),
+# so the kernels share torch's threads and thread count.
+_PARALLEL_FLAGS = ["-fopenmp"]
 
 T = TypeVar("T")
 
@@ -155,13 +160,18 @@ def toolchain() -> list[str]:
     ]
 
 
+def compiler_flags(flags: tuple[str, ...] | list[str]) -> list[str]:
+    """A kernel's own flags and the ones every kernel is built with."""
+    return [*flags, *_PARALLEL_FLAGS]
+
+
 def build_name(
     name: str, sources: list[str], folder: Path = KERNEL_DIR, flags: tuple[str, ...] = ()
 ) -> str:
     digest = hashlib.sha256()
     for path in source_files(sources, folder):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update("\0".join([*flags, *toolchain()]).encode())
+    digest.update("\0".join([*compiler_flags(flags), *toolchain()]).encode())
     return f"{name}_{digest.hexdigest()[:16]}"
 
 
@@ -267,6 +277,7 @@ def _run_build(full_name: str, sources: list[Path], flags: list[str], staging: P
     scope = _scope.get()
     if scope is not None and scope.cancelled:
         raise BuildCancelled
+    flags = compiler_flags(flags)
     command = [sys.executable, str(_BUILD_SCRIPT), full_name, str(staging), json.dumps(flags)]
     # The venv's own ninja, where it has one, even when the venv is not activated.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])

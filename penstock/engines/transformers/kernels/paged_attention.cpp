@@ -138,7 +138,9 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor keys,
   return out;
 }
 
+// The kernels run without the GIL, so the server's other Python threads (the event loop
+// streaming and detokenizing answers) run on another core meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention),
+  m.def("paged_decode_attention", torch::wrap_pybind_function_no_gil(paged_decode_attention),
         "paged_decode_attention");
 }

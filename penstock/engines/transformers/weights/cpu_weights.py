@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 _KERNEL_MAX_ROWS = 64
 # Per instruction set: the extension's name, sources, flags and the CPU seconds its build
 # takes (for the first start's log line). AVX-512: the bfloat16 and int8 kernels, then the
-# GGUF and bfloat16-dot ones built on them; AVX2: the bfloat16 and int8 kernels.
+# GGUF and bfloat16-dot ones built on them; AVX2: the bfloat16, int8 and GGUF kernels.
 _EXTENSIONS = {
     "AVX512": (
         "penstock_cpu_linear",
@@ -66,17 +66,19 @@ INT8_GROUP = 64
 
 _lock = threading.Lock()
 _kernel: Any = None
+_kernel_isa: str | None = None
 _failure: str | None = None
 
 
 def load_kernel(cache_dir: Path) -> str | None:
     """Build or load the kernel; returns why it is unavailable, or None when it is ready."""
-    global _kernel, _failure
+    global _kernel, _kernel_isa, _failure
     with _lock:
         if _kernel is not None or _failure is not None:
             return _failure
         capability = torch.backends.cpu.get_cpu_capability()
-        extension = _EXTENSIONS.get("AVX512" if capability.startswith("AVX512") else capability)
+        isa = "AVX512" if capability.startswith("AVX512") else capability
+        extension = _EXTENSIONS.get(isa)
         if extension is None:
             _failure = f"the CPU has neither AVX-512 nor AVX2 (torch: {capability})"
             return _failure
@@ -98,7 +100,7 @@ def load_kernel(cache_dir: Path) -> str | None:
                 report_missing_compiler(exc)
             _failure = f"the bfloat16 kernel could not be built: {exc}"
             return _failure
-        _kernel = kernel
+        _kernel, _kernel_isa = kernel, isa
         return None
 
 
@@ -115,6 +117,12 @@ def kernel_for_weights(cache_dir: Path) -> bool:
 def has_avx512_bf16() -> bool:
     """Whether the loaded kernels can run AVX512-BF16 instructions (``vdpbf16ps``)."""
     return _kernel is not None and bool(_kernel.cpu_has_avx512_bf16())
+
+
+def has_gguf_kernels() -> bool:
+    """Whether the loaded kernels multiply by GGUF blocks: the AVX2 ones do; the AVX-512
+    ones round to bfloat16 with an AVX512-BF16 instruction, so only where it runs."""
+    return _kernel is not None and (_kernel_isa == "AVX2" or has_avx512_bf16())
 
 
 def bf16_weight_kernel(bf16_activations: bool, width: int) -> Callable[..., torch.Tensor]:

@@ -226,8 +226,8 @@ def gguf_unavailable_reason(folder: Path) -> str | None:
     kernel = cpu_weights._kernel
     if kernel is None:
         return "the CPU kernels are not loaded"
-    if not kernel.cpu_has_avx512_bf16():
-        return "the CPU has no AVX512-BF16"
+    if not cpu_weights.has_gguf_kernels():
+        return "the CPU has no AVX512-BF16, which its AVX-512 GGUF kernels need"
     if not (folder / BLOCKS_FILE).is_file():
         return f"{folder} has no {BLOCKS_FILE} (a checkpoint converted from a GGUF has)"
     return None
@@ -267,9 +267,13 @@ def use_gguf_blocks(model: torch.nn.Module, folder: Path) -> str | None:
 
 def decode_from_gguf_blocks(model: torch.nn.Module, folder: Path, choice: str) -> bool:
     """``use_gguf_blocks`` for ``--cpu-weight-dtype gguf``, or for ``auto`` resolved to
-    ``bfloat16`` (``choice``): then only where ``folder`` has blocks. Returns whether
-    layers decode from them; why not is logged."""
+    ``bfloat16`` (``choice``): then only where ``folder`` has blocks and the CPU has
+    AVX512-BF16. Returns whether layers decode from them; why not is logged."""
     if choice != "gguf" and not (folder / BLOCKS_FILE).is_file():
+        return False
+    if choice != "gguf" and not cpu_weights.has_avx512_bf16():
+        # The AVX2 kernels rebuild the blocks at about the bfloat16 kernel's speed at one
+        # row and slower at 16 (bench/README.md, cpu_kernels.py): bfloat16 stays the default.
         return False
     failure = use_gguf_blocks(model, folder)
     if failure is not None:
