@@ -132,10 +132,12 @@ def tensor_push_body(bucket: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 def push(verl: httpx.Client, model: LlamaForCausalLM) -> None:
     """``ServerAdapter.update_weights``: every bucket, then the adapter's ``flush_cache``."""
-    for bucket in weight_buckets(model, 2):
-        assert ok(verl.post("/update_weights_from_tensor", json=tensor_push_body(bucket)))[
-            "success"
-        ]
+    post_buckets(verl, [tensor_push_body(bucket) for bucket in weight_buckets(model, 2)])
+
+
+def post_buckets(verl: httpx.Client, bodies: list[dict[str, Any]]) -> None:
+    for body in bodies:
+        assert ok(verl.post("/update_weights_from_tensor", json=body))["success"]
     assert verl.get("/flush_cache").status_code == 200
 
 
@@ -144,7 +146,10 @@ def last_update(verl: httpx.Client) -> dict[str, Any]:
     return update
 
 
-async def stream(base_url: str, index: int) -> list[dict[str, Any]]:
+async def stream(
+    base_url: str, index: int, started: asyncio.Event | None = None
+) -> list[dict[str, Any]]:
+    """The events of one streamed rollout; ``started`` is set at the first."""
     events = []
     body = {
         "input_ids": [3 + index, 7, 11],
@@ -157,6 +162,8 @@ async def stream(base_url: str, index: int) -> list[dict[str, Any]]:
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     events.append(orjson.loads(line.removeprefix("data: ")))
+                    if started is not None:
+                        started.set()
     return events
 
 
@@ -165,11 +172,14 @@ async def test_verl_pushes_into_an_awake_engine_while_rollouts_stream(
 ) -> None:
     model = trained(tmp_path, model_dir, seed=5)
     assert engine_greedy(verl) != trainer_greedy(model)
-    rollouts = [asyncio.create_task(stream(server.base_url, i)) for i in range(STREAMS)]
-    # Rollouts under way (500 tokens each take longer than the push), then verl's sync.
-    await asyncio.sleep(0.3)
-    await asyncio.to_thread(push, verl, model)
-    assert not all(rollout.done() for rollout in rollouts)
+    # Serialized first, as the trainer has its buckets before it syncs.
+    bodies = [tensor_push_body(bucket) for bucket in weight_buckets(model, 2)]
+    started = [asyncio.Event() for _ in range(STREAMS)]
+    rollouts = [asyncio.create_task(stream(server.base_url, i, started[i])) for i in range(STREAMS)]
+    # Every rollout under way, none finished: then verl's sync, without a pause.
+    await asyncio.gather(*(event.wait() for event in started))
+    assert not any(rollout.done() for rollout in rollouts)
+    await asyncio.to_thread(post_buckets, verl, bodies)
     assert last_update(verl)["applied"] == "between_steps"
     for events in await asyncio.gather(*rollouts):
         finals = [e for e in events if e["meta_info"]["finish_reason"] is not None]
