@@ -20,6 +20,7 @@ import base64
 import binascii
 import io
 import pickle
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from penstock.engines.weights.sync import (
@@ -62,6 +63,28 @@ def decode_payload(
         return dict(load(raw))
     except Exception as exc:
         raise WeightSyncError(f"an entry is neither safetensors nor pickled: {exc}") from exc
+
+
+def decode_push(
+    body: Mapping[str, Any], *, trusted: bool, device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """An ``update_weights_from_tensor`` body's tensors: one ``serialized_named_tensors``
+    entry (one tensor-parallel rank), ``load_format`` direct or safetensors, not empty."""
+    payloads = body.get("serialized_named_tensors")
+    if not isinstance(payloads, list) or not payloads:
+        raise WeightSyncError("'serialized_named_tensors' must be a non-empty list")
+    if len(payloads) != 1:
+        raise WeightSyncError(
+            f"'serialized_named_tensors' holds {len(payloads)} entries (one per tensor "
+            "parallel rank); this engine has one rank"
+        )
+    load_format = body.get("load_format")
+    if load_format not in (None, "direct", "safetensors"):
+        raise WeightSyncError(f"'load_format' must be direct or safetensors; got {load_format!r}")
+    tensors = decode_payload(payloads[0], trusted=trusted, device=device)
+    if not tensors:
+        raise WeightSyncError("the payload holds no tensors")
+    return tensors
 
 
 class RankTensors:

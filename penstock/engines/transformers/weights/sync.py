@@ -46,7 +46,7 @@ from penstock.engines.weights.sync import (
     parse_specs,
     weights_checksum,
 )
-from penstock.engines.weights.tensor_payloads import decode_payload
+from penstock.engines.weights.tensor_payloads import decode_push
 
 Body = dict[str, Any]
 DEFAULT_INIT_TIMEOUT_S = 30.0
@@ -211,24 +211,9 @@ class WeightSync:
         CUDA tensors shared by IPC handle (on the model's own GPU) are read in place from
         the trainer's memory; the copy ends before the answer, so the trainer may reuse
         that memory once it has it."""
-        payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or not payloads:
-            raise WeightSyncError("'serialized_named_tensors' must be a non-empty list")
-        if len(payloads) != 1:
-            raise WeightSyncError(
-                f"'serialized_named_tensors' holds {len(payloads)} entries (one per tensor "
-                "parallel rank); this engine has one rank"
-            )
-        load_format = body.get("load_format")
-        if load_format not in (None, "direct", "safetensors"):
-            raise WeightSyncError(
-                f"'load_format' must be direct or safetensors; got {load_format!r}"
-            )
         live = checkpoint_state_dict(model)
         device = next(iter(live.values())).device
-        tensors = decode_payload(payloads[0], trusted=trusted, device=device)
-        if not tensors:
-            raise WeightSyncError("the payload holds no tensors")
+        tensors = decode_push(body, trusted=trusted, device=device)
         specs = [
             TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()
         ]
