@@ -2,6 +2,8 @@
 
 ``--model`` left out serves Penstock's default model folder (SmolLM2-135M-Instruct,
 converted once into the model cache), under the default model's name.
+Penstock's worker methods (:mod:`.worker_extension`) are installed as vLLM's
+``--worker-extension-cls`` unless another class is given (tensor pushes then refused).
 ``--deterministic`` is refused: vLLM's batch-invariant mode is not mapped onto it.
 """
 
@@ -15,6 +17,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from penstock.engines.builtin_options import default_model_cache_dir
+from penstock.engines.vllm.worker_extension import EXTENSION_QUALNAME
 from penstock.errors import EngineLoadError
 
 DETERMINISTIC_REFUSAL = (
@@ -52,6 +55,8 @@ async def parse_engine_args(argv: list[str]) -> AsyncEngineArgs:
             argv += ["--served-model-name", DEFAULT_MODEL_NAME]
     args: Any = _parser().parse_args(argv)
     engine_args = AsyncEngineArgs.from_cli_args(args)
+    if not given(argv, "--worker-extension-cls"):
+        engine_args.worker_extension_cls = EXTENSION_QUALNAME
     if not await asyncio.to_thread(os.path.isdir, engine_args.model):
         raise EngineLoadError(
             f"--model {engine_args.model}: the vllm engine serves a local checkpoint folder "

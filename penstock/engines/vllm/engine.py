@@ -4,8 +4,10 @@ contract.
 The gateway renders the chat template, tokenizes, detokenizes, matches stop strings and
 parses tools and reasoning as for every engine; vLLM gets token ids and
 ``SamplingParams`` (:mod:`.sampling`) and streams token deltas back (:mod:`.outputs`).
-``AsyncLLM`` runs the model in child processes of its own (``VLLM::EngineCore`` and its
-workers); this process keeps the gateway and vLLM's output handler.
+Controls, weight updates and LoRA adapters are in :mod:`.controls`, :mod:`.weights` and
+:mod:`.lora`. ``AsyncLLM`` runs the model in child processes of its own
+(``VLLM::EngineCore`` and its workers, which carry Penstock's methods of
+:mod:`.worker_extension`); this process keeps the gateway and vLLM's output handler.
 
 Cancellation: ``generate`` may be cancelled at any ``await`` or closed at any ``yield``;
 closing vLLM's stream aborts the request there. A request the gateway cancels (the
@@ -40,8 +42,10 @@ from penstock.engines.controls import Body, ControlRejected, ControlTable, Handl
 from penstock.engines.tasks import spawn_kept
 from penstock.engines.vllm.args import parse_engine_args, served_name
 from penstock.engines.vllm.controls import VllmControls
+from penstock.engines.vllm.lora import VllmAdapters
 from penstock.engines.vllm.metrics import statistics_text
 from penstock.engines.vllm.outputs import ChoiceStream
+from penstock.engines.vllm.pushes import PushedTensors
 from penstock.engines.vllm.sampling import sampling_params
 from penstock.engines.vllm.weights import VllmWeightUpdates
 
@@ -64,12 +68,14 @@ def _priority(request: GenerateRequest) -> int:
     return priority
 
 
-class VllmEngine(VllmControls, VllmWeightUpdates, ControlTable, LLMEngine):
+class VllmEngine(VllmControls, VllmWeightUpdates, VllmAdapters, ControlTable, LLMEngine):
     """vLLM's ``AsyncLLM`` behind Penstock's engine contract."""
 
     def __init__(self, engine_args: Any) -> None:
         VllmControls.__init__(self)
+        VllmAdapters.__init__(self)
         self.engine_args = engine_args
+        self.pushed = PushedTensors(str(engine_args.model))
         self.llm: AsyncLLM | None = None
         self.on_cpu = bool(current_platform.is_cpu())
         self.context_length = 0
@@ -126,6 +132,7 @@ class VllmEngine(VllmControls, VllmWeightUpdates, ControlTable, LLMEngine):
         llm, self.llm = self.llm, None
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
+        self.pushed.close()
 
     def _require_llm(self) -> AsyncLLM:
         if self.llm is None:
@@ -150,7 +157,13 @@ class VllmEngine(VllmControls, VllmWeightUpdates, ControlTable, LLMEngine):
             prompt["cache_salt"] = salt
         request_id = context.id()
         choice = ChoiceStream(len(prompt_ids), params.logprobs)
-        stream = llm.generate(prompt, params, request_id, priority=_priority(request))
+        stream = llm.generate(
+            prompt,
+            params,
+            request_id,
+            lora_request=self.lora_request(request.get("model")),
+            priority=_priority(request),
+        )
         watcher = asyncio.ensure_future(context.async_killed_or_stopped())
         watcher.add_done_callback(lambda done: self._abort_on_stop(done, request_id))
         self._in_flight[request_id] = context
@@ -180,7 +193,7 @@ class VllmEngine(VllmControls, VllmWeightUpdates, ControlTable, LLMEngine):
         return self.lifecycle_controls()
 
     def update_handlers(self) -> dict[str, Handler]:
-        return self.weight_updates()
+        return {**self.weight_updates(), **self.lora_updates()}
 
     async def around_handler(self, name: str, handler: Handler, body: Body) -> Body:
         if self.llm is None:

@@ -2,14 +2,21 @@
 
 * ``update_weights_from_disk {model_path, weight_version?}``: the worker's
   ``reload_weights`` (``collective_rpc``) reads the folder's safetensors into the live
-  model and repacks them as at load, then the prefix cache is reset (its KV came from the
-  old weights).
-* ``update_weights_from_tensor`` is refused with the reason: the worker's
-  ``reload_weights`` takes a weights iterator only inside vLLM's worker process, where
-  ``collective_rpc`` delivers neither tensors nor a function of Penstock's, and a reload
-  of part of the weights leaves the model unloaded (vLLM's engine then dies). Writing
-  into a parameter in place is no way around it: on the CPU vLLM repacks linear weights
-  at load and the parameter left behind is empty, so the write does nothing.
+  model and repacks them as at load. The folder becomes the base of later tensor pushes.
+* ``update_weights_from_tensor {serialized_named_tensors, load_format?,
+  weight_version?}``: the payload is decoded as for every engine
+  (:func:`penstock.engines.weights.tensor_payloads.decode_push`) and checked against the
+  base checkpoint's headers (names, shapes, dtypes) and for non-finite values, so a bad
+  push is a 400 while the model keeps serving. vLLM's RPC carries no tensors and a
+  partial reload leaves the model unloaded, so the tensors travel on disk
+  (:mod:`.pushes`): every push since the base, in one overlay file, and Penstock's worker
+  method (:mod:`.worker_extension`, installed as vLLM's ``worker_extension_cls``)
+  reloads the WHOLE model from the base with the overlay's tensors in place of the
+  base's. Nothing is written into a parameter in place (on the CPU vLLM repacks linear
+  weights at load and leaves the parameters empty). CUDA tensors shared by IPC handle
+  are refused: the gateway's process opens no GPU memory of the trainer's.
+* After either update the prefix cache is reset (its KV came from the old weights) and
+  ``weight_version``, when given, becomes vLLM's weight version.
 * ``update_weight_version`` / ``set_weight_version``: vLLM's weight version.
 * The NCCL and NIXL transports (``init_weights_update_group``,
   ``update_weights_from_distributed``, ``update_weights_from_nixl``) are refused with the
@@ -24,20 +31,26 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from penstock.engines.controls import Body, ControlRejected, Handler
+from penstock.engines.vllm.pushes import PushedTensors
+from penstock.engines.vllm.worker_extension import (
+    EXTENSION_QUALNAME,
+    RELOAD_METHOD,
+    checkpoint_files,
+)
+from penstock.engines.weights.sync import WeightSyncError, weights_checksum
+from penstock.engines.weights.tensor_payloads import decode_push
 
 TRANSPORT_REFUSAL = (
     "the vllm engine takes weights from disk (update_weights_from_disk); vLLM's "
     "weight-transfer engine (NCCL, CUDA IPC) is not mapped onto {name}"
 )
-TENSOR_REFUSAL = (
-    "the vllm engine takes no tensor pushes: vLLM reloads weights from an iterator only "
-    "inside its worker process, which its RPC cannot hand tensors to, and an in-place write "
-    "does nothing on the CPU (its linear weights are repacked); save the checkpoint and "
-    "call update_weights_from_disk"
+FOREIGN_EXTENSION_REFUSAL = (
+    "the vllm engine reloads pushed tensors through Penstock's worker extension, and this "
+    "server was started with --worker-extension-cls {given}; start it without that "
+    "option, or save the checkpoint and call update_weights_from_disk"
 )
 
 
@@ -53,7 +66,7 @@ def tensor_names(folder: str) -> set[str]:
     from safetensors import safe_open
 
     names: set[str] = set()
-    for path in sorted(Path(folder).glob("*.safetensors")):
+    for path in checkpoint_files(folder):
         with safe_open(str(path), framework="pt") as file:
             names.update(file.keys())
     return names
@@ -72,6 +85,7 @@ class VllmWeightUpdates:
     _require_llm: Callable[[], Any]
     _sleep_tags: set[str]
     engine_args: Any
+    pushed: PushedTensors
 
     def weight_updates(self) -> dict[str, Handler]:
         updates: dict[str, Handler] = {
@@ -79,7 +93,12 @@ class VllmWeightUpdates:
             "update_weight_version": self._update_weight_version,
             "set_weight_version": self._set_weight_version,
         }
-        updates["update_weights_from_tensor"] = _refusal(TENSOR_REFUSAL)
+        given = self.engine_args.worker_extension_cls
+        updates["update_weights_from_tensor"] = (
+            self._update_weights_from_tensor
+            if given == EXTENSION_QUALNAME
+            else _refusal(FOREIGN_EXTENSION_REFUSAL.format(given=given))
+        )
         for name in (
             "init_weights_update_group",
             "update_weights_from_distributed",
@@ -124,7 +143,29 @@ class VllmWeightUpdates:
             await llm.collective_rpc("reload_weights", kwargs={"weights_path": model_path})
         except Exception as exc:
             raise ControlRejected(f"weight update from {model_path} failed: {exc}") from exc
+        self.pushed.rebase(model_path)
         return await self._finish(llm, version, f"Weights updated from {model_path}")
+
+    async def _update_weights_from_tensor(self, body: Body) -> Body:
+        version = _version(body, "weight_version")
+        trusted = body.get("trust_weight_payloads") is True
+        try:
+            tensors = await asyncio.to_thread(decode_push, body, trusted=trusted)
+            await asyncio.to_thread(self.pushed.check, tensors)
+        except WeightSyncError as exc:
+            raise ControlRejected(str(exc), field="serialized_named_tensors") from exc
+        llm = await self._writable("update_weights_from_tensor")
+        staged = await asyncio.to_thread(self.pushed.stage, tensors)
+        try:
+            await llm.collective_rpc(RELOAD_METHOD, args=(self.pushed.base, str(staged)))
+        except Exception as exc:
+            self.pushed.discard(staged)
+            raise ControlRejected(f"the reload with the pushed tensors failed: {exc}") from exc
+        self.pushed.commit(staged)
+        dtype = llm.vllm_config.model_config.dtype
+        checksum, _ = await asyncio.to_thread(weights_checksum, tensors, dtype)
+        answer = await self._finish(llm, version, f"updated {len(tensors)} tensors from tensor")
+        return {**answer, "success": True, "tensors": len(tensors), "checksum": checksum}
 
     async def _check_complete(self, folder: str) -> None:
         """Refuse a folder that lacks a tensor of the served checkpoint: vLLM would
