@@ -2,17 +2,20 @@
 gateway's process, in vLLM's CPU build (its environment built on first use, with
 Penstock's requirements added: ``tests/conformance/vllm_venv.py``).
 
-One engine for the module (vLLM's start takes about 20 s and 5 GiB): it answers the
-README's question (with vLLM's engine statistics on ``/metrics``), constrains output
-through vLLM's guided decoding, pauses and resumes, takes a disk update that changes its
-answer and one that brings it back (vLLM's ``collective_rpc reload_weights``), says on the
-CPU that sleep freed nothing, refuses what vLLM cannot do with a 400 naming why, and its
-greedy tokens and logprobs are those of vLLM's own server on the same folder and dtype.
+One engine for the module (vLLM's start takes about 20 s and 5 GiB), started with
+``--enable-lora`` (its LoRA layers leave the base model's tokens and logprobs as they
+were): it answers the README's question (with vLLM's engine statistics on ``/metrics``),
+constrains output through vLLM's guided decoding, pauses and resumes, takes a disk update
+that changes its answer and one that brings it back (vLLM's ``collective_rpc
+reload_weights``), takes tensor pushes that change it and bring it back (whole-model
+reloads through Penstock's worker extension) and refuses a push the model cannot take,
+serves a peft LoRA adapter as peft does, says on the CPU that sleep freed nothing,
+refuses what vLLM cannot do with a 400 naming why, and its greedy tokens and logprobs are
+those of vLLM's own server on the same folder and dtype.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import time
@@ -26,6 +29,7 @@ import pytest
 
 from penstock.engines.transformers.args import default_model_cache_dir
 from penstock.engines.transformers.default_model import ensure_default_model
+from penstock.engines.weights.sync import encode_safetensors
 from tests.conformance.servers import (
     SERVED_MODEL_NAME,
     TOOL_CALL_PARSER,
@@ -34,6 +38,7 @@ from tests.conformance.servers import (
     wait_healthy,
 )
 from tests.conformance.vllm_venv import vllm_penstock_python, vllm_python
+from tests.engines.transformers.conftest import peft_greedy, save_tiny_lora
 from tests.support.server import REPO_ROOT, ServerProcess, start_server
 
 # The first run builds vLLM's environment (minutes), then both servers start at once.
@@ -69,6 +74,8 @@ def servers(
             *("--engine", "vllm", "--served-model-name", SERVED_MODEL_NAME),
             *("--tool-call-parser", TOOL_CALL_PARSER),
             *("--model", str(model_dir), "--dtype", "float32", "--enforce-eager"),
+            # vLLM's LoRA layers, built only at start (vLLM's own server runs without them).
+            *("--enable-lora", "--max-lora-rank", "8"),
         ],
         log_dir,
         env=VLLM_ENV,
@@ -301,17 +308,12 @@ def test_what_vllm_cannot_do_is_a_400_naming_why(
     partial.mkdir()
     name = "model.layers.0.mlp.down_proj.weight"
     save_file({name: load_file(model_dir / "model.safetensors")[name]}, partial / "w.safetensors")
-    payload = base64.b64encode(b"not read").decode()
     admin(client, "pause_generation", {"mode": "wait"})
     try:
         refusals = {
             "update_weights_from_distributed": (
                 {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"},
                 "weight-transfer engine",
-            ),
-            "update_weights_from_tensor": (
-                {"serialized_named_tensors": [payload]},
-                "update_weights_from_disk",
             ),
             "update_weights_from_disk": ({"model_path": str(partial)}, "lacks 271 tensor(s)"),
         }
@@ -326,3 +328,92 @@ def test_what_vllm_cannot_do_is_a_400_naming_why(
     unmapped = client.post("/v1/completions", json=asked)
     assert unmapped.status_code == 400
     assert "prompt_logprobs" in unmapped.text
+
+
+def test_tensor_pushes_change_the_answer_and_a_push_back_restores_it(
+    client: httpx.Client, model_dir: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    before = answer(client)
+    served = load_file(model_dir / "model.safetensors")
+    negated = "model.layers.0.mlp.down_proj.weight"
+    kept = "model.layers.1.mlp.down_proj.weight"
+
+    def push(tensors: dict[str, Any], version: str) -> dict[str, Any]:
+        body = {
+            "serialized_named_tensors": [encode_safetensors(tensors)],
+            "weight_version": version,
+        }
+        pushed = client.post("/update_weights_from_tensor", json=body)
+        assert pushed.status_code == 200, pushed.text
+        return pushed.json()
+
+    assert push({negated: -served[negated]}, "t1")["weight_version"] == "t1"
+    changed = answer(client)
+    assert changed != before
+    # A later push of another tensor keeps the earlier one: the model holds both.
+    push({kept: served[kept]}, "t2")
+    assert answer(client) == changed
+    push({negated: served[negated]}, "t3")
+    assert answer(client) == before
+    assert admin(client, "control/get_weight_version")["version"] == "t3"
+
+
+def test_a_push_of_an_unknown_name_or_shape_is_a_400_and_the_model_keeps_serving(
+    client: httpx.Client,
+) -> None:
+    import torch
+
+    before = answer(client)
+    wrong = {
+        "model.layers.0.mlp.not_a_weight": (torch.zeros(4), "not a tensor of this model"),
+        "model.layers.0.mlp.down_proj.weight": (torch.zeros(3, 5), "shape [3, 5]"),
+    }
+    for name, (tensor, reason) in wrong.items():
+        body = {"serialized_named_tensors": [encode_safetensors({name: tensor})]}
+        refused = client.post("/update_weights_from_tensor", json=body)
+        assert refused.status_code == 400, name
+        assert reason in refused.json()["error"]["message"], name
+    assert answer(client) == before
+
+
+@pytest.fixture(scope="module")
+def lora_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_lora(model_dir, tmp_path_factory.mktemp("lora"), seed=5)
+
+
+def complete_tokens(client: httpx.Client, model: str) -> httpx.Response:
+    body = {"model": model, "prompt": "The river runs", "max_tokens": 8, "temperature": 0}
+    # Without the model's default repetition penalty (generation_config.json), which
+    # peft's plain greedy run below does not apply.
+    body.update(repetition_penalty=1.0, return_token_ids=True)
+    return client.post("/v1/completions", json=body)
+
+
+def test_a_lora_adapter_loads_answers_as_peft_does_and_unloads(
+    client: httpx.Client, model_dir: Path, lora_dir: Path
+) -> None:
+    import torch
+
+    base = complete_tokens(client, SERVED_MODEL_NAME).json()["choices"][0]
+    load = {"lora_name": "river", "lora_path": str(lora_dir)}
+    loaded = client.post("/v1/load_lora_adapter", json=load)
+    assert loaded.status_code == 200, loaded.text
+    assert "river" in {model["id"] for model in client.get("/v1/models").json()["data"]}
+    adapted = complete_tokens(client, "river").json()["choices"][0]
+    assert adapted["token_ids"] != base["token_ids"]
+    prompt = base["prompt_token_ids"]
+    # The server runs float32 (the checkpoint is bfloat16): peft's run is cast the same.
+    assert adapted["token_ids"] == peft_greedy(model_dir, lora_dir, prompt, 8, torch.float32)
+    assert complete_tokens(client, SERVED_MODEL_NAME).json()["choices"][0] == base
+
+    unloaded = client.post("/v1/unload_lora_adapter", json={"lora_name": "river"})
+    assert unloaded.status_code == 200, unloaded.text
+    assert complete_tokens(client, "river").status_code == 404
+    again = client.post("/v1/unload_lora_adapter", json={"lora_name": "river"})
+    assert again.status_code == 404
+    broken = client.post(
+        "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(model_dir)}
+    )
+    assert broken.status_code == 400

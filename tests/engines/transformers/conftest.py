@@ -81,12 +81,20 @@ def save_tiny_lora(model_dir: Path, folder: Path, *, seed: int, **config: Any) -
     return folder
 
 
-def peft_greedy(model_dir: Path, lora_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    """Greedy tokens of an adapter run by peft's own ``PeftModel``, one full pass per token."""
+def peft_greedy(
+    model_dir: Path,
+    lora_dir: Path,
+    prompt: list[int],
+    max_tokens: int,
+    dtype: torch.dtype | None = None,
+) -> list[int]:
+    """Greedy tokens of an adapter run by peft's own ``PeftModel``, one full pass per token
+    (in ``dtype``, else the checkpoint's)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    cast = {} if dtype is None else {"dtype": dtype}
+    base = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, **cast)
     model = PeftModel.from_pretrained(base, str(lora_dir)).eval()
     ids = torch.tensor([prompt])
     with torch.inference_mode():
