@@ -2,6 +2,8 @@
 
 ``--model`` left out serves Penstock's default model folder (SmolLM2-135M-Instruct,
 converted once into the model cache), under the default model's name.
+JSON output is compact, as Penstock's default (vLLM's structured outputs with the xgrammar
+backend and ``disable_any_whitespace``), unless ``--structured-outputs-config`` is given.
 Penstock's worker methods (:mod:`.worker_extension`) are installed as vLLM's
 ``--worker-extension-cls`` unless another class is given (tensor pushes then refused).
 ``--deterministic`` is refused: vLLM's batch-invariant mode is not mapped onto it.
@@ -13,6 +15,7 @@ import asyncio
 import os
 from typing import Any
 
+from vllm.config import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -57,6 +60,12 @@ async def parse_engine_args(argv: list[str]) -> AsyncEngineArgs:
     engine_args = AsyncEngineArgs.from_cli_args(args)
     if not given(argv, "--worker-extension-cls"):
         engine_args.worker_extension_cls = EXTENSION_QUALNAME
+    if not any(arg.startswith("--structured-outputs-config") for arg in argv):
+        # vLLM reads the whitespace rule of JSON output from its engine config only (the
+        # request's field is not read), and only with the xgrammar or guidance backend.
+        engine_args.structured_outputs_config = StructuredOutputsConfig(
+            backend="xgrammar", disable_any_whitespace=True
+        )
     if not await asyncio.to_thread(os.path.isdir, engine_args.model):
         raise EngineLoadError(
             f"--model {engine_args.model}: the vllm engine serves a local checkpoint folder "

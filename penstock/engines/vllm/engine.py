@@ -82,6 +82,7 @@ class VllmEngine(VllmControls, VllmWeightUpdates, VllmAdapters, ControlTable, LL
         self.vocab_size = 0
         # What the model's generation_config.json sets, as vLLM's server applies it.
         self.sampling_defaults: dict[str, Any] = {}
+        self.compact_json = True
         self._in_flight: dict[str, Context] = {}
         self._aborts: set[asyncio.Task[Any]] = set()
 
@@ -105,6 +106,7 @@ class VllmEngine(VllmControls, VllmWeightUpdates, VllmAdapters, ControlTable, LL
         self.context_length = int(model_config.max_model_len)
         self.vocab_size = int(model_config.get_vocab_size())
         self.sampling_defaults = dict(model_config.get_diff_sampling_param())
+        self.compact_json = bool(config.structured_outputs_config.disable_any_whitespace)
         scheduler = config.scheduler_config
         logger.info(
             "vllm engine ready: %s on %s, context %d, %d sequences",
@@ -150,6 +152,7 @@ class VllmEngine(VllmControls, VllmWeightUpdates, VllmAdapters, ControlTable, LL
             context_length=self.context_length,
             vocab_size=self.vocab_size,
             defaults=self.sampling_defaults,
+            compact_json=self.compact_json,
         )
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         salt = request.get("cache_salt")  # type: ignore[misc]

@@ -18,6 +18,11 @@ from typing import Any
 from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_TOP_LOGPROBS = 20
+WHITESPACE_REFUSAL = (
+    "structured_outputs.disable_any_whitespace: false: vLLM applies one whitespace rule to "
+    "every request, and this engine writes compact JSON; start it with "
+    "--structured-outputs-config.backend auto for vLLM's own rule (any whitespace)"
+)
 
 # Sampling fields passed to vLLM under the same name, with the model's default where the
 # request has none.
@@ -96,9 +101,11 @@ def _max_tokens(
     return room if wanted is None else min(wanted, room)
 
 
-def structured_outputs(guided: Any) -> StructuredOutputsParams | None:
+def structured_outputs(guided: Any, compact_json: bool) -> StructuredOutputsParams | None:
     """Penstock's ``guided_decoding`` (one of json, regex, choice, grammar, structural_tag;
-    ``whitespace`` compact or any) as vLLM's structured outputs."""
+    ``whitespace`` compact or any) as vLLM's structured outputs. vLLM applies the engine's
+    whitespace rule (``compact_json``) to every request: one asking for any whitespace
+    from a compact engine is refused."""
     if guided in (None, {}):
         return None
     if not isinstance(guided, dict):
@@ -108,13 +115,13 @@ def structured_outputs(guided: Any) -> StructuredOutputsParams | None:
     if unknown:
         raise ValueError(f"sampling_options.guided_decoding: unknown field(s) {', '.join(unknown)}")
     given = {kind: guided[kind] for kind in kinds if guided.get(kind) is not None}
+    if compact_json and guided.get("whitespace") == "any":
+        raise ValueError(WHITESPACE_REFUSAL)
     tag = given.get("structural_tag")
     if tag is not None and not isinstance(tag, str):
         given["structural_tag"] = json.dumps(tag)
     try:
-        return StructuredOutputsParams(
-            **given, disable_any_whitespace=guided.get("whitespace", "compact") != "any"
-        )
+        return StructuredOutputsParams(**given, disable_any_whitespace=compact_json)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"sampling_options.guided_decoding: {exc}") from exc
 
@@ -126,6 +133,7 @@ def sampling_params(
     context_length: int,
     vocab_size: int,
     defaults: Mapping[str, Any],
+    compact_json: bool = True,
 ) -> SamplingParams:
     """The request's ``SamplingParams``; ``ValueError`` names a field vLLM cannot take."""
     sampling = _group(request, "sampling_options")
@@ -157,7 +165,7 @@ def sampling_params(
             stop_token_ids=_stop_token_ids(stop, vocab_size),
             ignore_eos=ignore_eos,
             logprobs=_top_count(output, "logprobs"),
-            structured_outputs=structured_outputs(sampling.get("guided_decoding")),
+            structured_outputs=structured_outputs(sampling.get("guided_decoding"), compact_json),
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
