@@ -328,6 +328,12 @@ def test_what_vllm_cannot_do_is_a_400_naming_why(
     unmapped = client.post("/v1/completions", json=asked)
     assert unmapped.status_code == 400
     assert "prompt_logprobs" in unmapped.text
+    # vLLM reads JSON's whitespace rule from its engine config only: compact here.
+    spaced = {"json": {"type": "object"}, "disable_any_whitespace": False}
+    plain = {"model": SERVED_MODEL_NAME, "prompt": "hi", "max_tokens": 4}
+    loose = client.post("/v1/completions", json={**plain, "structured_outputs": spaced})
+    assert loose.status_code == 400
+    assert "one whitespace rule" in loose.text
 
 
 def test_tensor_pushes_change_the_answer_and_a_push_back_restores_it(

@@ -44,7 +44,8 @@ from penstock.engines.weights.sync import WeightSyncError, weights_checksum
 from penstock.engines.weights.tensor_payloads import decode_push
 
 TRANSPORT_REFUSAL = (
-    "the vllm engine takes weights from disk (update_weights_from_disk); vLLM's "
+    "the vllm engine takes weights from disk (update_weights_from_disk) and pushed "
+    "tensors (update_weights_from_tensor); vLLM's "
     "weight-transfer engine (NCCL, CUDA IPC) is not mapped onto {name}"
 )
 FOREIGN_EXTENSION_REFUSAL = (
