@@ -24,6 +24,9 @@ Without CUDA (or with ``--cpu-only``) the CPU-safe parts run: greedy equality, t
 update and the JSON schema on the CPU, the refusals of what needs CUDA (an ``nccl`` group,
 a CUDA-IPC payload) as 400s naming the reason, and the caching option's detection; the rest is a
 SKIP. Every check has its own time limit inside one overall budget (``--budget-s``).
+
+``--engine vllm`` runs the checks the vllm engine maps against ``penstock serve --engine
+vllm`` instead (:mod:`bench.gpu_check_vllm`), with or without CUDA.
 """
 
 from __future__ import annotations
@@ -362,7 +365,7 @@ def refused(pusher: WeightPusher, path: str, body: dict[str, Any], words: list[s
     return "FAIL", f"{path} was accepted on an engine without CUDA"
 
 
-def nccl_refused(pusher: WeightPusher) -> Outcome:
+def nccl_refused(pusher: WeightPusher, reason: str = "gloo") -> Outcome:
     body = {
         "master_address": "127.0.0.1",
         "master_port": free_port(),
@@ -375,9 +378,9 @@ def nccl_refused(pusher: WeightPusher) -> Outcome:
         pusher.post("/init_weights_update_group", body)
     except EngineRefused as exc:
         message = exc.body["error"]["message"] if isinstance(exc.body, dict) else str(exc.body)
-        good = exc.status_code == 400 and "gloo" in message
+        good = exc.status_code == 400 and reason in message
         return ("PASS" if good else "FAIL"), f"{exc.status_code}: {message[:200]}"
-    return "FAIL", "an nccl group was accepted on an engine without CUDA"
+    return "FAIL", "an nccl group was accepted"
 
 
 def still_serving(server: ServerProcess, want: list[list[int]]) -> Outcome:
@@ -570,9 +573,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-only", action="store_true", help="run the CPU-safe parts only")
     parser.add_argument("--budget-s", type=float, default=440.0, help="the whole run's limit")
+    parser.add_argument(
+        "--engine",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="the engine penstock serve runs (vllm: bench/gpu_check_vllm.py)",
+    )
     args = parser.parse_args()
     report = Report(args.budget_s)
-    helper = start_help()
+    helper = start_help() if args.engine == "transformers" else None
     cuda = torch.cuda.is_available() and not args.cpu_only
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     mode = f"cuda: {torch.cuda.get_device_name(0)}" if cuda else "cpu-safe parts only"
@@ -584,19 +593,28 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         try:
-            setup = prepare(Path(tmp), device)
-            off = caching_option(report, helper)
-            serving = running_server(
-                serve_args(setup), setup.work, ready_timeout=90, env=HF_OFFLINE
-            )
-            with (
-                serving as server,
-                contextlib.closing(WeightPusher(server.base_url, admin_key=ADMIN_KEY)) as pusher,
-            ):
-                all_checks(report, server, pusher, setup, off)
+            if helper is None:
+                from bench import gpu_check_vllm
+
+                gpu_check_vllm.run(report, Path(tmp), device)
+            else:
+                transformers_run(report, helper, Path(tmp), device)
         except Exception as exc:
             report.add("FAIL", "setup", f"{type(exc).__name__}: {first_line(exc)}")
-    return report.summary(mode)
+    return report.summary(mode if helper is not None else f"{mode}, engine vllm")
+
+
+def transformers_run(
+    report: Report, helper: subprocess.Popen[str], work: Path, device: torch.device
+) -> None:
+    setup = prepare(work, device)
+    off = caching_option(report, helper)
+    serving = running_server(serve_args(setup), setup.work, ready_timeout=90, env=HF_OFFLINE)
+    with (
+        serving as server,
+        contextlib.closing(WeightPusher(server.base_url, admin_key=ADMIN_KEY)) as pusher,
+    ):
+        all_checks(report, server, pusher, setup, off)
 
 
 def caching_option(report: Report, helper: subprocess.Popen[str]) -> str | None:

@@ -2,7 +2,9 @@
 # The GPU check: one run, under 8 minutes on one GPU; each check prints PASS, FAIL or SKIP.
 # Without CUDA in this environment's torch it says so and runs the CPU-safe parts only.
 # Nothing is installed or downloaded. Arguments go to bench/gpu_check.py (--cpu-only,
-# --budget-s). The exit status is 1 when a check failed, 124 when the run overran.
+# --budget-s, --engine vllm: penstock serve --engine vllm, in an interpreter with vLLM, see
+# bench/gpu_check_vllm.py). The exit status is 1 when a check failed, 124 when the run
+# overran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
