@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -24,9 +25,10 @@ def stdlib_corpus(limit: int = 60) -> list[str]:
     return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:limit]
 
 
-def build_tokenizer(folder: Path, vocab_size: int = 2000) -> Path:
-    """Train a byte-level BPE tokenizer and save it Hugging Face style into ``folder``."""
-    folder.mkdir(parents=True, exist_ok=True)
+@functools.cache
+def _trained_tokenizer(vocab_size: int) -> str:
+    """The tokenizer's JSON. Training is deterministic and takes a CPU second, and the
+    suite builds dozens of tiny checkpoints: each process trains one per vocabulary size."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -37,7 +39,13 @@ def build_tokenizer(folder: Path, vocab_size: int = 2000) -> Path:
         show_progress=False,
     )
     tokenizer.train(stdlib_corpus(), trainer)
-    tokenizer.save(str(folder / "tokenizer.json"))
+    return tokenizer.to_str(pretty=True)
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 2000) -> Path:
+    """Train a byte-level BPE tokenizer and save it Hugging Face style into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(_trained_tokenizer(vocab_size), encoding="utf-8")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
