@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "work_share.h"
+
 #define TILE_STEP static inline __attribute__((always_inline))
 
 TILE_STEP __m256 widen8(const uint16_t* p) {
@@ -110,7 +112,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  penstock::WorkShare::instance().run(N, penstock::column_grain(M, K), [&](int64_t begin, int64_t end) {
     columns(
         M, begin, end, [&](int64_t m, int64_t n) { tile_bf16<4, 2>(xp, wp, yp, m, n, K, N); },
         [&](int64_t m, int64_t n) { tile_bf16<1, 4>(xp, wp, yp, m, n, K, N); },
@@ -132,7 +134,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  penstock::WorkShare::instance().run(N, penstock::column_grain(M, K), [&](int64_t begin, int64_t end) {
     columns(
         M, begin, end, [&](int64_t m, int64_t n) { tile_i8<4, 2>(xp, wp, sp, yp, m, n, K, N); },
         [&](int64_t m, int64_t n) { tile_i8<1, 4>(xp, wp, sp, yp, m, n, K, N); },

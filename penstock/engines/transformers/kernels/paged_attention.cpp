@@ -7,6 +7,8 @@
 #include <limits>
 #include <vector>
 
+#include "work_share.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -144,7 +146,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor keys,
   const float s = static_cast<float>(scale);
   // A task is a row: each of its slots (every KV head's keys, contiguous) is read once
   // for all its query heads, in slot order.
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  penstock::WorkShare::instance().run(rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t n = length[r];
