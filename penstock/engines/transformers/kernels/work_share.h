@@ -148,10 +148,11 @@ class WorkShare {
   int helpers_ = 0;
 };
 
-// Columns of a linear layer per chunk: ~128k multiply-adds, a multiple of 4 (the tiles).
+// Columns of a linear layer per chunk: ~128k multiply-adds, a multiple of 12 (the tiles
+// take 3 or 4 columns at a time).
 inline int64_t column_grain(int64_t rows, int64_t width) {
   const int64_t columns = (int64_t{1} << 17) / std::max<int64_t>(1, rows * width);
-  return std::max<int64_t>(4, (columns + 3) / 4 * 4);
+  return std::max<int64_t>(12, (columns + 11) / 12 * 12);
 }
 
 }  // namespace penstock
