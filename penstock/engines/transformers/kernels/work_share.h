@@ -61,7 +61,8 @@ class WorkShare {
     job.chunks.store(chunks, std::memory_order_relaxed);
     job.done.store(0, std::memory_order_relaxed);
     ticket_.store(generation << 32, std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+    // One wake-up a sleep: the helpers woken are not counted again until they sleep again.
+    if (sleepers_.exchange(0, std::memory_order_seq_cst) > 0) {
       { std::lock_guard<std::mutex> lock(sleep_mutex_); }
       wake_.notify_all();
     }
@@ -123,11 +124,11 @@ class WorkShare {
         }
         if (generation == seen && std::chrono::steady_clock::now() > spin_until) {
           std::unique_lock<std::mutex> lock(sleep_mutex_);
-          sleepers_.fetch_add(1, std::memory_order_seq_cst);
-          wake_.wait(lock, [&] {
-            return (ticket_.load(std::memory_order_seq_cst) >> 32) != seen;
-          });
-          sleepers_.fetch_sub(1, std::memory_order_relaxed);
+          while ((ticket_.load(std::memory_order_seq_cst) >> 32) == seen) {
+            sleepers_.fetch_add(1, std::memory_order_seq_cst);
+            if ((ticket_.load(std::memory_order_seq_cst) >> 32) != seen) break;
+            wake_.wait(lock);
+          }
           generation = ticket_.load(std::memory_order_acquire) >> 32;
         }
       }
