@@ -82,7 +82,8 @@ _DTYPE = EngineOption(
 _CPU_THREADS = EngineOption(
     "--cpu-threads",
     "intra-op threads on cpu, torch's and the C++ kernels' (torch's choice: one per core "
-    "it may use); 1 avoids spin-waiting on cores other processes keep busy",
+    "it may use); the C++ kernels' helper threads take work only while they have a core, "
+    "so a core busy elsewhere does not stall a step",
     type=positive_int,
     shown_default="torch's choice",
 )

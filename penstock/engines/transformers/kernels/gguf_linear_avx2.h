@@ -84,7 +84,7 @@ static torch::Tensor block_linear(torch::Tensor x, torch::Tensor w) {
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  penstock::WorkShare::instance().run(N, penstock::column_grain(M, K), [&](int64_t begin, int64_t end) {
     std::vector<float> rows(4 * K);
     float* rp = rows.data();
     for (int64_t n0 = begin; n0 < end; n0 += 4) {

@@ -7,8 +7,20 @@
 #include <limits>
 #include <vector>
 
-#ifdef __AVX512F__
+#include "work_share.h"
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PAGED_AVX2 1
+static inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 #endif
 
 static inline float dot(const float* a, const float* b, int64_t n) {
@@ -19,6 +31,15 @@ static inline float dot(const float* a, const float* b, int64_t n) {
   for (; i + 16 <= n; i += 16)
     acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(PAGED_AVX2)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8)
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  sum = sum8(_mm256_add_ps(acc0, acc1));
 #endif
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
@@ -50,6 +71,24 @@ static inline void weighted_sum(const float* weights, const float* values, int64
     _mm512_storeu_ps(out + d + 16, a1);
     _mm512_storeu_ps(out + d + 32, a2);
     _mm512_storeu_ps(out + d + 48, a3);
+  }
+#elif defined(PAGED_AVX2)
+  for (; d + 64 <= dim; d += 64) {
+    __m256 a[8];
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const float* value = values + slot_of(blocks, t, block_size) * stride + d;
+      const __m256 w = _mm256_set1_ps(weights[t]);
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(value + 8 * j), a[j]);
+    }
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + d + 8 * j, a[j]);
+  }
+  for (; d + 8 <= dim; d += 8) {
+    __m256 a0 = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t)
+      a0 = _mm256_fmadd_ps(_mm256_set1_ps(weights[t]),
+                           _mm256_loadu_ps(values + slot_of(blocks, t, block_size) * stride + d), a0);
+    _mm256_storeu_ps(out + d, a0);
   }
 #endif
   for (; d < dim; ++d) {
@@ -107,7 +146,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor keys,
   const float s = static_cast<float>(scale);
   // A task is a row: each of its slots (every KV head's keys, contiguous) is read once
   // for all its query heads, in slot order.
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  penstock::WorkShare::instance().run(rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t n = length[r];

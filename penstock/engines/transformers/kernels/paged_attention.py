@@ -45,8 +45,11 @@ _failure: str | None = None
 def _flags() -> list[str]:
     # The build is cached by name and source: a cache shared with a CPU without AVX-512
     # must not load a build that uses it.
-    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512"):
         return ["-O3", "-mavx512f"]
+    if capability == "AVX2":
+        return ["-O3", "-mavx2", "-mfma"]
     return ["-O3"]
 
 
@@ -57,7 +60,8 @@ def load_attention_kernel(cache_dir: Path) -> str | None:
         if _kernel is not None or _failure is not None:
             return _failure
         flags = _flags()
-        name = _EXTENSION_NAME + ("_avx512" if "-mavx512f" in flags else "")
+        isa = {"-mavx512f": "_avx512", "-mavx2": "_avx2"}
+        name = _EXTENSION_NAME + "".join(isa.get(flag, "") for flag in flags)
         try:
             kernel = load_extension(name, _SOURCES, flags, cache_dir, build_cpu_s=_BUILD_CPU_S)
         except CompilerMissing as exc:
