@@ -8,7 +8,10 @@ a new job for the helpers) or from two Python threads at once.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -116,3 +119,28 @@ def test_paged_attention_gives_the_same_bits_on_any_thread_count(restore_threads
     alone = _on_threads(1, paged_attention.paged_attention, *args)
     for threads in THREADS[1:]:
         assert torch.equal(_on_threads(threads, paged_attention.paged_attention, *args), alone)
+
+
+def test_a_forked_child_computes_with_helpers_of_its_own(
+    kernel: object, restore_threads: None
+) -> None:
+    """A fork copies no helper thread (nor a lock one held): the child's calls still
+    complete, with the same bits."""
+    generator = torch.Generator().manual_seed(13)
+    x, weight = torch.randn(16, 576, generator=generator), torch.randn(2000, 576).bfloat16()
+    torch.set_num_threads(2)
+    expected = kernel.bf16_linear(x, weight)  # type: ignore[attr-defined]
+    child = os.fork()
+    if child == 0:
+        ok = all(torch.equal(kernel.bf16_linear(x, weight), expected) for _ in range(20))  # type: ignore[attr-defined]
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        finished, status = os.waitpid(child, os.WNOHANG)
+        if finished:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    pytest.fail("the forked child's kernel call did not return")

@@ -29,7 +29,10 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <new>
 #include <thread>
+
+#include <pthread.h>
 
 namespace penstock {
 
@@ -37,7 +40,11 @@ class WorkShare {
  public:
   static WorkShare& instance() {
     // Never destroyed: helper threads may still be spinning when the process exits.
-    static WorkShare* pool = new WorkShare();
+    static WorkShare* pool = [] {
+      auto* created = new WorkShare();
+      pthread_atfork(nullptr, nullptr, [] { instance().forget_helpers(); });
+      return created;
+    }();
     return *pool;
   }
 
@@ -103,6 +110,16 @@ class WorkShare {
       job.done.fetch_add(1, std::memory_order_release);
       ticket = ticket_.load(std::memory_order_acquire);
     }
+  }
+
+  // In a forked child: the helpers were not copied, and a lock one of them held would
+  // never be released. Fresh locks and no helpers; the first call starts new ones.
+  void forget_helpers() {
+    new (&run_mutex_) std::mutex();
+    new (&sleep_mutex_) std::mutex();
+    new (&wake_) std::condition_variable();
+    sleepers_.store(0);
+    helpers_ = 0;
   }
 
   void start_helpers(int wanted) {
