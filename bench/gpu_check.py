@@ -365,6 +365,13 @@ def refused(pusher: WeightPusher, path: str, body: dict[str, Any], words: list[s
     return "FAIL", f"{path} was accepted on an engine without CUDA"
 
 
+def cuda_ipc_refused(pusher: WeightPusher, words: list[str]) -> Outcome:
+    """A verl-shaped CUDA-IPC push to an engine that cannot open CUDA handles: a 400
+    whose message holds ``words``."""
+    body = {"serialized_named_tensors": [verl_cuda_payload()], "flush_cache": True}
+    return refused(pusher, "/update_weights_from_tensor", body, words)
+
+
 def nccl_refused(pusher: WeightPusher, reason: str = "gloo") -> Outcome:
     body = {
         "master_address": "127.0.0.1",
@@ -525,16 +532,7 @@ def cpu_checks(report: Report, server: ServerProcess, pusher: WeightPusher, setu
         30,
         lambda: nccl_refused(pusher),
     )
-    report.run(
-        "CUDA-IPC push refused",
-        30,
-        lambda: refused(
-            pusher,
-            "/update_weights_from_tensor",
-            {"serialized_named_tensors": [verl_cuda_payload()], "flush_cache": True},
-            ["IPC", "cpu"],
-        ),
-    )
+    report.run("CUDA-IPC push refused", 30, lambda: cuda_ipc_refused(pusher, ["IPC", "cpu"]))
     report.run("serving after the refusals", 30, lambda: still_serving(server, setup.greedy_b))
     for name in ("NCCL broadcast", "CUDA-IPC push", "--ray-replica-gpus"):
         report.add("SKIP", name, "needs CUDA")

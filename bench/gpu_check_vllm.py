@@ -34,8 +34,6 @@ from typing import Any
 
 import httpx
 import torch
-from tokenizers import Tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.gpu_check import (
     ADMIN_KEY,
@@ -47,21 +45,19 @@ from bench.gpu_check import (
     Setup,
     compare_greedy,
     constrained_json,
+    cuda_ipc_refused,
     engine_greedy,
     first_line,
     hf_greedy,
     load_hf,
     nccl_refused,
     paused,
-    refused,
     still_serving,
     throughput,
 )
 from penstock.rl.trainer import EngineRefused, WeightPusher
-from tests.support.cuda_payloads import verl_cuda_payload
 from tests.support.server import REPO_ROOT, ServerProcess, start_server
-from tests.support.tiny import build_tokenizer
-from tests.support.tiny_llm import save_sharpened, tiny_llama_config
+from tests.support.tiny_llm import build_tiny_llama
 
 VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -90,17 +86,12 @@ def vllm_interpreter() -> Path:
 
 def build_llama(folder: Path, *, seed: int, tokenizer_from: Path | None = None) -> Path:
     """The tiny Llama of :func:`tests.support.tiny_llm.build_tiny_llama`, 32-wide heads."""
-    folder.mkdir(parents=True, exist_ok=True)
-    if tokenizer_from is None:
-        build_tokenizer(folder)
-    else:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            (folder / name).write_bytes((tokenizer_from / name).read_bytes())
-    narrow = tiny_llama_config(Tokenizer.from_file(str(folder / "tokenizer.json")))
-    config = LlamaConfig(**{**narrow.to_dict(), "hidden_size": 128, "head_dim": 32})
-    torch.manual_seed(seed)
-    save_sharpened(LlamaForCausalLM(config), config, folder)
-    return folder
+    return build_tiny_llama(
+        folder,
+        seed=seed,
+        tokenizer_from=tokenizer_from,
+        config_changes={"hidden_size": 128, "head_dim": 32},
+    )
 
 
 def prepare(work: Path, device: torch.device) -> Setup:
@@ -210,16 +201,7 @@ def run_checks(report: Report, server: ServerProcess, pusher: WeightPusher, setu
     report.run("LoRA adapter == peft", 120, lambda: lora_greedy(server, setup))
     report.run(f"JSON schema constrained ({where})", 90, lambda: constrained_json(server))
     report.run("nccl group refused", 30, lambda: nccl_refused(pusher, "weight-transfer"))
-    report.run(
-        "CUDA-IPC push refused",
-        30,
-        lambda: refused(
-            pusher,
-            "/update_weights_from_tensor",
-            {"serialized_named_tensors": [verl_cuda_payload()], "flush_cache": True},
-            ["IPC"],
-        ),
-    )
+    report.run("CUDA-IPC push refused", 30, lambda: cuda_ipc_refused(pusher, ["IPC"]))
     report.run("serving after the refusals", 30, lambda: still_serving(server, setup.greedy_a))
     report.add("SKIP", "--ray-replica-gpus", "the Ray fleet's replicas run the transformers engine")
 

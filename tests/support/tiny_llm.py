@@ -14,11 +14,18 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from tests.support.tiny import build_tokenizer
 
 
-def build_tiny_llama(folder: Path, *, seed: int = 0, tokenizer_from: Path | None = None) -> Path:
+def build_tiny_llama(
+    folder: Path,
+    *,
+    seed: int = 0,
+    tokenizer_from: Path | None = None,
+    config_changes: dict[str, int] | None = None,
+) -> Path:
     """Save a random-init ``LlamaForCausalLM`` with tokenizer and chat template into ``folder``.
 
     ``tokenizer_from`` reuses an already trained tokenizer folder (same vocabulary), so two
     checkpoints built with different seeds have identical parameter names and shapes.
+    ``config_changes`` overrides fields of :func:`tiny_llama_config` (e.g. wider heads).
     """
     folder.mkdir(parents=True, exist_ok=True)
     if tokenizer_from is None:
@@ -28,6 +35,8 @@ def build_tiny_llama(folder: Path, *, seed: int = 0, tokenizer_from: Path | None
             (folder / name).write_bytes((tokenizer_from / name).read_bytes())
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     config = tiny_llama_config(tokenizer)
+    if config_changes:
+        config = LlamaConfig(**{**config.to_dict(), **config_changes})
     torch.manual_seed(seed)
     save_sharpened(LlamaForCausalLM(config), config, folder)
     return folder
