@@ -149,9 +149,10 @@ def answered_beside_a_flood(server: ServerProcess, salted: bool) -> int:
 def test_one_keys_costly_compiles_do_not_hold_back_another_keys_regex(
     server: ServerProcess,
 ) -> None:
-    # One key's compiles run one at a time: one ahead of the regex, a second on a loaded
-    # machine. Queued behind all six, it would see four or more answered.
-    assert answered_beside_a_flood(server, salted=False) <= 2
+    # One key's compiles run one at a time: one ahead of the regex, a second or a third on
+    # a loaded machine (3 seen once, under a full suite). Queued behind all six, it would
+    # see four or more answered.
+    assert answered_beside_a_flood(server, salted=False) <= 3
 
 
 def test_a_key_shares_its_compiles_whatever_cache_salt_it_sends(
