@@ -129,6 +129,40 @@ def test_decode_steps_give_the_transformers_logits_with_packed_weights(
     _compare_decode_steps(model, in_place=paged_attention.kernel_ready())
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["float32", "bfloat16"])
+def test_the_fused_decode_step_gives_the_general_steps_bits(
+    tiny_model_dir: Path, packed: bool
+) -> None:
+    """Norms, rotations, KV writes and attention in the kernels' few calls: the logits and
+    the keys and values written are the bits of the step made of torch's ops."""
+    for failure in (
+        paged_attention.load_attention_kernel(default_model_cache_dir()),
+        cpu_weights.load_kernel(default_model_cache_dir()),
+    ):
+        if failure is not None:
+            pytest.skip(failure)
+    model = _tiny(tiny_model_dir)
+    if packed:
+        cpu_weights.pack_model(model)
+    decoder = LlamaDecoder.for_model(model, max_rows=len(PROMPTS))
+    assert decoder is not None
+    with torch.inference_mode():
+        fused_arena, blocks = _arena_with_prompts(model, PROMPTS)
+        general_arena, _ = _arena_with_prompts(model, PROMPTS)
+        fed = torch.tensor([prompt[-1] for prompt in PROMPTS])
+        for step in range(DECODE_STEPS):
+            lengths = [len(p) + step for p in PROMPTS]
+            rows = list(zip(blocks, lengths, strict=True))
+            fused = decoder.decode(fed, torch.tensor(lengths), StepKv(fused_arena, rows))
+            general, _ = decoder.step(fed, torch.tensor(lengths), StepKv(general_arena, rows), None)
+            assert general is not None
+            assert torch.equal(fused, general)
+            fed = fused.argmax(-1)
+        for prompt, ids in zip(PROMPTS, blocks, strict=True):
+            slots = fused_arena.slots(ids, 0, len(prompt) + DECODE_STEPS)
+            assert torch.equal(fused_arena.read(slots), general_arena.read(slots))
+
+
 def test_decode_steps_give_the_transformers_logits_on_smollm2() -> None:
     model_dir = default_model_cache_dir() / DEFAULT_MODEL_NAME
     if not (model_dir / ".penstock-complete").exists():

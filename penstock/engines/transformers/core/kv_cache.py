@@ -30,6 +30,7 @@ from penstock.engines.transformers.kernels.paged_attention import (
     gathered_attention,
     kernel_ready,
     paged_attention,
+    rotary_decode_attention,
 )
 
 KvPair = tuple[torch.Tensor, torch.Tensor]
@@ -163,6 +164,21 @@ class StepKv:
             )
         slots, mask = self.gathered()
         return gathered_attention(query, keys, values, slots, mask, scale)
+
+    def rotate_write_attend(
+        self,
+        layer: int,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        rotation: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+    ) -> torch.Tensor:
+        """:meth:`write` and :meth:`attend` in one kernel call, queries and keys rotated
+        first: ``qkv`` the linear layers' float32 outputs, ``rotation`` ``cos`` and
+        ``sin`` ``[rows, dim]``. Only where :attr:`in_place`. Returns ``[rows, heads * dim]``."""
+        pool = (self.arena.keys, self.arena.values, layer)
+        return rotary_decode_attention(
+            *qkv, *rotation, pool, self.slots, self.table, self.lengths, scale, BLOCK_SIZE
+        )
 
 
 class GatheredLayer(DynamicLayer):

@@ -12,6 +12,13 @@ copies the rows' slots into a padded batch and calls ``scaled_dot_product_attent
 
 Both compute softmax in float32 with its maximum subtracted first, as
 ``scaled_dot_product_attention`` does; only the order of the additions differs.
+
+The same library holds the rest of a lean decode step's work between its linear layers,
+each a call where torch takes several ops (a step of SmolLM2-135M made ~1,000 calls of
+10-20 us): :func:`rotary_decode_attention` rotates the step's queries and keys, writes
+keys and values into the rows' slots and attends; :func:`rms_norm` and
+:func:`add_rms_norm` are Llama's norm (``rms_norm.cpp``). Both give the bits torch's ops
+give.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from penstock.engines.transformers.kernels.loader import (
 logger = logging.getLogger(__name__)
 
 _EXTENSION_NAME = "penstock_paged_attention"
-_SOURCES = ["paged_attention.cpp"]
+_SOURCES = ["paged_attention.cpp", "rms_norm.cpp"]
 # CPU seconds its build takes, for the first start's log line.
 _BUILD_CPU_S = 50
 
@@ -99,6 +106,46 @@ def paged_attention(
     included). Returns ``[rows, heads, dim]``. Needs :func:`load_attention_kernel`."""
     assert _kernel is not None
     return _kernel.paged_decode_attention(query, keys, values, table, lengths, scale, block_size)
+
+
+def rotary_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pool: tuple[torch.Tensor, torch.Tensor, int],
+    slots: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """A decode step's attention from its linear layers' outputs (``query`` ``[rows,
+    heads * dim]``, ``key``/``value`` ``[rows, kv heads * dim]``): queries and keys
+    rotated by ``cos``/``sin`` (``[rows, dim]``, ``sin``'s first half negated), each row's
+    key and value written into its slot (``slots``, int64) of the ``pool``'s layer (keys
+    and values ``[layers, slots, kv heads, dim]``, the layer's index), then
+    :func:`paged_attention`. Returns ``[rows, heads * dim]``."""
+    assert _kernel is not None
+    keys, values, layer = pool
+    return _kernel.rotary_decode_attention(
+        query, key, value, cos, sin, keys, values, layer, slots, table, lengths, scale, block_size
+    )
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm`` of float32 rows ``[rows, width]`` (float32 weight)."""
+    assert _kernel is not None
+    return _kernel.rms_norm(hidden, weight, eps)
+
+
+def add_rms_norm(
+    hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``hidden += delta`` (in place), then :func:`rms_norm` of it."""
+    assert _kernel is not None
+    return _kernel.add_rms_norm(hidden, delta, weight, eps)
 
 
 def gathered_attention(
