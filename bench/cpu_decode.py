@@ -8,13 +8,17 @@ converts the default model from (Q4_1, the same weights), greedy. ``--activation
 float32,bfloat16`` starts each of those engines once per ``--cpu-activation-dtype`` too
 (bfloat16: lossy, rows rounded to bfloat16 before the linears). Each round times, in
 turn, ``generate`` and llama.cpp at concurrency 1 and every engine at concurrency 1 and
-16, all with the same thread count, every run the same prompt and token count. Last, per
+16, every run the same prompt and token count. Last, per
 engine: how many prompts' greedy tokens equal ``generate``'s, and the teacher-forced top-1
 agreement with the float32 model over ``generate``'s continuations (the next token each
 model picks at every position of the same text).
 
-    .venv/bin/python bench/cpu_decode.py [--rounds 3] [--tokens 64] [--threads 1]
-        [--weights float32,bfloat16,int8] [--activations float32] [--llama-cpp]
+    .venv/bin/python bench/cpu_decode.py [--rounds 3] [--tokens 64] [--threads N]
+        [--llama-threads N] [--weights float32,bfloat16,int8] [--activations float32]
+        [--llama-cpp]
+
+Each side runs on its own default thread count unless told: the engine and ``generate``
+on torch's (every core), llama.cpp on llama-cpp-python's (half the cores).
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ def hf_generate(model: object, prompt: list[int], tokens: int) -> list[int]:
             do_sample=False,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def llama_cpp_threads() -> int:
+    """llama-cpp-python's default ``n_threads``: half the cores."""
+    return max((os.cpu_count() or 1) // 2, 1)
 
 
 def llama_cpp_model(threads: int) -> object:
@@ -134,7 +143,8 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--llama-threads", type=int, default=llama_cpp_threads())
     parser.add_argument(
         "--weights", default="float32,bfloat16,int8", help="--cpu-weight-dtype values to run"
     )
@@ -167,7 +177,7 @@ async def main() -> int:
             await engine_tokens(engine, prompts[0], 4)
             engines[label] = engine
     hf_generate(reference, prompts[0], 4)
-    llama = llama_cpp_model(args.threads) if args.llama_cpp else None
+    llama = llama_cpp_model(args.llama_threads) if args.llama_cpp else None
     if llama is not None:
         llama_cpp_rate(llama, prompts[0], 4)
     rates: dict[str, list[float]] = {}
@@ -189,7 +199,11 @@ async def main() -> int:
                     )
                     rates.setdefault(f"engine {label}, c{c}", []).append(rate)
             print(f"round {round_ + 1}, load average {os.getloadavg()[0]:.1f}", flush=True)
-        print(f"\nthreads {args.threads}, {args.tokens} tokens, tokens/s (median of rounds):")
+        llama_threads = f", llama.cpp {args.llama_threads}" if llama is not None else ""
+        print(
+            f"\nthreads {args.threads}{llama_threads}, {args.tokens} tokens, "
+            "tokens/s (median of rounds):"
+        )
         base = statistics.median(rates["generate, c1"])
         llama_base = statistics.median(rates.get("llama.cpp Q4_1, c1", [0.0]))
         for label, values in rates.items():

@@ -20,7 +20,7 @@ Nothing here is CPU-specific: on CUDA the linear layers are plain ``nn.Linear``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from penstock.engines.transformers.core.kv_cache import StepKv
 from penstock.engines.transformers.core.prompt_kv import PromptChunk
 from penstock.engines.transformers.kernels.paged_attention import add_rms_norm, rms_norm
-from penstock.engines.transformers.weights.cpu_weights import row_linear
+from penstock.engines.transformers.weights.cpu_weights import row_linear, row_linears
 
 # Rope types whose frequencies do not depend on the sequence length (transformers'
 # ``dynamic_rope_update`` rewrites ``inv_freq`` per call for "dynamic" and "longrope").
@@ -38,6 +38,7 @@ _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+Linears = Callable[[torch.Tensor], Sequence[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class _Layer:
     gate: Linear
     up: Linear
     down: Linear
+    # q, k and v; gate and up: each set in one call where the kernels allow.
+    qkv: Linears
+    gate_up: Linears
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -99,6 +103,11 @@ class LlamaDecoder:
                 gate=row_linear(layer.mlp.gate_proj, max_rows),
                 up=row_linear(layer.mlp.up_proj, max_rows),
                 down=row_linear(layer.mlp.down_proj, max_rows),
+                qkv=row_linears(
+                    (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                    max_rows,
+                ),
+                gate_up=row_linears((layer.mlp.gate_proj, layer.mlp.up_proj), max_rows),
             )
             for layer in body.layers
         ]
@@ -158,8 +167,8 @@ class LlamaDecoder:
     ) -> torch.Tensor:
         """:meth:`step` of float32 rows alone on the CPU kernels: between its linear layers,
         a layer makes four calls (two norms, each adding the residual first; attention with
-        its rotations and KV writes; SiLU) where the general path makes ~30 torch ops,
-        with the same bits."""
+        its rotations and KV writes; SiLU) where the general path makes ~30 torch ops, and
+        q, k and v (gate and up) are one call where the kernels allow; the same bits."""
         cos, sin = self._rotation(positions, hidden.dtype)
         rotation = (cos.squeeze(1), sin.squeeze(1))
         eps, scaling = self.eps, self.scaling
@@ -167,10 +176,11 @@ class LlamaDecoder:
         for index, (layer, norm_after) in enumerate(
             zip(self._layers, self._norms_after, strict=True)
         ):
-            qkv = (layer.q(normed), layer.k(normed), layer.v(normed))
-            attended = kv.rotate_write_attend(index, qkv, rotation, scaling)
+            query, key, value = layer.qkv(normed)
+            attended = kv.rotate_write_attend(index, (query, key, value), rotation, scaling)
             normed = add_rms_norm(hidden, layer.o(attended), layer.post_attention_norm, eps)
-            mlp = layer.down(F.silu(layer.gate(normed)) * layer.up(normed))
+            gate, up = layer.gate_up(normed)
+            mlp = layer.down(F.silu(gate) * up)
             normed = add_rms_norm(hidden, mlp, norm_after, eps)
         return self._lm_head(normed)
 

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <vector>
+
 #include "work_share.h"
 
 #define TILE_STEP static inline __attribute__((always_inline))
@@ -126,24 +128,46 @@ static inline void columns_by3(int64_t M, int64_t begin, int64_t end, Tile4x3 t4
 
 #include "gguf_linear_avx2.h"
 
-// y[M, N] = x[M, K] (float32) @ w[N, K]^T (bfloat16), accumulated in float32; K % 8 == 0.
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous());
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous());
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K && K % 8 == 0);
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
-  penstock::WorkShare::instance().run(N, penstock::column_grain(M, K), [&](int64_t begin, int64_t end) {
-    columns_by3(
-        M, begin, end, [&](int64_t m, int64_t n) { tile_bf16<4, 3>(xp, wp, yp, m, n, K, N); },
-        [&](int64_t m, int64_t n) { tile_bf16<1, 3>(xp, wp, yp, m, n, K, N); },
-        [&](int64_t m, int64_t n) { tile_bf16<1, 1>(xp, wp, yp, m, n, K, N); });
-  });
-  return y;
+// Columns [begin, end) of y[M, N] = x[M, K] @ w[N, K]^T (bfloat16).
+static void bf16_columns(const float* xp, const uint16_t* wp, float* yp, int64_t M, int64_t K,
+                         int64_t N, int64_t begin, int64_t end) {
+  columns_by3(
+      M, begin, end, [&](int64_t m, int64_t n) { tile_bf16<4, 3>(xp, wp, yp, m, n, K, N); },
+      [&](int64_t m, int64_t n) { tile_bf16<1, 3>(xp, wp, yp, m, n, K, N); },
+      [&](int64_t m, int64_t n) { tile_bf16<1, 1>(xp, wp, yp, m, n, K, N); });
 }
+
+// y_i[M, N_i] = x[M, K] (float32) @ w_i[N_i, K]^T (bfloat16) for each weight w_i, accumulated
+// in float32, K % 8 == 0: one work-shared loop over all their columns, so layers that read
+// the same x (q, k and v; gate and up) are one call, and a small one (k, v: 192 columns, one
+// chunk) is not left to one thread. Each column's sums are those of a call of its own.
+std::vector<torch::Tensor> bf16_linears(torch::Tensor x, std::vector<torch::Tensor> ws) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 8 == 0 && !ws.empty());
+  std::vector<torch::Tensor> ys;
+  std::vector<int64_t> starts{0};
+  for (const torch::Tensor& w : ws) {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous());
+    TORCH_CHECK(w.size(1) == K);
+    ys.push_back(torch::empty({M, w.size(0)}, x.options()));
+    starts.push_back(starts.back() + w.size(0));
+  }
+  const float* xp = x.data_ptr<float>();
+  penstock::WorkShare::instance().run(starts.back(), penstock::column_grain(M, K), [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const int64_t from = std::max(begin, starts[i]), to = std::min(end, starts[i + 1]);
+      if (from >= to) continue;
+      const uint16_t* wp = reinterpret_cast<const uint16_t*>(ws[i].data_ptr<at::BFloat16>());
+      bf16_columns(xp, wp, ys[i].data_ptr<float>(), M, K, ws[i].size(0), from - starts[i],
+                   to - starts[i]);
+    }
+  });
+  return ys;
+}
+
+// y[M, N] = x[M, K] (float32) @ w[N, K]^T (bfloat16), accumulated in float32; K % 8 == 0.
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) { return bf16_linears(x, {w})[0]; }
 
 // y = x @ (w * s)^T for int8 w [N, K] with one float32 scale s per 64 weights; K % 64 == 0.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s) {
@@ -174,6 +198,7 @@ bool cpu_has_avx512_bf16() { return false; }
 // streaming and detokenizing answers) run on another core meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", torch::wrap_pybind_function_no_gil(bf16_linear), "bf16_linear");
+  m.def("bf16_linears", torch::wrap_pybind_function_no_gil(bf16_linears), "bf16_linears");
   m.def("int8_linear", torch::wrap_pybind_function_no_gil(int8_linear), "int8_linear");
   m.def("q4_1_linear", torch::wrap_pybind_function_no_gil(q4_1_linear), "q4_1_linear");
   m.def("q8_0_linear", torch::wrap_pybind_function_no_gil(q8_0_linear), "q8_0_linear");

@@ -29,7 +29,7 @@ from __future__ import annotations
 import abc
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -264,17 +264,42 @@ def row_linear(module: torch.nn.Module, max_rows: int) -> Callable[[torch.Tensor
     if isinstance(module, DerivedWeightLinear):
         return module.row_forward() or module.forward
     weight = module.weight
-    if (
+    if _on_bf16_kernel(module):
+        kernel = bf16_weight_kernel(module.bf16_activations, weight.shape[1])
+        # The Parameter object outlives weight updates (they copy into it).
+        return lambda x: kernel(x, weight)
+    return module.forward
+
+
+def _on_bf16_kernel(module: torch.nn.Module) -> bool:
+    weight = module.weight
+    return (
         type(module) is Bf16WeightLinear
         and weight.dtype == torch.bfloat16
         and weight.is_cpu
         and weight.is_contiguous()
         and weight.shape[1] % 16 == 0
+    )
+
+
+def row_linears(
+    modules: Sequence[torch.nn.Module], max_rows: int
+) -> Callable[[torch.Tensor], Sequence[torch.Tensor]]:
+    """:func:`row_linear` of layers that read the same input, as one function: one kernel
+    call for them all where they multiply by bfloat16 weights with float32 activations
+    (``bf16_linears``: the same sums as one call each), else a call each."""
+    singles = [row_linear(module, max_rows) for module in modules]
+    grouped = getattr(_kernel, "bf16_linears", None)
+    if (
+        grouped is None
+        or max_rows > _KERNEL_MAX_ROWS
+        or not all(
+            _on_bf16_kernel(m) and not m.bf16_activations and m.bias is None for m in modules
+        )
     ):
-        kernel = bf16_weight_kernel(module.bf16_activations, weight.shape[1])
-        # The Parameter object outlives weight updates (they copy into it).
-        return lambda x: kernel(x, weight)
-    return module.forward
+        return lambda x: [single(x) for single in singles]
+    weights = [module.weight for module in modules]
+    return lambda x: grouped(x, weights)
 
 
 class Bf16WeightEmbedding(torch.nn.Embedding):
