@@ -129,6 +129,30 @@ def test_decode_steps_give_the_transformers_logits_with_packed_weights(
     _compare_decode_steps(model, in_place=paged_attention.kernel_ready())
 
 
+@pytest.mark.parametrize("width", [48, 64, 576, 1536, 4096])
+def test_the_norm_kernel_gives_the_bits_of_torchs_ops(width: int) -> None:
+    failure = paged_attention.load_attention_kernel(default_model_cache_dir())
+    if failure is not None:
+        pytest.skip(failure)
+
+    def torch_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        return weight * (hidden * torch.rsqrt(variance + eps))
+
+    generator = torch.Generator().manual_seed(width)
+    for rows in (1, 3, 16):
+        for scale in (0.01, 1.0, 40.0):
+            hidden = torch.randn(rows, width, generator=generator) * scale
+            delta = torch.randn(rows, width, generator=generator)
+            weight = torch.randn(width, generator=generator)
+            normed = paged_attention.rms_norm(hidden, weight, 1e-5)
+            assert torch.equal(normed, torch_norm(hidden, weight, 1e-5))
+            residual = hidden.clone()
+            normed = paged_attention.add_rms_norm(residual, delta, weight, 1e-6)
+            assert torch.equal(residual, hidden + delta)
+            assert torch.equal(normed, torch_norm(hidden + delta, weight, 1e-6))
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["float32", "bfloat16"])
 def test_the_fused_decode_step_gives_the_general_steps_bits(
     tiny_model_dir: Path, packed: bool

@@ -180,7 +180,7 @@ class LlamaDecoder:
             attended = kv.rotate_write_attend(index, (query, key, value), rotation, scaling)
             normed = add_rms_norm(hidden, layer.o(attended), layer.post_attention_norm, eps)
             gate, up = layer.gate_up(normed)
-            mlp = layer.down(F.silu(gate) * up)
+            mlp = layer.down(F.silu(gate, inplace=True).mul_(up))
             normed = add_rms_norm(hidden, mlp, norm_after, eps)
         return self._lm_head(normed)
 

@@ -1,8 +1,8 @@
 // Llama's RMS norm of float32 rows in one call: the decode step calls it twice a layer,
 // where torch's six ops cost ~10x the arithmetic. Every op is rounded as transformers'
 // LlamaRMSNorm rounds it in float32 (squares, their mean, + eps, 1 / sqrt, two products),
-// the mean by at::mean itself, so the summation order is torch's and the result is the
-// same bits.
+// the squares summed by at::sum itself, so the summation order is torch's and the result
+// is the same bits.
 
 #include "rms_norm.h"
 
@@ -30,14 +30,16 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor normalized(const at::Ten
   at::Tensor squares = at::empty_like(hidden);
   float* square = squares.data_ptr<float>();
   for (int64_t i = 0; i < rows * width; ++i) square[i] = h[i] * h[i];
-  const at::Tensor variance = at::mean(squares, -1, true);
-  const float* mean = variance.data_ptr<float>();
+  // at::mean of float32 on the CPU is at::sum, then a division by the width.
+  const at::Tensor sums = at::sum(squares, -1, true);
+  const float* sum = sums.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   at::Tensor out = at::empty_like(hidden);
   float* o = out.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
   for (int64_t r = 0; r < rows; ++r) {
-    const float inverse = 1.0f / std::sqrt(mean[r] + epsilon);
+    const float mean = sum[r] / static_cast<float>(width);
+    const float inverse = 1.0f / std::sqrt(mean + epsilon);
     const float* row = h + r * width;
     float* row_out = o + r * width;
     for (int64_t c = 0; c < width; ++c) {
