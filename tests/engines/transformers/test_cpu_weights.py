@@ -72,6 +72,31 @@ def test_kernel_matches_float32_matmul(kernel: None, rows: int) -> None:
     torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])
+def test_layers_reading_one_input_in_one_call_give_each_layers_bits(
+    kernel: None, rows: int
+) -> None:
+    """q, k and v (or gate and up) in one call: each output is its layer's own call's."""
+    generator = torch.Generator().manual_seed(rows)
+    layers = []
+    for width in (576, 192, 192):
+        layer = cpu_weights.Bf16WeightLinear(576, width, bias=False)
+        layer.weight.data = torch.randn(width, 576, generator=generator).bfloat16()
+        layers.append(layer)
+    x = torch.randn(rows, 576, generator=generator)
+    together = cpu_weights.row_linears(layers, 16)(x)
+    alone = [cpu_weights.row_linear(layer, 16)(x) for layer in layers]
+    assert len(together) == 3
+    for got, want in zip(together, alone, strict=True):
+        assert torch.equal(got, want)
+    # A layer the grouped kernel can't take (a bias) makes it a call each.
+    biased = cpu_weights.Bf16WeightLinear(576, 64)
+    biased.weight.data = torch.randn(64, 576, generator=generator).bfloat16()
+    mixed = cpu_weights.row_linears([layers[0], biased], 16)(x)
+    assert torch.equal(mixed[0], alone[0])
+    assert torch.equal(mixed[1], biased(x))
+
+
 def test_other_threads_run_while_the_kernel_does(kernel: None) -> None:
     """The server's event loop streams answers while a decode step's kernels run."""
     x, weight = torch.randn(256, 4096), torch.randn(4096, 4096).bfloat16()
