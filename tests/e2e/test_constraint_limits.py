@@ -110,6 +110,11 @@ def test_a_tool_schema_within_the_limit_is_served(server: ServerProcess) -> None
     assert answer.status_code == 200, answer.text
 
 
+# More costly compiles than a small machine has compile threads, by enough that a regex
+# queued behind them is told apart from one served beside them on a loaded machine.
+FLOOD = 10
+
+
 def patterned_schema(prefix: str, properties: int) -> dict[str, Any]:
     """A schema within every limit that takes xgrammar a second or more to compile (each
     property's pattern is an automaton of its own); ``prefix`` keeps it out of the cache."""
@@ -119,8 +124,8 @@ def patterned_schema(prefix: str, properties: int) -> dict[str, Any]:
 
 
 def answered_beside_a_flood(server: ServerProcess, salted: bool) -> int:
-    """How many of one key's six costly compiles were answered when another key's
-    trivial regex was (each of the six with a cache salt of its own when ``salted``)."""
+    """How many of one key's ten costly compiles were answered when another key's
+    trivial regex was (each of the ten with a cache salt of its own when ``salted``)."""
     answered: list[int] = []
 
     def costly(n: int) -> httpx.Response:
@@ -132,10 +137,9 @@ def answered_beside_a_flood(server: ServerProcess, salted: bool) -> int:
         answered.append(n)
         return answer
 
-    # More costly compiles than a small machine has compile threads: without a share per
-    # key, the other key's regex would queue behind them.
-    with ThreadPoolExecutor(6) as pool:
-        flood = [pool.submit(costly, n) for n in range(6)]
+    # Without a share per key, the other key's regex would queue behind them.
+    with ThreadPoolExecutor(FLOOD) as pool:
+        flood = [pool.submit(costly, n) for n in range(FLOOD)]
         time.sleep(0.5)
         beside = chat(server, {"structured_outputs": {"regex": "[d-f]{2}"}}, KEYS[1])
         answered_first = len(answered)
@@ -150,8 +154,8 @@ def test_one_keys_costly_compiles_do_not_hold_back_another_keys_regex(
     server: ServerProcess,
 ) -> None:
     # One key's compiles run one at a time: one ahead of the regex, a second or a third on
-    # a loaded machine (3 seen once, under a full suite). Queued behind all six, it would
-    # see four or more answered.
+    # a loaded machine (3 seen under a full suite). Queued behind all ten, it would see at
+    # least ten less the compile threads answered.
     assert answered_beside_a_flood(server, salted=False) <= 3
 
 
@@ -160,7 +164,7 @@ def test_a_key_shares_its_compiles_whatever_cache_salt_it_sends(
 ) -> None:
     # Cached prefixes shared between keys: the salts reach the engine as sent.
     with constrained_server(tmp_path_factory, "--no-cache-salt-by-key") as shared:
-        assert answered_beside_a_flood(shared, salted=True) <= 2
+        assert answered_beside_a_flood(shared, salted=True) <= 3
 
 
 @contextlib.contextmanager

@@ -21,10 +21,8 @@ void check_rows(const at::Tensor& rows, const at::Tensor& weight) {
               "the norm's weight must be float32, as wide as the rows");
 }
 
-// Without contraction: a fused multiply-add would round once where torch rounds twice.
-__attribute__((optimize("fp-contract=off"))) at::Tensor normalized(const at::Tensor& hidden,
-                                                                   const at::Tensor& weight,
-                                                                   double eps) {
+// No product here meets a sum the compiler could fuse it with: each op rounds on its own.
+at::Tensor normalized(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   const float* h = hidden.data_ptr<float>();
   at::Tensor squares = at::empty_like(hidden);
