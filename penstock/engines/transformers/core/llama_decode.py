@@ -9,7 +9,9 @@ moves between devices and requantization are seen), the linear layers through th
 engine's own path (the CPU kernels of :mod:`.cpu_weights` where they apply), rotary
 embeddings from the model's own ``inv_freq`` once per step, and each row's keys and
 values written straight into its next slot of the KV pool, where attention reads every
-row's own tokens in place (:class:`.kv_cache.StepKv`).
+row's own tokens in place (:class:`.kv_cache.StepKv`). On the CPU kernels, a step of
+float32 rows alone replaces those ops with a few kernel calls a layer (norms, attention
+with its rotations and writes) and gives the same bits.
 
 It is used only where it computes what the transformers forward does:
 :meth:`LlamaDecoder.for_model` returns None for anything else (other architectures, a
